@@ -1,0 +1,121 @@
+"""Bit-packed tree masks: the mask format of ``verify_attention``.
+
+A draft tree of ``n`` nodes is described by a bool relation ``visible[i, j]`` ("node ``j`` is an
+ancestor of node ``i`` or ``i`` itself"). The packed form is an int32 tensor ``[n, W]`` with
+``W >= ceil(n / 32)``: bit ``j % 32`` of word ``j // 32`` of row ``i`` is ``visible[i, j]``; every
+bit at or past ``n`` is zero. Words are stored as signed int32 (bit 31 set reads negative).
+
+Node order inside a tree is free: nothing here assumes that a parent comes before its children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "mask_words",
+    "pack_tree_mask",
+    "unpack_tree_mask",
+    "ancestor_matrix",
+    "tree_mask_from_parents",
+    "concat_tree_masks",
+]
+
+MAX_TREE_NODES = 1024
+
+
+def mask_words(n: int) -> int:
+    """Number of int32 words a packed mask row of an ``n``-node tree needs."""
+    return (n + 31) // 32
+
+
+def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Tensor:
+    """Pack a bool matrix ``visible [n, n]`` into the contract's int32 mask ``[n, words]``.
+
+    ``words`` defaults to ``ceil(n / 32)``; a larger value pads with zero words (for batching
+    trees of different sizes into one ``[T, W]`` tensor).
+    """
+    if not isinstance(visible, torch.Tensor):
+        raise TypeError(f"visible must be a torch.Tensor, got {type(visible).__name__}")
+    if visible.dim() != 2 or visible.shape[0] != visible.shape[1]:
+        raise ValueError(f"visible must be a square [n, n] matrix, got shape {tuple(visible.shape)}")
+    if visible.dtype != torch.bool:
+        raise TypeError(f"visible must be torch.bool, got {visible.dtype}")
+    n = visible.shape[0]
+    need = mask_words(n)
+    words = need if words is None else words
+    if words < need:
+        raise ValueError(f"words={words} is too narrow for a tree of {n} nodes (needs {need})")
+    bits = torch.zeros(n, words * 32, dtype=torch.int64, device=visible.device)
+    bits[:, :n] = visible.to(torch.int64)
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=visible.device),
+        torch.arange(32, device=visible.device),
+    )
+    packed = (bits.view(n, words, 32) * weights).sum(-1)  # [n, words], values in [0, 2^32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_tree_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tree_mask`: int32 ``[R, W]`` -> bool ``[R, n]`` (the first ``n`` bits)."""
+    if mask.dim() != 2 or mask.dtype != torch.int32:
+        raise ValueError(f"mask must be int32 [R, W], got {mask.dtype} {tuple(mask.shape)}")
+    if n > mask.shape[1] * 32:
+        raise ValueError(f"n={n} exceeds the {mask.shape[1] * 32} bits of the mask")
+    j = torch.arange(n, device=mask.device)
+    words = mask.to(torch.int64)[:, j // 32]
+    return torch.bitwise_and(torch.bitwise_right_shift(words, j % 32), 1).bool()
+
+
+def ancestor_matrix(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Bool ``[n, n]``: entry ``[i, j]`` is True iff ``j`` is ``i`` or an ancestor of ``i``.
+
+    ``parents[i]`` is the index of node ``i``'s parent, ``-1`` for the root. Exactly one root;
+    any node order; cycles and out-of-range parents raise ``ValueError``.
+    """
+    par = torch.as_tensor(parents, dtype=torch.int64).cpu()
+    if par.dim() != 1 or par.numel() == 0:
+        raise ValueError(f"parents must be a non-empty 1-D sequence, got shape {tuple(par.shape)}")
+    n = par.numel()
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"parents describes {n} nodes; at most {MAX_TREE_NODES} are supported")
+    if bool(((par < -1) | (par >= n)).any()):
+        raise ValueError("parents holds an index outside [-1, n)")
+    if int((par == -1).sum()) != 1:
+        raise ValueError(f"parents must have exactly one root (-1), found {int((par == -1).sum())}")
+    visible = torch.eye(n, dtype=torch.bool)
+    rows = torch.arange(n)
+    cur = par.clone()
+    for _ in range(n):
+        alive = cur >= 0
+        if not bool(alive.any()):
+            return visible
+        visible[rows[alive], cur[alive]] = True
+        cur[alive] = par[cur[alive]]
+    raise ValueError("parents contains a cycle")
+
+
+def tree_mask_from_parents(
+    parents: Sequence[int] | torch.Tensor, words: int | None = None
+) -> torch.Tensor:
+    """Packed int32 mask ``[n, words]`` of the tree given by a parent array (root's parent = -1)."""
+    return pack_tree_mask(ancestor_matrix(parents), words)
+
+
+def concat_tree_masks(masks: Sequence[torch.Tensor], words: int | None = None) -> torch.Tensor:
+    """Stack per-tree packed masks ``[n_b, W_b]`` into one batch mask ``[sum n_b, W]``.
+
+    ``W`` defaults to the widest input; narrower rows are zero-padded.
+    """
+    if len(masks) == 0:
+        raise ValueError("masks must hold at least one tree")
+    width = max(m.shape[1] for m in masks) if words is None else words
+    rows = []
+    for m in masks:
+        if m.shape[1] > width:
+            raise ValueError(f"a mask of width {m.shape[1]} does not fit words={width}")
+        rows.append(torch.nn.functional.pad(m, (0, width - m.shape[1])))
+    return torch.cat(rows, 0)
