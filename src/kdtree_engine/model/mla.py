@@ -1,0 +1,529 @@
+"""Absorbed-MLA runner over a Hugging Face ``DeepseekV3ForCausalLM`` (DeepSeek-V3 / Kimi K2 layout).
+
+The HF module is the source of the weights and the reference of the numerics; this runner runs
+the layers itself so that attention goes through :func:`kdtree_engine.verify_attention` over a
+paged latent KV cache:
+
+- per layer, one cache tensor ``[num_pages, page_size, 576]``: row = ``[c_kv (512) | k_pe (64)]``,
+  ``c_kv = kv_a_layernorm(kv_a_proj_with_mqa(x)[:512])`` and ``k_pe`` = the rope part of
+  ``kv_a_proj_with_mqa(x)`` rotated at the token's position (HF's interleave convention and
+  yarn ``attention_scaling`` included: cos/sin come from the HF rotary module itself).
+- absorbed attention: ``kv_b_proj.weight`` viewed as ``[H, nope + v, 512]`` splits into
+  ``W_UK [H, nope, 512]`` and ``W_UV [H, v, 512]``. ``q_lat = q_nope @ W_UK`` (``[T, H, 512]``) and
+  ``q = [q_lat | rope(q_rot)]`` (``[T, H, 576]``); the kernel returns the latent output
+  ``o_lat [T, H, 512]``; the head output is ``o_lat @ W_UV^T`` (``[T, H, v]``), then ``o_proj``.
+  Softmax scale = the HF module's ``scaling`` (``(nope + rope)^-0.5``, times yarn ``mscale^2``).
+- RMSNorms, the dense MLP / MoE, embeddings and ``lm_head`` are the HF submodules, called as-is.
+
+Two forward paths:
+
+- :meth:`MLARunner.forward` (verify / decode): a batch of draft trees, all sequences at once; node
+  ``j`` of sequence ``b`` is written to cache position ``P_b + j`` and rotated at ``P_b + depth_j``.
+- :meth:`MLARunner.prefill` (one sequence's prompt): dense causal attention in the expanded
+  (HF-equivalent, non-absorbed) form through ``torch.nn.functional.scaled_dot_product_attention``;
+  it writes the same latent rows into the cache. On CUDA the SDPA math fallback is excluded (a
+  128k-token prompt would need terabytes), so flash / memory-efficient attention must accept the
+  shapes (head dim ``nope + rope`` <= 256; V is zero-padded to it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..verify.api import D_QK, D_ROPE, D_V
+
+__all__ = [
+    "MLARunner",
+    "StepBatch",
+    "StepTimer",
+    "ContiguousKVCache",
+    "check_mla_config",
+    "tiny_config",
+    "kimi_k2_attention_config",
+    "build_random_model",
+    "load_model",
+    "hf_tree_logits",
+]
+
+KERNEL_CHOICES = ("naive", "flash", "auto", "reference")
+
+
+# ----------------------------------------------------------------------------------------------
+# configs and model construction
+
+
+def check_mla_config(config) -> None:
+    """Raise ``ValueError`` unless the config's attention is what ``verify_attention`` supports."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        raise ValueError(f"expected a deepseek_v3 config, got model_type={getattr(config, 'model_type', None)!r}")
+    if config.kv_lora_rank != D_V or config.qk_rope_head_dim != D_ROPE:
+        raise ValueError(
+            f"verify_attention needs kv_lora_rank={D_V} and qk_rope_head_dim={D_ROPE} "
+            f"(cache row {D_QK}); this config has kv_lora_rank={config.kv_lora_rank}, "
+            f"qk_rope_head_dim={config.qk_rope_head_dim}"
+        )
+    if config.num_attention_heads > 128:
+        raise ValueError(f"at most 128 heads per GPU are supported, config has {config.num_attention_heads}")
+
+
+def tiny_config(**overrides):
+    """A CPU-sized DeepseekV3 config (2 layers: one dense, one MoE) with the MLA cache dims 512+64."""
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=D_V,
+        q_lora_rank=32,
+        qk_rope_head_dim=D_ROPE,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def kimi_k2_attention_config(num_layers: int = 2, max_positions: int = 262144, **overrides):
+    """Attention exactly as Kimi K2 per GPU (TP1): 64 heads, q_lora 1536, nope 128 + rope 64,
+    v 128, latent 512, hidden 7168, yarn (factor 32 over 4096, mscale 1/1 as K2 ships); the rest
+    shrunk so a few layers fit: dense MLP (intermediate 18432, K2's dense-layer size), vocab 32768.
+    """
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=32768,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=num_layers,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=num_layers,  # all layers dense
+        kv_lora_rank=D_V,
+        q_lora_rank=1536,
+        qk_rope_head_dim=D_ROPE,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=max_positions,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def build_random_model(config, *, seed: int = 0, dtype=torch.float32, device="cpu", attn_implementation="eager"):
+    """``DeepseekV3ForCausalLM(config)`` with seeded random weights, in ``dtype`` on ``device``, eval mode.
+
+    Weights are initialised directly on ``device`` (the same seed gives different weights on CPU
+    and CUDA). ``attn_implementation`` is the HF attention used by HF's own forward / generate.
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    check_mla_config(config)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = DeepseekV3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(dtype).eval()
+
+
+def load_model(path: str | Path, *, dtype=torch.bfloat16, device="cpu", attn_implementation="eager"):
+    """Load a local ``save_pretrained`` directory (nothing is downloaded)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config.from_pretrained(path, local_files_only=True)
+    check_mla_config(config)
+    model = DeepseekV3ForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# step inputs, cache, timer
+
+
+@dataclass
+class StepBatch:
+    """One verify forward: the draft trees of ``B`` sequences, rows in ``qo_indptr`` order.
+
+    tokens: ``[T]`` int64 token of each tree node. rope_pos: ``[T]`` int64 ``P_b + depth``.
+    slots: ``[T]`` int64 flat cache slot (``page * page_size + offset``) of position ``P_b + j``.
+    page_table / kv_lens / qo_indptr / tree_mask: :func:`verify_attention`'s inputs
+    (``kv_lens = P_b + n_b``). logit_rows: rows whose logits are wanted (``None`` = all).
+    plan: optional flash plan reused by every layer.
+    """
+
+    tokens: torch.Tensor
+    rope_pos: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    tree_mask: torch.Tensor
+    logit_rows: torch.Tensor | None = None
+    plan: object | None = None
+
+
+@dataclass
+class StepTimer:
+    """Accumulates wall time of attention calls and of whole steps (CUDA events on the GPU)."""
+
+    device: torch.device
+    attn_s: float = 0.0
+    total_s: float = 0.0
+    _pending: list = field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add_attn(self, start, end) -> None:
+        if self.cuda:
+            self._pending.append(("attn", start, end))
+        else:
+            self.attn_s += end - start
+
+    def add_total(self, start, end) -> None:
+        if self.cuda:
+            self._pending.append(("total", start, end))
+        else:
+            self.total_s += end - start
+
+    def flush(self) -> None:
+        """Resolve pending CUDA event pairs (synchronises)."""
+        if not self._pending:
+            return
+        torch.cuda.synchronize(self.device)
+        for kind, a, b in self._pending:
+            dt = a.elapsed_time(b) / 1e3
+            if kind == "attn":
+                self.attn_s += dt
+            else:
+                self.total_s += dt
+        self._pending.clear()
+
+
+class ContiguousKVCache:
+    """The simplest cache: each sequence owns a fixed run of pages (no sharing, no defrag).
+
+    ``layers[l]``: ``[num_pages, page_size, 576]``. Sequence ``b`` owns pages
+    ``b*pages_per_seq .. (b+1)*pages_per_seq - 1`` (shuffled when ``shuffle_pages``) and position
+    ``p`` of it lives at slot ``page_table[b, p // page_size] * page_size + p % page_size``.
+    """
+
+    def __init__(self, num_layers, num_seqs, max_len, *, page_size=16, dtype=torch.bfloat16, device="cpu",
+                 shuffle_pages=False, poison=True, seed=0):
+        self.page_size = page_size
+        self.pages_per_seq = max(1, math.ceil(max_len / page_size))
+        num_pages = num_seqs * self.pages_per_seq
+        fill = float("nan") if poison else 0.0
+        self.layers = [
+            torch.full((num_pages, page_size, D_QK), fill, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        order = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+                 if shuffle_pages else torch.arange(num_pages))
+        self.page_table = order.view(num_seqs, self.pages_per_seq).to(torch.int32).to(device)
+        self.lens = [0] * num_seqs
+        self.capacity = self.pages_per_seq * page_size
+
+    def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(self.page_table.device, torch.int64)
+        if int(positions.max()) >= self.capacity:
+            raise ValueError(f"position {int(positions.max())} past the cache capacity {self.capacity}")
+        pages = self.page_table[seq].to(torch.int64)[positions // self.page_size]
+        return pages * self.page_size + positions % self.page_size
+
+    def move(self, seq: int, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
+        """Copy rows of positions ``src_pos`` to ``dst_pos`` in every layer (gather, then scatter)."""
+        src = self.slots(seq, src_pos)
+        dst = self.slots(seq, dst_pos)
+        for kv in self.layers:
+            flat = kv.view(-1, D_QK)
+            flat[dst] = flat[src]
+
+
+# ----------------------------------------------------------------------------------------------
+# the runner
+
+
+class MLARunner:
+    """Runs a ``DeepseekV3ForCausalLM``'s layers in absorbed-MLA form over a paged latent KV cache.
+
+    Args:
+        hf_model: a ``DeepseekV3ForCausalLM`` (eval mode). Its parameters are used in place.
+        kernel: ``"naive"``, ``"flash"``, ``"auto"`` (kernels of :func:`verify_attention`; q and the
+            cache in bf16/fp16) or ``"reference"`` (the float64 reference, any cache dtype; for
+            CPU tests of the loop where the Triton interpreter is too slow).
+        cache_dtype: dtype of the KV cache and of the kernel's q. Defaults to the model dtype when
+            that is bf16/fp16, else bf16 (fp32 for ``kernel="reference"``).
+    """
+
+    def __init__(self, hf_model, *, kernel: str = "auto", cache_dtype: torch.dtype | None = None):
+        if kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+        self.hf = hf_model
+        self.config = hf_model.config
+        check_mla_config(self.config)
+        self.kernel = kernel
+        p = next(hf_model.parameters())
+        self.device = p.device
+        self.dtype = p.dtype
+        if cache_dtype is None:
+            if self.dtype in (torch.bfloat16, torch.float16):
+                cache_dtype = self.dtype
+            else:
+                cache_dtype = torch.float32 if kernel == "reference" else torch.bfloat16
+        if kernel != "reference" and cache_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"kernel {kernel!r} needs a bf16/fp16 cache, got {cache_dtype}")
+        self.cache_dtype = cache_dtype
+        c = self.config
+        self.num_layers = c.num_hidden_layers
+        self.num_heads = c.num_attention_heads
+        self.nope = c.qk_nope_head_dim
+        self.v_dim = c.v_head_dim
+        self.vocab_size = c.vocab_size
+        self.layers = list(hf_model.model.layers[: self.num_layers])
+        # [H, nope + v, 512] views of kv_b_proj: no copies, the HF parameters stay the source
+        self._w_uk = []
+        self._w_uv = []
+        for layer in self.layers:
+            w = layer.self_attn.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, D_V)
+            self._w_uk.append(w[:, : self.nope, :])  # [H, nope, 512]
+            self._w_uv.append(w[:, self.nope :, :])  # [H, v, 512]
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_mod
+
+        self._rope_fn = hf_mod.apply_rotary_pos_emb_interleave if c.rope_interleave else hf_mod.apply_rotary_pos_emb
+        self.sm_scale = float(self.layers[0].self_attn.scaling)
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token takes across all layers."""
+        return self.num_layers * D_QK * torch.empty((), dtype=self.cache_dtype).element_size()
+
+    def new_cache(self, num_seqs: int, max_len: int, **kw) -> ContiguousKVCache:
+        return ContiguousKVCache(self.num_layers, num_seqs, max_len, dtype=self.cache_dtype, device=self.device, **kw)
+
+    # -- shared pieces ------------------------------------------------------------------------
+
+    def _rope(self, pos: torch.Tensor, like: torch.Tensor):
+        cos, sin = self.hf.model.rotary_emb(like, pos.view(1, -1))  # [1, T, 64] in like's dtype
+        return cos[0], sin[0]
+
+    def _project(self, li: int, x: torch.Tensor, cos, sin):
+        """q (nope, roped rope part) and the cache rows of ``x [T, hidden]`` for layer ``li``."""
+        attn = self.layers[li].self_attn
+        T = x.shape[0]
+        if attn.q_lora_rank is None:
+            q = attn.q_proj(x)
+        else:
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.nope + D_ROPE)
+        q_nope, q_rot = torch.split(q, [self.nope, D_ROPE], dim=-1)
+        ckv = attn.kv_a_proj_with_mqa(x)
+        c, k_rot = torch.split(ckv, [D_V, D_ROPE], dim=-1)
+        c = attn.kv_a_layernorm(c)  # [T, 512]
+        q_rot, k_rot = self._rope_fn(q_rot, k_rot.view(T, 1, D_ROPE), cos, sin)  # [T, H, 64], [T, 1, 64]
+        rows = torch.cat([c, k_rot.view(T, D_ROPE)], dim=-1)  # [T, 576]
+        return q_nope, q_rot, c, k_rot, rows
+
+    def _mlp_block(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[li]
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(self.hf.model.norm(h)).float()
+
+    # -- verify / decode ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv_layers: Sequence[torch.Tensor], timer: StepTimer | None = None) -> torch.Tensor:
+        """One target forward over a batch of draft trees. Writes every node's KV, returns logits.
+
+        Returns ``[R, vocab]`` float32 logits of ``batch.logit_rows`` (all ``T`` rows by default).
+        """
+        from ..verify import verify_attention
+        from ..verify.reference import reference
+
+        h = self.hf.model.embed_tokens(batch.tokens.to(self.device))  # [T, hidden]
+        cos, sin = self._rope(batch.rope_pos.to(self.device), h)
+        T = h.shape[0]
+        slots = batch.slots.to(self.device)
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q_nope, q_rot, _, _, rows = self._project(li, x, cos, sin)
+            kv = kv_layers[li]
+            kv.view(-1, D_QK)[slots] = rows.to(kv.dtype)
+            q = torch.empty(T, self.num_heads, D_QK, dtype=self.cache_dtype, device=self.device)
+            # absorbed: q_lat[t, h] = q_nope[t, h] @ W_UK[h]  -> [H, T, 512]
+            q[..., :D_V] = torch.bmm(q_nope.transpose(0, 1), self._w_uk[li]).transpose(0, 1)
+            q[..., D_V:] = q_rot
+            t0 = timer.mark() if timer else None
+            if self.kernel == "reference":
+                o_lat, _ = reference(q, kv, batch.page_table, batch.kv_lens, batch.qo_indptr, batch.tree_mask,
+                                     self.sm_scale)
+            else:
+                o_lat, _ = verify_attention(q, kv, batch.page_table, batch.kv_lens, batch.qo_indptr,
+                                            batch.tree_mask, self.sm_scale, kernel=self.kernel, plan=batch.plan)
+            if timer:
+                timer.add_attn(t0, timer.mark())
+            o_lat = o_lat.to(self.dtype)  # [T, H, 512]
+            o = torch.bmm(o_lat.transpose(0, 1), self._w_uv[li].transpose(1, 2))  # [H, T, v]
+            o = attn.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
+            h = self._mlp_block(li, h + o)
+        if batch.logit_rows is not None:
+            h = h[batch.logit_rows.to(self.device)]
+        return self._logits(h)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, kv_layers: Sequence[torch.Tensor], slots: torch.Tensor,
+                start_pos: int = 0) -> torch.Tensor:
+        """Dense causal forward over one sequence's prompt ``tokens [P]`` at positions 0..P-1.
+
+        Writes the latent rows of every position into ``slots [P]`` of each layer's cache and
+        returns the float32 logits of the last position ``[vocab]``. ``start_pos`` must be 0
+        (the dense path attends within the given tokens only).
+        """
+        if start_pos != 0:
+            raise ValueError("prefill runs over a whole prompt from position 0")
+        tokens = tokens.to(self.device)
+        P = tokens.shape[0]
+        pos = torch.arange(P, device=self.device)
+        h = self.hf.model.embed_tokens(tokens)
+        cos, sin = self._rope(pos, h)
+        slots = slots.to(self.device)
+        H, nope, vd = self.num_heads, self.nope, self.v_dim
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q_nope, q_rot, c, k_rot, rows = self._project(li, x, cos, sin)
+            kv_layers[li].view(-1, D_QK)[slots] = rows.to(kv_layers[li].dtype)
+            kvx = attn.kv_b_proj(c).view(P, H, nope + vd)
+            k_nope, v = torch.split(kvx, [nope, vd], dim=-1)
+            del kvx
+            q = torch.cat([q_nope, q_rot], dim=-1).transpose(0, 1)  # [H, P, nope+64]
+            k = torch.cat([k_nope, k_rot.expand(P, H, D_ROPE)], dim=-1).transpose(0, 1)
+            del k_nope, q_nope, q_rot
+            dk = nope + D_ROPE
+            v = v.transpose(0, 1)
+            if v.shape[-1] != dk and self.device.type == "cuda":
+                v = F.pad(v, (0, dk - vd))  # flash attention wants one head dim for q, k, v
+            o = _sdpa_causal(q[None], k[None], v[None], attn.scaling)[0, :, :, :vd]  # [H, P, v]
+            del q, k, v
+            o = attn.o_proj(o.transpose(0, 1).reshape(P, H * vd))
+            h = self._mlp_block(li, h + o)
+            del o
+        return self._logits(h[-1:])[0]
+
+
+def _sdpa_causal(q, k, v, scale):
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF reference of a verify step
+
+
+@torch.inference_mode()
+def hf_tree_logits(hf_model, prefixes: Sequence[Sequence[int]], trees: Sequence[tuple[Sequence[int], Sequence[int]]]):
+    """HF's own forward over ``prefix + tree tokens`` with the equivalent 4-D tree mask.
+
+    ``trees[b] = (tokens, parents)`` in node order (root's parent -1). Sequence by sequence (no
+    padding): positions ``0..P-1`` then ``P + depth_j``; a float additive mask ``[1, 1, P+n, P+n]``
+    (prefix causal, every node sees the prefix and its ancestors). Returns a list of float32
+    ``[n_b, vocab]`` logits of the tree nodes.
+    """
+    from ..masks import ancestor_matrix
+
+    dev = next(hf_model.parameters()).device
+    dtype = next(hf_model.parameters()).dtype
+    out = []
+    for prefix, (tok, parents) in zip(prefixes, trees):
+        P, n = len(prefix), len(tok)
+        vis = ancestor_matrix(parents)  # [n, n]
+        depth = vis.sum(1) - 1
+        allowed = torch.zeros(P + n, P + n, dtype=torch.bool)
+        allowed[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+        allowed[P:, :P] = True
+        allowed[P:, P:] = vis
+        mask = torch.zeros(P + n, P + n, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        ids = torch.tensor(list(prefix) + list(tok), dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(P), P + depth])[None]
+        logits = hf_model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask[None, None].to(dev),
+                          use_cache=False).logits
+        out.append(logits[0, P:].float())
+    return out
