@@ -1,0 +1,361 @@
+"""Tree acceptance: greedy and lossless sampling, batched on the device without host syncs.
+
+The target model scored every tree node in one verify forward; row ``qo_indptr[b] + j`` of the
+target logits ``[T, V]`` is its next-token distribution after node j of sequence b.
+
+* **Greedy**: the target's token at each node is its argmax (first index among ties).
+* **Sampling**: the target's token at each node is one sample of the target distribution after
+  :func:`filter_probs` (temperature, top-k, top-p).
+
+Then the walk: start at the root; while the current node has a child whose token equals the
+target's token at the current node, move to that child. The accepted path (root first) and the
+target's token at the last accepted node (the bonus token) are the step's output. Sampled this
+way the output is exactly a sample of the (filtered) target: each emitted token is the target's
+own sample in the context of the tokens before it; the draft only decides how many of them one
+verify step yields. Children of a node must carry distinct tokens (DDTree and EAGLE trees do).
+
+The walk is computed without a loop over depth: a node is on the accepted path iff every edge
+from the root to it matches (child token == target token at the parent), an AND along the path
+evaluated by pointer jumping in ``log2(max_depth)`` rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree, _jump_iters
+
+__all__ = [
+    "AcceptResult",
+    "filter_probs",
+    "sample_from_probs",
+    "target_tokens_greedy",
+    "target_tokens_sampled",
+    "accept_tokens",
+    "accept_greedy",
+    "accept_sampling",
+    "accept_reference",
+    "commit_positions",
+]
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """Accepted paths of a batch, on the device.
+
+    accepted: ``[B, max_depth+1]`` int64 node indices in path order (root first), -1 padded.
+    lengths:  ``[B]`` int64 number of accepted nodes including the root (>= 1).
+    bonus:    ``[B]`` int64 the target's token at the last accepted node.
+    accepted_tokens: ``[B, max_depth+1]`` int64 tokens of the accepted nodes, -1 padded.
+    new_tokens: ``[B, max_depth+1]`` int64 the tokens this step appends to each sequence: the
+        accepted draft tokens (root excluded) then the bonus; ``lengths[b]`` of them, -1 padded.
+    """
+
+    accepted: torch.Tensor
+    lengths: torch.Tensor
+    bonus: torch.Tensor
+    accepted_tokens: torch.Tensor
+    new_tokens: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# target tokens per node
+
+
+def _row_param(name, value, rows: int, device, dtype, default):
+    """A per-row parameter as a ``[rows, 1]`` tensor, or None when it is off for every row."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(rows)
+        if value.dim() != 1 or value.shape[0] != rows:
+            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {tuple(value.shape)}")
+        if value.device != torch.device(device):
+            raise ValueError(f"{name} is on {value.device}, expected {device} (the logits' device)")
+        return value.to(dtype)[:, None]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+    if value == default:
+        return None
+    return torch.full((rows, 1), value, dtype=dtype, device=device)
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sampling distribution of each row: temperature, then top-k, then top-p, renormalised.
+
+    Args:
+        logits: ``[R, V]`` float (any float dtype; computed in float32).
+        temperature: scalar or ``[R]``; a row with temperature <= 0 is greedy (one-hot on its
+            argmax, the first index among ties).
+        top_k: int or ``[R]`` int tensor; keep the tokens whose logit is >= the k-th largest (ties
+            at the boundary are kept). None, 0 or >= V: off for that row.
+        top_p: float or ``[R]`` tensor in (0, 1]; on the top-k-renormalised distribution, keep the
+            smallest set of most probable tokens whose mass reaches top_p, plus every token tied
+            with the least probable one kept. None or 1.0: off.
+
+    Returns ``[R, V]`` float32 probabilities (rows sum to 1, filtered tokens exactly 0).
+    An int ``top_k`` uses ``torch.topk(top_k)``; a tensor ``top_k`` or a top-p without top-k sorts
+    the whole row (costly at V = 163840; prefer an int top_k alongside top_p).
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point torch.Tensor")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    R, V = logits.shape
+    dev = logits.device
+    x = logits.float()
+    temp = _row_param("temperature", temperature, R, dev, torch.float32, 1.0)
+    greedy = None
+    if temp is not None:
+        greedy = temp <= 0  # [R, 1]
+        x = x / torch.where(greedy, torch.ones_like(temp), temp)
+    k_row = None
+    k_static = None
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        k_static = top_k if 0 < top_k < V else None
+    elif top_k is not None:
+        k_row = _row_param("top_k", top_k, R, dev, torch.int64, None)
+        k_row = torch.where((k_row <= 0) | (k_row > V), V, k_row)
+    if top_p is not None and not isinstance(top_p, torch.Tensor):
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    p_row = _row_param("top_p", top_p, R, dev, torch.float32, 1.0)
+    if p_row is not None:  # top_p >= 1 is off (cumsum rounding must not drop the tail)
+        p_row = torch.where(p_row >= 1, float("inf"), p_row)
+
+    if k_static is not None or k_row is not None or p_row is not None:
+        width = k_static if k_static is not None else V
+        vals = x.topk(width, dim=1, sorted=True).values if width < V else x.sort(dim=1, descending=True).values
+        if k_static is not None:
+            thresh = vals[:, -1:]  # [R, 1]
+        elif k_row is not None:
+            thresh = vals.gather(1, k_row - 1)
+        else:
+            thresh = vals[:, -1:]
+        keep = x >= thresh
+        if p_row is not None:
+            # mass of the kept set, tail ties past `width` included
+            lse = torch.logsumexp(x.masked_fill(~keep, float("-inf")), dim=1, keepdim=True)
+            p_sorted = torch.exp(vals - lse).masked_fill(vals < thresh, 0.0)  # [R, width]
+            before = torch.cumsum(p_sorted, dim=1) - p_sorted
+            n_keep = ((before < p_row) & (vals >= thresh)).sum(1, keepdim=True).clamp(min=1)
+            thresh = torch.maximum(thresh, vals.gather(1, n_keep - 1))
+            keep = x >= thresh
+        x = x.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(x, dim=1)
+    if greedy is not None:
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(1, keepdim=True), 1.0)
+        probs = torch.where(greedy, onehot, probs)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs [R, V]`` (non-negative, rows need not be normalised): ``[R]`` int64.
+
+    Exponential race: argmax(p / E), E ~ Exp(1) i.i.d. (the same method as ``torch.multinomial``
+    for one sample); no host sync; a zero-probability token is never drawn.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [R, V], got shape {tuple(probs.shape)}")
+    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / e).argmax(dim=1)
+
+
+def target_tokens_greedy(target_logits: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 argmax of each row of ``target_logits [T, V]`` (first index among ties)."""
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
+        raise ValueError("target_logits must be a [T, V] tensor")
+    return target_logits.argmax(dim=1)
+
+
+def target_tokens_sampled(
+    target_logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``[T]`` int64, one sample per row of the filtered target distribution (:func:`filter_probs`)."""
+    probs = filter_probs(target_logits, temperature, top_k, top_p)
+    return sample_from_probs(probs, generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# the walk
+
+
+def _padded_targets(tree: DraftTree, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Target tokens ``[B, n]`` from flat rows ``[T]`` (row of (b, j) = qo_indptr[b] + j) or ``[B, n]``."""
+    if not isinstance(target_tokens, torch.Tensor):
+        raise TypeError(f"target_tokens must be a torch.Tensor, got {type(target_tokens).__name__}")
+    if target_tokens.is_floating_point():
+        raise TypeError(f"target_tokens must be an integer tensor, got {target_tokens.dtype}")
+    if target_tokens.device != tree.device:
+        raise ValueError(f"target_tokens is on {target_tokens.device}, expected {tree.device}")
+    B, n = tree.batch_size, tree.width
+    if target_tokens.dim() == 2:
+        if tuple(target_tokens.shape) != (B, n):
+            raise ValueError(f"target_tokens must be [T] or [{B}, {n}], got {tuple(target_tokens.shape)}")
+        return target_tokens.to(torch.int64)
+    T = sum(tree.num_nodes_host)
+    if target_tokens.dim() != 1 or target_tokens.shape[0] != T:
+        raise ValueError(f"target_tokens must be [T={T}] or [{B}, {n}], got {tuple(target_tokens.shape)}")
+    if tree.uniform:
+        return target_tokens.view(B, n).to(torch.int64)
+    start = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
+    rows = (start[:, None] + torch.arange(n, device=tree.device)).clamp(max=T - 1)
+    return torch.where(tree.node_mask(), target_tokens.to(torch.int64)[rows], -1)
+
+
+def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
+    """Accept along the tree given the target's token at every node.
+
+    Args:
+        tree: the verified trees.
+        target_tokens: ``[T]`` (flat verify rows, row of node j of tree b = qo_indptr[b] + j) or
+            ``[B, n]``; int.
+
+    Returns an :class:`AcceptResult`. Tensor ops only, ``log2(max_depth)`` rounds; no host sync.
+    """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    tgt = _padded_targets(tree, target_tokens)  # [B, n]
+    B, n = tree.batch_size, tree.width
+    D = tree.max_depth
+    dev = tree.device
+    valid = tree.node_mask()
+    par = tree.parents
+    has_parent = (par >= 0) & valid
+    jump = torch.where(has_parent, par, 0)
+    # ok[c]: the edge into c matches; the root's is true, padding's false
+    ok = torch.where(has_parent, tree.tokens == tgt.gather(1, jump), valid & (par < 0))
+    ok = ok & valid
+    for _ in range(_jump_iters(D)):
+        ok = ok & ok.gather(1, jump)
+        jump = jump.gather(1, jump)
+    ar = torch.arange(n, device=dev).expand(B, n)
+    slot = torch.where(ok, tree.depths, D + 1)  # one accepted node per depth (distinct siblings)
+    acc = torch.full((B, D + 2), -1, dtype=torch.int64, device=dev)
+    acc.scatter_(1, slot, torch.where(ok, ar, -1))
+    acc = acc[:, : D + 1].contiguous()
+    lengths = ok.sum(1)
+    last = acc.gather(1, (lengths - 1)[:, None])  # [B, 1]
+    bonus = tgt.gather(1, last)[:, 0]
+    acc_tokens = torch.where(acc >= 0, tree.tokens.gather(1, acc.clamp(min=0)), -1)
+    col = torch.arange(D + 1, device=dev)[None, :]
+    shifted = torch.cat([acc_tokens[:, 1:], torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)
+    new_tokens = torch.where(col == (lengths - 1)[:, None], bonus[:, None], shifted)
+    return AcceptResult(
+        accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens
+    )
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
+    """Greedy acceptance: the target's argmax at each node, then the walk.
+
+    ``target_logits``: ``[T, V]`` verify rows (row of node j of tree b = qo_indptr[b] + j).
+    """
+    return accept_tokens(tree, target_tokens_greedy(target_logits))
+
+
+def accept_sampling(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> AcceptResult:
+    """Lossless sampling acceptance: one sample of the filtered target per node, then the walk.
+
+    Per-row parameters (``[T]`` tensors) let each sequence use its own settings.
+    """
+    tokens = target_tokens_sampled(
+        target_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
+    return accept_tokens(tree, tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference walk
+
+
+def accept_reference(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
+    """The walk, literally, one sequence at a time on the host (the oracle of :func:`accept_tokens`).
+
+    From the root, scan the current node's children in index order for the target's token at the
+    current node; move there if found, else stop.
+    """
+    tgt = _padded_targets(tree, target_tokens).cpu().tolist()
+    par = tree.parents.cpu().tolist()
+    tok = tree.tokens.cpu().tolist()
+    B, D = tree.batch_size, tree.max_depth
+    acc = [[-1] * (D + 1) for _ in range(B)]
+    acc_tok = [[-1] * (D + 1) for _ in range(B)]
+    new = [[-1] * (D + 1) for _ in range(B)]
+    lengths, bonus = [], []
+    for b in range(B):
+        size = tree.num_nodes_host[b]
+        path, cur = [0], 0
+        while True:
+            want = tgt[b][cur]
+            nxt = next((c for c in range(size) if par[b][c] == cur and tok[b][c] == want), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        for i, node in enumerate(path):
+            acc[b][i] = node
+            acc_tok[b][i] = tok[b][node]
+        emitted = [tok[b][node] for node in path[1:]] + [tgt[b][cur]]
+        new[b][: len(emitted)] = emitted
+        lengths.append(len(path))
+        bonus.append(tgt[b][cur])
+    dev = tree.device
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64).to(dev)
+
+    return AcceptResult(
+        accepted=t(acc).view(B, D + 1),
+        lengths=t(lengths),
+        bonus=t(bonus),
+        accepted_tokens=t(acc_tok).view(B, D + 1),
+        new_tokens=t(new).view(B, D + 1),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# committing the accepted path to the KV pool
+
+
+def commit_positions(result: AcceptResult, prefix_lens: torch.Tensor):
+    """Where the accepted nodes' KV lives and where it must go: ``(src, dst, new_prefix_lens)``.
+
+    Verify wrote node j's KV at cache position ``P + j``; the accepted path's i-th node must end
+    at position ``P + i``. ``src``/``dst`` are ``[B, max_depth+1]`` int64 positions, -1 padded
+    (entries with src == dst need no copy). ``new_prefix_lens = P + lengths`` (root and accepted
+    drafts are committed; the bonus token is the next step's root, its KV not yet computed).
+    """
+    if not isinstance(prefix_lens, torch.Tensor) or prefix_lens.dim() != 1:
+        raise TypeError("prefix_lens must be a [B] tensor")
+    if prefix_lens.shape[0] != result.accepted.shape[0]:
+        raise ValueError(f"prefix_lens has {prefix_lens.shape[0]} entries for {result.accepted.shape[0]} sequences")
+    P = prefix_lens.to(torch.int64)[:, None]
+    on = result.accepted >= 0
+    col = torch.arange(result.accepted.shape[1], device=P.device)[None, :]
+    src = torch.where(on, P + result.accepted, -1)
+    dst = torch.where(on, P + col, -1)
+    return src, dst, prefix_lens.to(torch.int64) + result.lengths

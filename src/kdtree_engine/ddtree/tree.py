@@ -1,0 +1,754 @@
+"""DDTree draft trees: best-first construction from per-position draft logits, and compilation for verify.
+
+DDTree (arXiv 2604.12989) turns the per-position distributions of a block drafter (draft logits
+``[L, V]`` for the next ``L`` positions) into a draft tree under a node budget, by best-first
+expansion on the cumulative log-probability of a path. This module builds the trees of a batch
+on the device with tensor ops only (no host sync, static shapes), keeps a deliberately simple
+heap reference beside it, and compiles a tree into the tensors of
+:func:`kdtree_engine.verify_attention`.
+
+Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
+
+* **Node 0 is the root**: the bonus token of the previous step, depth 0. Draft nodes are numbered
+  ``1..n-1`` in emission order (the heap's pop order); a parent is always emitted before its
+  children, and the children of a node are emitted in rank order (best first).
+* **budget = number of draft nodes, root excluded** (as in the paper's code). A tree has
+  ``1 + min(budget, #possible nodes)`` nodes, e.g. budget 32 -> 33 verify rows.
+* **K = min(topk or budget, V)** tokens per position: the K highest logits, ordered by logit
+  (descending), then token id (ascending). Which tokens enter when several tie at the K-th logit
+  is up to ``torch.topk``.
+* **Scores are fixed point**: ``lp[d, r] = round(2**20 * max(log_softmax(draft_logits[d])[tok], -1000))``
+  as int64 (units of 2^-20 nats); a node's score is the exact integer sum of ``lp`` along its path.
+  Integer scores make ties exact and the order independent of summation order and device.
+* **Order / tie-break**: nodes are emitted by (score descending, depth ascending, rank path
+  ascending lexicographically). The heap pops in exactly this order because a child's and a next
+  sibling's keys are larger than the key of the node that pushed them.
+* The batch is padded: tensors are ``[B, n]``; all trees built by :func:`build_ddtree` have the
+  same size; trees from elsewhere (:func:`tree_from_parents`) may be ragged, padding entries are -1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..masks import MAX_TREE_NODES, mask_words
+
+__all__ = [
+    "LOGPROB_SCALE",
+    "LOGPROB_FLOOR",
+    "DraftTopK",
+    "DraftTree",
+    "VerifyBatch",
+    "draft_topk",
+    "expand_topk",
+    "expand_topk_reference",
+    "build_ddtree",
+    "build_ddtree_reference",
+    "tree_from_parents",
+    "tree_links",
+    "ancestor_words",
+    "compile_tree",
+    "check_tree",
+]
+
+LOGPROB_SCALE = 2**20  # fixed-point units per nat
+LOGPROB_FLOOR = -1000.0  # log-probs below this are clamped (keeps every score inside int64 keys)
+MAX_BUDGET = MAX_TREE_NODES - 1  # draft nodes; the root makes MAX_TREE_NODES
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass(frozen=True)
+class DraftTopK:
+    """The K best draft tokens per position, the only input of the expansion.
+
+    token_ids: ``[B, L, K]`` int64, ordered by draft logit (descending), then token id (ascending).
+    logprobs:  ``[B, L, K]`` int64 fixed-point log-probabilities (see :data:`LOGPROB_SCALE`),
+               non-increasing along K.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees, padded to ``[B, n]`` (node 0 = root, entries past ``num_nodes`` = -1).
+
+    tokens:  ``[B, n]`` int64; token of each node (root = last step's bonus token).
+    parents: ``[B, n]`` int64; parent node index, -1 for the root and for padding.
+    depths:  ``[B, n]`` int64; 0 for the root, -1 for padding.
+    num_nodes: ``[B]`` int64 on the device; ``num_nodes_host`` the same as host ints.
+    max_depth: host int, an upper bound of every depth (the accepted path has <= max_depth+1 nodes).
+    ranks:  ``[B, n]`` int64 or None; a draft node's rank among the K tokens of its depth (root -1).
+    scores: ``[B, n]`` int64 or None; cumulative fixed-point log-probability (root 0).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    num_nodes: torch.Tensor
+    num_nodes_host: tuple[int, ...]
+    max_depth: int
+    ranks: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        """n, the padded number of nodes per tree."""
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def uniform(self) -> bool:
+        """True when every tree has ``width`` nodes (no padding)."""
+        return all(k == self.width for k in self.num_nodes_host)
+
+    def node_mask(self) -> torch.Tensor:
+        """``[B, n]`` bool, True on real nodes."""
+        ar = torch.arange(self.width, device=self.device)
+        return ar[None, :] < self.num_nodes[:, None]
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """A compiled batch of trees: the inputs :func:`kdtree_engine.verify_attention` and the model need.
+
+    Rows: tree node j of sequence b is flat row ``qo_indptr[b] + j`` (T rows in all).
+
+    input_ids:    ``[T]`` int64, node tokens (the q rows of the verify forward).
+    positions:    ``[T]`` int64, RoPE position = prefix_len + depth.
+    qo_indptr:    ``[B+1]`` int32.
+    kv_lens:      ``[B]`` int32, prefix_len + n_b (the contract's kv_lens).
+    tree_mask:    ``[T, W]`` int32, the contract's bit-packed ancestor-or-self mask.
+    kv_positions: ``[T]`` int64, cache position of each node's KV = prefix_len + j (the contract
+                  places tree node j at position P_b + j).
+    kv_slots:     ``[T]`` int64 or None; ``page * page_size + offset`` of kv_positions through the
+                  page table (a row index of ``kv_cache.view(-1, 576)``), when a table was given.
+    row_index:    ``[B, n]`` int64, flat row of (b, j); -1 on padding.
+    first_child:  ``[B, n]`` int64, smallest-index child (local index), -1 if none.
+    next_sibling: ``[B, n]`` int64, next sibling in index order (local index), -1 if none.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    tree_mask: torch.Tensor
+    kv_positions: torch.Tensor
+    kv_slots: torch.Tensor | None
+    row_index: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    num_rows: int = field(default=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+    return value
+
+
+def _check_logits(name: str, logits) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {logits.dtype}")
+    if logits.dim() == 2:
+        logits = logits.unsqueeze(0)
+    if logits.dim() != 3:
+        raise ValueError(f"{name} must be [L, V] or [B, L, V], got shape {tuple(logits.shape)}")
+    if logits.shape[0] < 1 or logits.shape[2] < 1:
+        raise ValueError(f"{name} needs at least one sequence and one vocabulary entry, got {tuple(logits.shape)}")
+    return logits
+
+
+def _check_roots(root_tokens, batch: int, device: torch.device) -> torch.Tensor:
+    if isinstance(root_tokens, (list, tuple)):
+        root_tokens = torch.tensor(root_tokens, dtype=torch.int64, device=device)
+    if not isinstance(root_tokens, torch.Tensor):
+        raise TypeError(f"root_tokens must be a torch.Tensor or a list of ints, got {type(root_tokens).__name__}")
+    if root_tokens.is_floating_point() or root_tokens.dtype == torch.bool:
+        raise TypeError(f"root_tokens must be an integer tensor, got {root_tokens.dtype}")
+    if root_tokens.dim() != 1 or root_tokens.shape[0] != batch:
+        raise ValueError(f"root_tokens must have shape [{batch}], got {tuple(root_tokens.shape)}")
+    if root_tokens.device != device:
+        raise ValueError(f"root_tokens is on {root_tokens.device}, expected {device} (the device of the logits)")
+    return root_tokens.to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# top-K on the device
+
+
+def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
+    """The ``k`` best tokens per position with fixed-point log-probabilities, on the logits' device.
+
+    Args:
+        draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype; the
+            log-softmax is taken in float32 over V.
+        k: 1 <= k <= V.
+
+    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host sync.
+    """
+    logits = _check_logits("draft_logits", draft_logits)
+    V = logits.shape[-1]
+    _check_int("k", k, 1, V)
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
+    vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
+    # deterministic order among equal logits: token id ascending (stable sort on value after id)
+    ids, perm = ids.sort(dim=-1)
+    vals = vals.gather(-1, perm)
+    vals, perm = vals.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, perm)
+    lp = (vals - lse).clamp_(min=LOGPROB_FLOOR).double().mul_(LOGPROB_SCALE).round_().to(torch.int64)
+    return DraftTopK(token_ids=ids, logprobs=lp)
+
+
+def _resolve_k(budget: int, vocab: int, topk: int | None) -> int:
+    if topk is not None:
+        _check_int("topk", topk, 1)
+        return min(topk, budget, vocab)
+    return min(budget, vocab)
+
+
+# ----------------------------------------------------------------------------------------------
+# vectorised best-first expansion
+
+
+@lru_cache(maxsize=256)
+def _pairs(num_parents: int, k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate (parent slot i, rank r) pairs of one depth with ``(i+1)(r+1) <= budget``.
+
+    Parent slots are in key order, so ``(i+1)(r+1)`` nodes of the depth have a key <= that of
+    (i, r): a pair past the bound can not be among the ``budget`` best of its depth.
+    """
+    dev = torch.device(device)
+    i = torch.arange(num_parents, device=dev)
+    counts = torch.clamp(budget // (i + 1), max=k)
+    total = sum(min(k, budget // (j + 1)) for j in range(num_parents))
+    pi = torch.repeat_interleave(i, counts, output_size=total)
+    starts = torch.cumsum(counts, 0) - counts
+    pr = torch.arange(total, device=dev) - starts[pi]
+    return pi, pr
+
+
+def _bits(x: int) -> int:
+    return max(int(x).bit_length(), 1)
+
+
+def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
+    """Best-first DDTree expansion of a batch, with tensor ops on the top-K's device (no host sync).
+
+    Equivalent to :func:`expand_topk_reference` (same nodes, same order, same parents). Per depth d
+    it keeps the ``budget`` best nodes of that depth (the global ``budget`` best are among them,
+    since a node's parent beats it), choosing among the children of the previous depth's kept
+    nodes that can still rank; the kept nodes of all depths are then merged by the global key.
+    Shapes are static for given (B, L, K, budget), so the function can be captured in a CUDA graph.
+
+    Args:
+        top: from :func:`draft_topk`, ``[B, L, K]``.
+        budget: number of draft nodes (root excluded), 0..1023.
+        root_tokens: ``[B]`` integer tensor on the same device.
+    """
+    if not isinstance(top, DraftTopK):
+        raise TypeError(f"top must be a DraftTopK, got {type(top).__name__}")
+    _check_int("budget", budget, 0, MAX_BUDGET)
+    lp, ids = top.logprobs, top.token_ids
+    B, L, K = lp.shape
+    dev = lp.device
+    roots = _check_roots(root_tokens, B, dev)
+    depth_cap = min(L, budget) if K > 0 else 0
+    if depth_cap == 0:
+        return _root_only(roots)
+    if depth_cap >= 1 << 11:  # keeps the merged key below 2**63 (never reached: depth <= 1023)
+        raise ValueError(f"depth {depth_cap} too large")
+
+    slot_bits = _bits(budget)  # within-depth lexicographic rank < budget
+    depth_bits = _bits(depth_cap)
+    par_score = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+    par_lex = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+    n_par = 1
+    offset = 0
+    keys, cand_parent, cand_token, cand_rank, cand_depth, cand_score = [], [], [], [], [], []
+    for d in range(1, depth_cap + 1):
+        pi, pr = _pairs(n_par, K, budget, str(dev))
+        C = pi.numel()
+        M = min(budget, C)
+        score = par_score.index_select(1, pi) + lp[:, d - 1].index_select(1, pr)  # [B, C], <= 0
+        sec = par_lex.index_select(1, pi) * K + pr  # [B, C], path order within the depth, unique per row
+        sec_bits = _bits(n_par * K)
+        key = torch.bitwise_left_shift(-score, sec_bits) | sec  # [B, C], unique per row
+        if M < C:
+            key_sel, order = key.topk(M, dim=1, largest=False, sorted=True)  # [B, M]
+        else:
+            key_sel, order = key.sort(dim=1)
+        new_score = score.gather(1, order)  # [B, M], key order
+        new_slot = pi.expand(B, C).gather(1, order)  # parent slot in the previous depth
+        new_rank = pr.expand(B, C).gather(1, order)
+        new_sec = key_sel & ((1 << sec_bits) - 1)
+        lex_order = new_sec.argsort(dim=1)
+        new_lex = torch.empty_like(lex_order).scatter_(
+            1, lex_order, torch.arange(M, device=dev).expand(B, M).contiguous()
+        )
+        merged = (
+            torch.bitwise_left_shift(-new_score, depth_bits + slot_bits)
+            | (d << slot_bits)
+            | new_lex
+        )
+        keys.append(merged)
+        cand_parent.append(new_slot + (offset - n_par) if d > 1 else torch.full_like(new_slot, -1))
+        cand_token.append(ids[:, d - 1].gather(1, new_rank))
+        cand_rank.append(new_rank)
+        cand_depth.append(torch.full_like(new_rank, d))
+        cand_score.append(new_score)
+        offset += M
+        par_score, par_lex, n_par = new_score, new_lex, M
+
+    all_keys = torch.cat(keys, 1)  # [B, total]
+    total = all_keys.shape[1]
+    n_draft = min(budget, total)
+    if n_draft < total:
+        _, order = all_keys.topk(n_draft, dim=1, largest=False, sorted=True)
+    else:
+        _, order = all_keys.sort(dim=1)
+    emit = torch.full((B, total), -1, dtype=torch.int64, device=dev)
+    emit.scatter_(1, order, torch.arange(n_draft, device=dev).expand(B, n_draft).contiguous())
+    par = torch.cat(cand_parent, 1).gather(1, order)  # candidate id of the parent, -1 = root
+    parents = torch.where(par >= 0, emit.gather(1, par.clamp(min=0)) + 1, torch.zeros_like(par))
+
+    def col(xs, root_value):
+        body = torch.cat(xs, 1).gather(1, order)
+        head = root_value if isinstance(root_value, torch.Tensor) else torch.full((B,), root_value, device=dev)
+        return torch.cat([head.to(torch.int64)[:, None], body], 1)
+
+    n = n_draft + 1
+    return DraftTree(
+        tokens=col(cand_token, roots),
+        parents=torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), parents], 1),
+        depths=col(cand_depth, 0),
+        num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
+        num_nodes_host=(n,) * B,
+        max_depth=depth_cap,
+        ranks=col(cand_rank, -1),
+        scores=col(cand_score, 0),
+    )
+
+
+def _root_only(roots: torch.Tensor) -> DraftTree:
+    B = roots.shape[0]
+    dev = roots.device
+    z = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+    return DraftTree(
+        tokens=roots[:, None].clone(),
+        parents=z - 1,
+        depths=z.clone(),
+        num_nodes=torch.ones(B, dtype=torch.int64, device=dev),
+        num_nodes_host=(1,) * B,
+        max_depth=0,
+        ranks=z - 1,
+        scores=z.clone(),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference: a heap per sequence on the host
+
+
+def expand_topk_reference(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
+    """The DDTree heap, literally: one Python heap per sequence on the host.
+
+    One device->host copy of the top-K for the whole batch, then per sequence: the heap starts with
+    (depth 1, rank 0); popping a node emits it and pushes its next sibling (same parent, rank+1)
+    and its first child (depth+1, rank 0) while depth < L; stop after ``budget`` pops. Heap key =
+    (-score, depth, rank path). The result is moved back to the top-K's device.
+    """
+    if not isinstance(top, DraftTopK):
+        raise TypeError(f"top must be a DraftTopK, got {type(top).__name__}")
+    _check_int("budget", budget, 0, MAX_BUDGET)
+    B, L, K = top.logprobs.shape
+    dev = top.logprobs.device
+    roots = _check_roots(root_tokens, B, dev).cpu().tolist()
+    lp_all = top.logprobs.cpu().tolist()
+    id_all = top.token_ids.cpu().tolist()
+    rows = []
+    for b in range(B):
+        lp, ids = lp_all[b], id_all[b]
+        tokens, parents, depths, ranks, scores = [roots[b]], [-1], [0], [-1], [0]
+        heap = []
+        if budget > 0 and L > 0 and K > 0:
+            heap.append((-lp[0][0], 1, (0,), 0))
+        while heap and len(tokens) - 1 < budget:
+            neg, depth, path, parent = heapq.heappop(heap)
+            node, rank = len(tokens), path[-1]
+            tokens.append(ids[depth - 1][rank])
+            parents.append(parent)
+            depths.append(depth)
+            ranks.append(rank)
+            scores.append(-neg)
+            if rank + 1 < K:
+                sib = scores[parent] + lp[depth - 1][rank + 1]
+                heapq.heappush(heap, (-sib, depth, path[:-1] + (rank + 1,), parent))
+            if depth < L:
+                heapq.heappush(heap, (-(scores[node] + lp[depth][0]), depth + 1, path + (0,), node))
+        rows.append((tokens, parents, depths, ranks, scores))
+    n = len(rows[0][0])  # every sequence pops the same number of nodes
+    t = [torch.tensor([r[i] for r in rows], dtype=torch.int64).view(B, n).to(dev) for i in range(5)]
+    return DraftTree(
+        tokens=t[0],
+        parents=t[1],
+        depths=t[2],
+        num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
+        num_nodes_host=(n,) * B,
+        max_depth=min(L, budget) if K > 0 else 0,
+        ranks=t[3],
+        scores=t[4],
+    )
+
+
+def build_ddtree(
+    draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, *, topk: int | None = None
+) -> DraftTree:
+    """DDTree draft trees for a batch, on the device: :func:`draft_topk` then :func:`expand_topk`.
+
+    Args:
+        draft_logits: ``[B, L, V]`` (or ``[L, V]``) draft logits for the L positions after the root.
+        budget: number of draft nodes per tree, root excluded (0..1023).
+        root_tokens: ``[B]`` integer tensor, the roots (last step's bonus tokens), same device.
+        topk: optional cap on the tokens per position (K = min(topk, budget, V)); ``topk=1``
+            with ``budget=L`` gives the chain of per-position argmaxes.
+    """
+    logits = _check_logits("draft_logits", draft_logits)
+    _check_int("budget", budget, 0, MAX_BUDGET)
+    k = _resolve_k(budget, logits.shape[-1], topk)
+    if k == 0 or logits.shape[1] == 0:
+        return _root_only(_check_roots(root_tokens, logits.shape[0], logits.device))
+    return expand_topk(draft_topk(logits, k), budget, root_tokens)
+
+
+def build_ddtree_reference(
+    draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, *, topk: int | None = None
+) -> DraftTree:
+    """:func:`build_ddtree` with the host heap (:func:`expand_topk_reference`)."""
+    logits = _check_logits("draft_logits", draft_logits)
+    _check_int("budget", budget, 0, MAX_BUDGET)
+    k = _resolve_k(budget, logits.shape[-1], topk)
+    if k == 0 or logits.shape[1] == 0:
+        return _root_only(_check_roots(root_tokens, logits.shape[0], logits.device))
+    return expand_topk_reference(draft_topk(logits, k), budget, root_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# trees from parent arrays; structure helpers
+
+
+def _jump_iters(max_depth: int) -> int:
+    """Pointer-jumping rounds so that 2**rounds >= max_depth."""
+    return max(max_depth - 1, 0).bit_length()
+
+
+def tree_from_parents(
+    parents,
+    tokens,
+    num_nodes=None,
+    *,
+    max_depth: int | None = None,
+) -> DraftTree:
+    """A :class:`DraftTree` from parent arrays (node 0 must be the root).
+
+    Args:
+        parents: list of per-tree parent lists (ragged allowed), or an integer tensor ``[B, n]``
+            (entries past ``num_nodes`` ignored). ``parents[b][0] == -1``.
+        tokens: same layout as ``parents``.
+        num_nodes: ``[B]`` ints (list or CPU tensor); default: all ``n`` (or the list lengths).
+        max_depth: host bound of the depth; computed on the host when omitted (a device sync when
+            the tensors are on a GPU).
+
+    Depths are computed on the device by pointer jumping. Use :func:`check_tree` to validate.
+    """
+    if isinstance(parents, torch.Tensor) != isinstance(tokens, torch.Tensor):
+        raise TypeError("parents and tokens must both be tensors or both be lists")
+    if not isinstance(parents, torch.Tensor):
+        if len(parents) == 0 or len(parents) != len(tokens):
+            raise ValueError("parents and tokens must hold the same, non-zero number of trees")
+        sizes = [len(p) for p in parents]
+        if any(len(t) != s for t, s in zip(tokens, sizes)):
+            raise ValueError("parents[b] and tokens[b] must have the same length")
+        if min(sizes) < 1:
+            raise ValueError("every tree needs at least its root")
+        n = max(sizes)
+        par = torch.full((len(sizes), n), -1, dtype=torch.int64)
+        tok = torch.full((len(sizes), n), -1, dtype=torch.int64)
+        for b, (p, t) in enumerate(zip(parents, tokens)):
+            par[b, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+            tok[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+        num_nodes = sizes if num_nodes is None else num_nodes
+    else:
+        for name, t in (("parents", parents), ("tokens", tokens)):
+            if t.dim() != 2 or t.is_floating_point() or t.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor [B, n], got {t.dtype} {tuple(t.shape)}")
+        if parents.shape != tokens.shape or parents.device != tokens.device:
+            raise ValueError("parents and tokens must have the same shape and device")
+        par, tok = parents.to(torch.int64), tokens.to(torch.int64)
+    B, n = par.shape
+    if n < 1 or B < 1:
+        raise ValueError(f"parents must be [B>=1, n>=1], got {tuple(par.shape)}")
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"trees of {n} nodes; at most {MAX_TREE_NODES} are supported")
+    if num_nodes is None:
+        sizes = [n] * B
+    else:
+        sizes = [int(x) for x in (num_nodes.tolist() if isinstance(num_nodes, torch.Tensor) else num_nodes)]
+        if len(sizes) != B or min(sizes) < 1 or max(sizes) > n:
+            raise ValueError(f"num_nodes must hold {B} sizes in [1, {n}], got {sizes}")
+    dev = par.device
+    nn = torch.tensor(sizes, dtype=torch.int64).to(dev)
+    valid = torch.arange(n, device=dev)[None, :] < nn[:, None]
+    par = torch.where(valid, par, -1)
+    tok = torch.where(valid, tok, -1)
+    if max_depth is None:
+        max_depth = _host_max_depth(par.cpu(), sizes)
+    depths = _depths(par, valid, max_depth)
+    return DraftTree(
+        tokens=tok,
+        parents=par,
+        depths=depths,
+        num_nodes=nn,
+        num_nodes_host=tuple(sizes),
+        max_depth=int(max_depth),
+    )
+
+
+def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
+    """Deepest node over the batch, walking parents on the host (bounded, so cycles end)."""
+    best = 0
+    for b, size in enumerate(sizes):
+        p = par_cpu[b, :size].tolist()
+        for i in range(size):
+            j, steps = i, 0
+            while 0 <= j < size and p[j] >= 0 and steps < size:
+                j, steps = p[j], steps + 1
+            best = max(best, steps)
+    return best
+
+
+def _depths(par: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Depth by pointer jumping (list ranking): ``log2(max_depth)`` gather rounds, no sync."""
+    B, n = par.shape
+    ar = torch.arange(n, device=par.device).expand(B, n)
+    has_parent = (par >= 0) & valid
+    jump = torch.where(has_parent, par, torch.where(valid, torch.zeros_like(par), ar))
+    dist = has_parent.to(torch.int64)
+    for _ in range(_jump_iters(max_depth)):
+        dist = dist + dist.gather(1, jump)
+        jump = jump.gather(1, jump)
+    return torch.where(valid, dist, -1)
+
+
+def tree_links(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first_child, next_sibling)``, each ``[B, n]`` int64 of local node indices, -1 for none.
+
+    first_child = the smallest-index child; next_sibling = the next larger-index child of the same
+    parent. For DDTree trees that is best-first (rank) order. Matches SGLang's retrive_next_token /
+    retrive_next_sibling for trees whose parents precede their children.
+    """
+    B, n = tree.batch_size, tree.width
+    dev = tree.device
+    par = tree.parents
+    is_child = par >= 0
+    ar = torch.arange(n, device=dev).expand(B, n)
+    big = n  # "none"
+    fc = torch.full((B, n + 1), big, dtype=torch.int64, device=dev)
+    fc.scatter_reduce_(1, torch.where(is_child, par, n), torch.where(is_child, ar, big), reduce="amin")
+    first_child = torch.where(fc[:, :n] < big, fc[:, :n], -1)
+    key = torch.where(is_child, par * n + ar, n * n + ar)  # siblings adjacent, in index order
+    order = key.argsort(dim=1)
+    p_sorted = par.gather(1, order)
+    nxt = torch.cat([order[:, 1:], torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)
+    p_next = torch.cat([p_sorted[:, 1:], torch.full((B, 1), -2, dtype=torch.int64, device=dev)], 1)
+    val = torch.where((p_next == p_sorted) & (p_sorted >= 0), nxt, -1)
+    next_sibling = torch.empty_like(val).scatter_(1, order, val)
+    return first_child, next_sibling
+
+
+def _self_bits(n: int, words: int, device: torch.device) -> torch.Tensor:
+    """``[n, words]`` int32: row j has only bit j set (bit j % 32 of word j // 32)."""
+    j = torch.arange(n, device=device)
+    val = torch.bitwise_left_shift(torch.ones_like(j), j % 32)  # int64 in [1, 2^31]
+    val = torch.where(val >= 2**31, val - 2**32, val)
+    out = torch.zeros(n, words, dtype=torch.int64, device=device)
+    out.scatter_(1, (j // 32)[:, None], val[:, None])
+    return out.to(torch.int32)
+
+
+def ancestor_words(tree: DraftTree, words: int | None = None) -> torch.Tensor:
+    """Packed ancestor-or-self masks ``[B, n, W]`` int32 in the contract's bit layout (rows of padding = 0).
+
+    Pointer jumping over the packed words: ``log2(max_depth)`` gather + OR rounds, no host sync.
+    """
+    B, n = tree.batch_size, tree.width
+    W = mask_words(n) if words is None else words
+    if W < mask_words(n):
+        raise ValueError(f"words={W} is too narrow for trees of {n} nodes (needs {mask_words(n)})")
+    dev = tree.device
+    valid = tree.node_mask()
+    own = _self_bits(n, W, dev).expand(B, n, W)
+    has_parent = (tree.parents >= 0) & valid
+    jump = tree.parents.clamp(min=0)
+    m = own | torch.where(has_parent[..., None], own.gather(1, jump[..., None].expand(B, n, W)), 0)
+    for _ in range(_jump_iters(tree.max_depth)):
+        m = m | m.gather(1, jump[..., None].expand(B, n, W))
+        jump = jump.gather(1, jump)
+    return torch.where(valid[..., None], m, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# compile for verify
+
+
+def _prefix_tensor(prefix_lens, batch: int, device: torch.device) -> torch.Tensor:
+    if isinstance(prefix_lens, (list, tuple)):
+        prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64).to(device)
+    if not isinstance(prefix_lens, torch.Tensor):
+        raise TypeError(f"prefix_lens must be a tensor or a list of ints, got {type(prefix_lens).__name__}")
+    if prefix_lens.is_floating_point() or prefix_lens.dtype == torch.bool:
+        raise TypeError(f"prefix_lens must be an integer tensor, got {prefix_lens.dtype}")
+    if prefix_lens.dim() != 1 or prefix_lens.shape[0] != batch:
+        raise ValueError(f"prefix_lens must have shape [{batch}], got {tuple(prefix_lens.shape)}")
+    if prefix_lens.device != device:
+        raise ValueError(f"prefix_lens is on {prefix_lens.device}, expected {device} (the tree's device)")
+    return prefix_lens.to(torch.int64)
+
+
+def compile_tree(
+    tree: DraftTree,
+    prefix_lens,
+    *,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    words: int | None = None,
+) -> VerifyBatch:
+    """Compile a batch of trees into the verify step's tensors (see :class:`VerifyBatch`).
+
+    Args:
+        tree: the trees.
+        prefix_lens: ``[B]`` committed prefix length P_b (tokens before the root), tensor on the
+            tree's device or a list.
+        page_table: optional ``[B, max_pages]`` int32 (the contract's); with ``page_size``, fills
+            ``kv_slots``, the cache rows where the tree nodes' KV must be written.
+        words: mask width W (default ``ceil(n / 32)``); wider pads with zero words.
+
+    No host sync: T (the number of rows) comes from ``tree.num_nodes_host``.
+    """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    B, n = tree.batch_size, tree.width
+    dev = tree.device
+    P = _prefix_tensor(prefix_lens, B, dev)
+    if (page_table is None) != (page_size is None):
+        raise ValueError("page_table and page_size must be given together")
+    sizes = tree.num_nodes_host
+    T = sum(sizes)
+    qo_host = [0]
+    for s in sizes:
+        qo_host.append(qo_host[-1] + s)
+    qo = torch.cumsum(tree.num_nodes, 0)
+    qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), qo]).to(torch.int32)
+    valid = tree.node_mask()
+    ar = torch.arange(n, device=dev)
+    row_index = torch.where(valid, qo_indptr[:-1, None].to(torch.int64) + ar, -1)
+    if tree.uniform:
+        seq = torch.arange(B, device=dev).repeat_interleave(n, output_size=T)
+        loc = ar.repeat(B)
+    else:
+        t = torch.arange(T, device=dev)
+        seq = torch.searchsorted(qo_indptr.to(torch.int64), t, right=True) - 1
+        loc = t - qo_indptr.to(torch.int64)[seq]
+    masks = ancestor_words(tree, words)
+    first_child, next_sibling = tree_links(tree)
+    kv_positions = P[seq] + loc
+    kv_slots = None
+    if page_table is not None:
+        _check_int("page_size", page_size, 1)
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != B:
+            raise ValueError(f"page_table must be a [{B}, max_pages] tensor")
+        if page_table.device != dev:
+            raise ValueError(f"page_table is on {page_table.device}, expected {dev}")
+        page = page_table.to(torch.int64)[seq, kv_positions // page_size]
+        kv_slots = page * page_size + kv_positions % page_size
+    return VerifyBatch(
+        input_ids=tree.tokens[seq, loc],
+        positions=P[seq] + tree.depths[seq, loc],
+        qo_indptr=qo_indptr,
+        kv_lens=(P + tree.num_nodes).to(torch.int32),
+        tree_mask=masks[seq, loc],
+        kv_positions=kv_positions,
+        kv_slots=kv_slots,
+        row_index=row_index,
+        first_child=first_child,
+        next_sibling=next_sibling,
+        num_rows=T,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (host)
+
+
+def check_tree(tree: DraftTree) -> None:
+    """Host-side structural checks (syncs on a GPU). Raises ``ValueError`` naming the defect.
+
+    Node 0 is the only root; parents are in range and acyclic; depths match the parents and are
+    <= max_depth; siblings carry distinct tokens (acceptance relies on it); padding is -1.
+    """
+    par = tree.parents.cpu()
+    tok = tree.tokens.cpu()
+    dep = tree.depths.cpu()
+    if list(tree.num_nodes.cpu().tolist()) != list(tree.num_nodes_host):
+        raise ValueError("num_nodes does not match num_nodes_host")
+    for b, size in enumerate(tree.num_nodes_host):
+        p = par[b, :size].tolist()
+        if p[0] != -1 or any(x < 0 or x >= size for x in p[1:]):
+            raise ValueError(f"tree {b}: node 0 must be the only root and parents must be in [0, {size})")
+        d = dep[b, :size].tolist()
+        if d[0] != 0:
+            raise ValueError(f"tree {b}: the root must have depth 0")
+        for i in range(1, size):
+            j, steps = i, 0
+            while j != 0 and steps <= size:
+                j, steps = p[j], steps + 1
+            if j != 0:
+                raise ValueError(f"tree {b}: node {i} is on a cycle")
+            if d[i] != steps:
+                raise ValueError(f"tree {b}: node {i} has depth {d[i]}, its parents give {steps}")
+            if steps > tree.max_depth:
+                raise ValueError(f"tree {b}: node {i} is deeper ({steps}) than max_depth={tree.max_depth}")
+        seen = set()
+        t = tok[b, :size].tolist()
+        for i in range(1, size):
+            if (p[i], t[i]) in seen:
+                raise ValueError(f"tree {b}: node {p[i]} has two children with token {t[i]}")
+            seen.add((p[i], t[i]))
+        if size < tree.width and (bool((par[b, size:] != -1).any()) or bool((dep[b, size:] != -1).any())):
+            raise ValueError(f"tree {b}: padding past num_nodes must be -1")
