@@ -1,0 +1,510 @@
+"""The sweep: for each shape build the inputs once, check every implementation against the float64
+reference on a sample, time the ones that pass, and fill in the roofline figures.
+
+Import this module only after ``TRITON_INTERPRET`` is settled (the CLI does it): our kernels
+import Triton.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..testing import TOLERANCES, compare
+from ..verify.api import check_content, check_inputs, verify_attention
+from ..verify.reference import reference
+from .peers import Impl, PlanBindError, Prepared, Unavailable, bind_by_name
+from .shapes import BenchCase, Shape, build_case, case_bytes, choose_sets, set_bytes
+from .timing import Ceilings, Timing, n_samples, time_cpu, time_cuda
+
+__all__ = ["OursImpl", "detect_ours", "SweepOptions", "Row", "run_sweep", "estimate", "crossovers"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Our kernels, through the public entry point
+
+
+class OursImpl(Impl):
+    """``verify_attention(..., kernel=name)``; for flash with a plan built once per shape."""
+
+    has_lse = True
+
+    def __init__(self, kernel: str, plan_verify: Callable | None = None):
+        self.name = kernel
+        self.kernel = kernel
+        self.plan_verify = plan_verify
+        self.description = f"kdtree_engine verify_attention(kernel={kernel!r})"
+
+    def est_tflops(self) -> float:
+        return 20.0 if self.kernel == "naive" else 250.0
+
+    def build_plan(self, case: BenchCase):
+        sh = case.shape
+        s0 = case.sets[0]
+        available = {
+            **case.inputs(0),
+            "kv_lens_host": case.kv_lens_host,
+            "qo_indptr_host": case.qo_indptr_host,
+            "num_heads": sh.heads,
+            "heads": sh.heads,
+            "num_rows": sh.rows,
+            "num_seqs": sh.batch,
+            "page_size": sh.page_size,
+            "max_pages": sh.pages_per_seq,
+            "mask_words": case.tree_mask.shape[1],
+            "dtype": s0.q.dtype,
+            "device": case.device,
+            "sm_scale": case.sm_scale,
+            "max_q_len": sh.q_len,
+            "max_kv_len": sh.kv_len,
+        }
+        return bind_by_name(self.plan_verify, available)
+
+    def prepare(self, case: BenchCase) -> Prepared:
+        plan, note = None, ""
+        if self.kernel == "flash":
+            if self.plan_verify is None:
+                note = "no plan_verify: flash plans inside each call (syncs), eager timing"
+            else:
+                try:
+                    plan = self.build_plan(case)  # outside the timed region, once per shape
+                    note = "plan"
+                except PlanBindError as e:
+                    note = f"plan_verify not understood ({e}); flash without plan, eager"
+        kernel = self.kernel
+
+        def run(i: int) -> None:
+            s = case.sets[i]
+            verify_attention(
+                s.q, s.kv_cache, case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask, case.sm_scale,
+                kernel=kernel, out=s.out, lse=s.lse, plan=plan, validate=False,
+            )
+
+        graphable = kernel == "naive" or plan is not None
+        return Prepared(run=run, graphable=graphable, note=note, keep=[plan])
+
+
+def detect_ours(requested: list[str] | None) -> tuple[list[Impl], dict[str, str]]:
+    """naive always; flash when ``kdtree_engine.verify.flash`` imports (with ``plan_verify`` if it
+    has one)."""
+    want = set(requested) if requested is not None else {"naive", "flash"}
+    impls: list[Impl] = []
+    notes: dict[str, str] = {}
+    if "naive" in want:
+        impls.append(OursImpl("naive"))
+    if "flash" in want:
+        try:
+            mod = importlib.import_module("kdtree_engine.verify.flash")
+        except ImportError as e:
+            notes["flash"] = f"not available in this build ({e})"
+        else:
+            plan_verify = getattr(mod, "plan_verify", None)
+            if plan_verify is None:
+                notes["flash"] = "no plan_verify: timed eagerly, plan built inside each call"
+            impls.append(OursImpl("flash", plan_verify))
+    return impls, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# Options, rows
+
+
+@dataclass
+class SweepOptions:
+    device: str = "cuda"
+    repeats: int = 100
+    min_repeats: int = 5
+    budget_s: float = 1.0  # timed GPU time per measurement
+    use_graph: bool = True
+    graph_max_us: float = 2000.0
+    max_sets: int = 16
+    l2_bytes: int = 60 * 2**20
+    slow_max_ms: float = 3000.0  # skip naive and peers where their estimated call is longer
+    check_seqs: int = 2  # sequences of the checked sample (first and last)
+    check_heads: int = 3  # heads of the checked sample (first, middle, last)
+    post_check: bool = True  # re-check set 0 after timing (graph replays wrote it)
+    seed: int = 0
+    mem_fraction: float = 0.85  # of the free memory a shape may use
+
+
+@dataclass
+class Row:
+    shape: Shape
+    kernel: str
+    status: str  # "ok", "FAIL", "skip", "error"
+    timing: Timing | None = None
+    floor_us: float | None = None
+    tflops: float | None = None
+    tbps: float | None = None
+    pct_floor: float | None = None
+    speedup_vs_naive: float | None = None
+    n_sets: int = 0
+    l2_warm: bool = False
+    check: str = ""
+    max_abs_err: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        d = {**self.shape.to_dict(), "kernel": self.kernel, "status": self.status}
+        t = self.timing
+        d.update(
+            median_us=t.median_us if t else None,
+            min_us=t.min_us if t else None,
+            p25_us=t.p25_us if t else None,
+            p75_us=t.p75_us if t else None,
+            samples=t.samples if t else None,
+            calls_per_sample=t.calls_per_sample if t else None,
+            method=t.method if t else None,
+            tflops=self.tflops,
+            tbps=self.tbps,
+            pct_floor=self.pct_floor,
+            floor_us=self.floor_us,
+            speedup_vs_naive=self.speedup_vs_naive,
+            flops=self.shape.flops,
+            bytes=self.shape.bytes,
+            n_sets=self.n_sets,
+            l2_warm=self.l2_warm,
+            max_abs_err=self.max_abs_err,
+            check=self.check,
+            note="; ".join(x for x in (self.note, t.note if t else "") if x),
+        )
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimates (for --dry-run, the naive cap and budgets): rough H200 figures, not measurements
+
+H200_COPY_BPS = 4.25e12
+H200_MATMUL_FPS = 680e12
+
+
+def estimate_call_s(shape: Shape, impl: Impl) -> float:
+    """Rough time of one call on an H200."""
+    if isinstance(impl, OursImpl) and impl.kernel == "flash":
+        return 5e-6 + shape.floor_s(H200_COPY_BPS, H200_MATMUL_FPS) / 0.35
+    return 5e-6 + max(shape.flops / (impl.est_tflops() * 1e12), shape.bytes / H200_COPY_BPS)
+
+
+def estimate(shape: Shape, impl: Impl, opts: SweepOptions) -> float:
+    """Rough wall seconds of one measurement (check, warm-up, timed samples, overheads)."""
+    call = estimate_call_s(shape, impl)
+    if is_slow_kind(impl) and call * 1e3 > opts.slow_max_ms:
+        return 0.0
+    n_sets = choose_sets(shape, l2_bytes=opts.l2_bytes, max_sets=opts.max_sets, free_bytes=130 * 2**30)
+    timed = call * n_samples(call * 1e6, repeats=opts.repeats, min_repeats=opts.min_repeats, budget_s=opts.budget_s)
+    return 0.25 + call * (1 + n_sets) + timed
+
+
+def is_slow_kind(impl: Impl) -> bool:
+    """Everything but our flash kernel: capped by ``slow_max_ms``."""
+    return not (isinstance(impl, OursImpl) and impl.kernel == "flash")
+
+
+# ----------------------------------------------------------------------------------------------
+# The correctness gate
+
+
+@dataclass
+class Sample:
+    """The float64 reference of a few (sequence, head) pairs of a case."""
+
+    seqs: list[int]
+    heads: list[int]
+    rows: list[tuple[int, int]]  # q rows [q0, q1) of each sequence
+    out: list[torch.Tensor] = field(default_factory=list)  # [n, h, 512] float64 per sequence
+    lse: list[torch.Tensor] = field(default_factory=list)  # [n, h] float64
+
+
+def reference_sample(case: BenchCase, n_seqs: int, n_heads: int) -> Sample:
+    sh = case.shape
+    seqs = sorted({0, sh.batch - 1}) if n_seqs >= 2 else [0]
+    seqs = seqs[: max(1, n_seqs)]
+    if n_heads >= sh.heads:
+        heads = list(range(sh.heads))
+    else:
+        heads = sorted({0, sh.heads // 2, sh.heads - 1, *range(max(0, n_heads - 3))})[:n_heads]
+    qo = case.qo_indptr_host.tolist()
+    sample = Sample(seqs=seqs, heads=heads, rows=[(qo[b], qo[b + 1]) for b in seqs])
+    s0 = case.sets[0]
+    hidx = torch.tensor(heads, device=case.device)
+    for b, (q0, q1) in zip(seqs, sample.rows):
+        out, lse = reference(
+            s0.q[q0:q1].index_select(1, hidx),
+            s0.kv_cache,
+            case.page_table[b : b + 1],
+            case.kv_lens[b : b + 1],
+            torch.tensor([0, q1 - q0], dtype=torch.int32, device=case.device),
+            case.tree_mask[q0:q1],
+            case.sm_scale,
+        )
+        sample.out.append(out)
+        sample.lse.append(lse)
+    return sample
+
+
+def check_against(case: BenchCase, sample: Sample, has_lse: bool) -> tuple[bool, str, float]:
+    """Compare set 0's outputs with the reference sample: (ok, detail, max abs error of out)."""
+    tol = TOLERANCES[case.shape.dtype]
+    s0 = case.sets[0]
+    hidx = torch.tensor(sample.heads, device=case.device)
+    worst = 0.0
+    for b, (q0, q1), ref_out, ref_lse in zip(sample.seqs, sample.rows, sample.out, sample.lse):
+        got = s0.out[q0:q1].index_select(1, hidx)
+        r = compare(got, ref_out, *tol["out"])
+        worst = max(worst, r.max_abs)
+        if not r.ok:
+            return False, f"out of seq {b}, heads {sample.heads}: {r} {r.detail}", worst
+        if has_lse:
+            r = compare(s0.lse[q0:q1].index_select(1, hidx), ref_lse, *tol["lse"])
+            if not r.ok:
+                return False, f"lse of seq {b}, heads {sample.heads}: {r} {r.detail}", worst
+    what = "out+lse" if has_lse else "out"
+    return True, f"{what} ok on seqs {sample.seqs} x heads {sample.heads} (max abs {worst:.1e})", worst
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+
+
+class SweepAborted(RuntimeError):
+    """The device is unusable (a sticky CUDA error): the sweep stops, partial results stand."""
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+def _device_ok() -> bool:
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def _fill_figures(row: Row, ceilings: Ceilings | None) -> None:
+    t = row.timing
+    if t is None or t.median_us <= 0:
+        return
+    sec = t.median_us * 1e-6
+    row.tflops = row.shape.flops / sec / 1e12
+    row.tbps = row.shape.bytes / sec / 1e12
+    if ceilings is not None:
+        floor = row.shape.floor_s(ceilings.copy_bps(), ceilings.matmul_fps(row.shape.dtype))
+        row.floor_us = floor * 1e6
+        row.pct_floor = 100.0 * floor / sec
+
+
+def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions, n_sets: int) -> Row:
+    """Check, then time, one implementation on one case."""
+    sh = case.shape
+    cuda = opts.device == "cuda"
+    row = Row(shape=sh, kernel=impl.name, status="ok", n_sets=n_sets)
+    if cuda and is_slow_kind(impl):
+        est_ms = estimate_call_s(sh, impl) * 1e3
+        if est_ms > opts.slow_max_ms:
+            row.status, row.note = "skip", f"est. {est_ms / 1e3:.1f} s/call > --slow-max-ms {opts.slow_max_ms:.0f}"
+            return row
+    try:
+        prepared = impl.prepare(case)
+    except Unavailable as e:
+        row.status, row.note = "skip", str(e)
+        return row
+    except torch.cuda.OutOfMemoryError:
+        row.status, row.note = "skip", "out of memory while preparing"
+        return row
+    except Exception as e:
+        row.status, row.note = "error", f"prepare: {_first_line(e)}"
+        return row
+    row.note = prepared.note
+    try:
+        # gate: one call on set 0 with NaN-poisoned outputs, compared with the reference sample
+        case.reset_outputs()
+        prepared.run(0)
+        if cuda:
+            torch.cuda.synchronize()
+        ok, detail, worst = check_against(case, sample, impl.has_lse)
+        row.check, row.max_abs_err = detail, worst
+        if not ok:
+            row.status = "FAIL"
+            return row
+        if cuda:
+            row.timing = time_cuda(
+                prepared.run,
+                n_sets,
+                repeats=opts.repeats,
+                min_repeats=opts.min_repeats,
+                budget_s=opts.budget_s,
+                use_graph=opts.use_graph and prepared.graphable,
+                graph_max_us=opts.graph_max_us,
+            )
+        else:
+            row.timing = time_cpu(prepared.run, n_sets, repeats=1)
+        if opts.post_check:
+            ok, detail, worst = check_against(case, sample, impl.has_lse)
+            if not ok:
+                row.status, row.timing = "FAIL", None
+                row.check = f"after timing: {detail}"
+                return row
+    except torch.cuda.OutOfMemoryError:
+        row.status, row.timing, row.note = "skip", None, "out of memory"
+    except Exception as e:
+        row.status, row.timing = "error", None
+        row.note = _first_line(e)
+        if cuda and not _device_ok():
+            raise SweepAborted(f"{impl.name} on {sh.label}: {row.note}") from e
+    finally:
+        del prepared
+    return row
+
+
+def run_sweep(
+    shapes: list[Shape],
+    impls: list[Impl],
+    opts: SweepOptions,
+    ceilings: Ceilings | None,
+    *,
+    on_row: Callable[[Row], None] | None = None,
+    on_shape_done: Callable[[list[Row]], None] | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> tuple[list[Row], str | None]:
+    """Run every implementation on every shape. Returns the rows and an abort message (or None).
+
+    Implementations run in the order given (put naive first: the others' speedups refer to it).
+    """
+    rows: list[Row] = []
+    cuda = opts.device == "cuda"
+    for shape in shapes:
+        shape_rows: list[Row] = []
+
+        def emit(r: Row) -> None:
+            shape_rows.append(r)
+            rows.append(r)
+            if on_row:
+                on_row(r)
+
+        free = torch.cuda.mem_get_info()[0] if cuda else None
+        n_sets = choose_sets(shape, l2_bytes=opts.l2_bytes, max_sets=opts.max_sets, free_bytes=free) if cuda else 1
+        need = case_bytes(shape, n_sets)
+        if free is not None and need > opts.mem_fraction * free:
+            for impl in impls:
+                emit(Row(shape=shape, kernel=impl.name, status="skip",
+                         note=f"inputs need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"))
+                if on_progress:
+                    on_progress(f"{shape.label} {impl.name}")
+            if on_shape_done:
+                on_shape_done(shape_rows)
+            continue
+        case = sample = None
+        try:
+            case = build_case(shape, opts.device, n_sets=n_sets, seed=opts.seed)
+            # validate the builder's inputs once (host sync, outside any timed region)
+            info = check_inputs(**case.inputs(0))
+            check_content(case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask, info)
+            sample = reference_sample(case, opts.check_seqs, opts.check_heads)
+        except torch.cuda.OutOfMemoryError:
+            case = sample = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            for impl in impls:
+                emit(Row(shape=shape, kernel=impl.name, status="skip", note="out of memory building inputs"))
+                if on_progress:
+                    on_progress(f"{shape.label} {impl.name}")
+            if on_shape_done:
+                on_shape_done(shape_rows)
+            continue
+        l2_warm = cuda and n_sets * set_bytes(shape) < 2 * opts.l2_bytes
+        naive_us = None
+        abort = None
+        for impl in impls:
+            if on_progress:
+                on_progress(f"{shape.label} {impl.name}")
+            free_now = torch.cuda.mem_get_info()[0] if cuda else None
+            extra = impl.extra_bytes(shape)
+            if free_now is not None and extra > opts.mem_fraction * free_now:
+                emit(Row(shape=shape, kernel=impl.name, status="skip", n_sets=n_sets,
+                         note=f"needs ~{extra / 2**30:.1f} GiB more, {free_now / 2**30:.1f} GiB free"))
+                continue
+            try:
+                row = measure_one(impl, case, sample, opts, n_sets)
+            except SweepAborted as e:
+                abort = str(e)
+                emit(Row(shape=shape, kernel=impl.name, status="error", note=abort))
+                break
+            row.l2_warm = bool(l2_warm and row.timing is not None)
+            _fill_figures(row, ceilings)
+            if impl.name == "naive" and row.timing is not None:
+                naive_us = row.timing.median_us
+            if naive_us is not None and row.timing is not None and impl.name != "naive":
+                row.speedup_vs_naive = naive_us / row.timing.median_us
+            emit(row)
+            gc.collect()
+        del case, sample
+        gc.collect()
+        if cuda and abort is None:
+            torch.cuda.empty_cache()
+        if on_shape_done:
+            on_shape_done(shape_rows)
+        if abort is not None:
+            return rows, abort
+    return rows, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Crossover: the prefix from which flash beats naive
+
+
+def crossovers(rows: list[Row], fast: str = "flash", slow: str = "naive") -> list[dict]:
+    """Per prefix series (same B, n, H, page size, dtype): the smallest measured prefix from which
+    ``fast`` is faster than ``slow`` at every larger measured prefix.
+
+    Each entry: ``group`` (label), ``prefixes`` compared, ``crossover_prefix`` (None when ``fast``
+    never overtakes for good), ``verdict`` (text).
+    """
+    times: dict[tuple, dict[str, dict[int, float]]] = {}
+    labels: dict[tuple, str] = {}
+    for r in rows:
+        if r.timing is None or r.kernel not in (fast, slow):
+            continue
+        g = r.shape.group
+        labels[g] = r.shape.group_label
+        times.setdefault(g, {}).setdefault(r.kernel, {})[r.shape.prefix] = r.timing.median_us
+    out = []
+    for g, by_kernel in times.items():
+        if fast not in by_kernel or slow not in by_kernel:
+            continue
+        common = sorted(set(by_kernel[fast]) & set(by_kernel[slow]))
+        if len(common) < 2:
+            continue
+        wins = [by_kernel[fast][p] < by_kernel[slow][p] for p in common]
+        cross = None
+        for j in range(len(common)):
+            if all(wins[j:]):
+                cross = common[j]
+                break
+        if cross is None:
+            verdict = f"{fast} slower than {slow} at the largest prefix measured ({common[-1]})"
+        elif cross == common[0]:
+            verdict = f"{fast} faster at every prefix measured ({common[0]}..{common[-1]})"
+        else:
+            before = common[common.index(cross) - 1]
+            verdict = f"{fast} overtakes {slow} between prefix {before} and {cross}"
+        out.append({"group": labels[g], "prefixes": common, "crossover_prefix": cross, "verdict": verdict})
+    return out
+
+
+def wall_clock() -> float:
+    return time.perf_counter()
+
+
+def est_total_s(shapes: list[Shape], impls: list[Impl], opts: SweepOptions) -> float:
+    """Rough wall seconds of a sweep: measurements, plus input building and the reference per
+    shape, plus ceilings and first compilations."""
+    per_shape = sum(0.3 + 1e-9 * case_bytes(s, 1) for s in shapes)
+    return sum(estimate(s, i, opts) for s in shapes for i in impls) + per_shape + 20.0

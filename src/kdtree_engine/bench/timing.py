@@ -1,0 +1,248 @@
+"""Timing: CUDA events, CUDA-graph replay, medians; the device ceilings (copy bandwidth, matmul rate).
+
+Method (ENGINEERING.md section 3):
+
+- A call under test is ``run(i)``: one launch on input set ``i`` (sets rotate so consecutive calls
+  do not find their inputs in L2). ``run`` must not sync with the host.
+- Warm-up first (compilation, allocator, clocks), then ``n`` samples, each bracketed by a pair of
+  CUDA events recorded on the current stream; all events are read after one final synchronize.
+  A ``torch.cuda._sleep`` spin before the loop lets the host queue the launches ahead of the GPU,
+  so the events measure GPU time, not launch latency.
+- Short calls are captured in a CUDA graph of ``k`` calls (rotating through the sets) and each
+  sample is one replay, divided by ``k``: no Python or launch overhead in the figure. The graph is
+  warmed on a side stream before capture, as the torch documentation prescribes.
+- Reported: median (and min, quartiles) over the samples.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = [
+    "Timing",
+    "Ceilings",
+    "summarize",
+    "time_cuda",
+    "time_cpu",
+    "event_times_ms",
+    "capture_graph",
+    "measure_ceilings",
+]
+
+SLEEP_CYCLES_PER_MS = 2_000_000  # ~2 GHz SM clock; only sizes the head-start spin
+
+
+@dataclass
+class Timing:
+    median_us: float
+    min_us: float
+    p25_us: float
+    p75_us: float
+    samples: int  # timed samples (events pairs or wall-clock measurements)
+    calls_per_sample: int  # calls inside one sample (graph of k calls), already divided out
+    method: str  # "graph", "eager" or "cpu-wall"
+    note: str = ""
+
+    @property
+    def spread(self) -> float:
+        """Inter-quartile range relative to the median."""
+        return (self.p75_us - self.p25_us) / self.median_us if self.median_us > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["spread"] = self.spread
+        return d
+
+
+def summarize(times_us: list[float], calls_per_sample: int, method: str, note: str = "") -> Timing:
+    """Median, min and quartiles of per-call times (already divided by ``calls_per_sample``)."""
+    if not times_us:
+        raise ValueError("no samples")
+    xs = sorted(times_us)
+    if len(xs) >= 4:
+        q = statistics.quantiles(xs, n=4, method="inclusive")
+        p25, p75 = q[0], q[2]
+    else:
+        p25, p75 = xs[0], xs[-1]
+    return Timing(
+        median_us=statistics.median(xs),
+        min_us=xs[0],
+        p25_us=p25,
+        p75_us=p75,
+        samples=len(xs),
+        calls_per_sample=calls_per_sample,
+        method=method,
+        note=note,
+    )
+
+
+def _head_start(ms: float) -> None:
+    """Keep the GPU busy for ~``ms`` so the host can queue the timed launches ahead of it."""
+    if ms > 0 and hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(int(ms * SLEEP_CYCLES_PER_MS))
+
+
+def event_times_ms(launch: Callable[[int], None], n: int, head_start_ms: float = 0.0) -> list[float]:
+    """Milliseconds of ``launch(j)`` for j in 0..n-1, each between two CUDA events.
+
+    Synchronizes before and once after the loop (never inside it).
+    """
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda.synchronize()
+    _head_start(head_start_ms)
+    for j in range(n):
+        starts[j].record()
+        launch(j)
+        ends[j].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def capture_graph(run: Callable[[int], None], calls: list[int]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``run(i)`` for i in ``calls``, warmed on a side stream before capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in calls[: min(len(calls), 3)]:
+            run(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in calls:
+            run(i)
+    torch.cuda.synchronize()
+    return graph
+
+
+def n_samples(per_sample_us: float, *, repeats: int, min_repeats: int, budget_s: float) -> int:
+    """Samples that fit ``budget_s``, within ``[min_repeats, repeats]``; only 3 for calls so slow
+    that ``min_repeats`` of them would take more than ten budgets."""
+    fit = int(budget_s * 1e6 / max(per_sample_us, 1e-3))
+    low = min_repeats if per_sample_us * min_repeats <= 10 * budget_s * 1e6 else min(3, min_repeats)
+    return max(low, min(repeats, fit))
+
+
+def time_cuda(
+    run: Callable[[int], None],
+    n_sets: int,
+    *,
+    repeats: int = 100,
+    min_repeats: int = 5,
+    budget_s: float = 1.0,
+    use_graph: bool = True,
+    graph_max_us: float = 2000.0,
+    graph_min_replay_us: float = 200.0,
+    graph_max_calls: int = 64,
+) -> Timing:
+    """Median time of one call of ``run`` on CUDA.
+
+    1. Warm pass: each set once, timed with one event pair -> estimate per call.
+    2. If ``use_graph`` and the estimate is under ``graph_max_us``: capture a graph of the sets
+       (each once), time it, re-capture with ``k`` calls so one replay lasts at least
+       ``graph_min_replay_us``, and sample replays. If capture fails, fall back to eager.
+    3. Otherwise eager: each sample is one call, sets in rotation.
+
+    The number of samples is what fits ``budget_s`` of timed GPU time, within
+    ``[min_repeats, repeats]``.
+    """
+    calls = list(range(n_sets))
+    # 1. warm pass (compiled already by the correctness check; this also settles clocks)
+    warm = event_times_ms(lambda _j: [run(i) for i in calls], 1)[0] * 1e3 / n_sets
+    note = ""
+    if use_graph and warm < graph_max_us:
+        graph = None
+        try:
+            graph = capture_graph(run, calls)
+            probe = event_times_ms(lambda _j: graph.replay(), 3)
+            per_call = statistics.median(probe) * 1e3 / len(calls)
+            reps = max(1, math.ceil(graph_min_replay_us / max(per_call * n_sets, 1e-3)))
+            k_calls = calls * reps
+            if len(k_calls) > graph_max_calls:
+                k_calls = calls * max(1, graph_max_calls // n_sets)
+            if len(k_calls) != len(calls):
+                del graph
+                graph = capture_graph(run, k_calls)
+            k = len(k_calls)
+            n = n_samples(per_call * k, repeats=repeats, min_repeats=min_repeats, budget_s=budget_s)
+            ms = event_times_ms(lambda _j: graph.replay(), n, head_start_ms=min(20.0, 0.05 * n))
+            return summarize([t * 1e3 / k for t in ms], k, "graph")
+        except Exception as e:  # capture not possible for this kernel: time it eagerly
+            first = (str(e).splitlines() or [""])[0][:80]
+            note = f"graph capture failed ({type(e).__name__}: {first}); eager"
+            torch.cuda.synchronize()  # a sticky CUDA error surfaces here and ends the sweep
+        finally:
+            del graph
+    n = n_samples(warm, repeats=repeats, min_repeats=min_repeats, budget_s=budget_s)
+    ms = event_times_ms(lambda j: run(j % n_sets), n, head_start_ms=min(20.0, 0.1 * n))
+    return summarize([t * 1e3 for t in ms], 1, "eager", note)
+
+
+def time_cpu(run: Callable[[int], None], n_sets: int, *, repeats: int = 2) -> Timing:
+    """Wall-clock time of ``run`` on the CPU (the interpreter): NOT a performance figure.
+    (The correctness check before it was the warm-up.)"""
+    times = []
+    for j in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        run(j % n_sets)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return summarize(times, 1, "cpu-wall")
+
+
+# ----------------------------------------------------------------------------------------------
+# Ceilings
+
+
+@dataclass
+class Ceilings:
+    """Measured in this run on this device."""
+
+    copy_tbps: float  # device-to-device copy, bytes read + written, TB/s
+    matmul_tflops: dict  # dtype name -> dense matmul TFLOP/s (8192^3)
+    copy_bytes: int
+    matmul_n: int
+
+    def copy_bps(self) -> float:
+        return self.copy_tbps * 1e12
+
+    def matmul_fps(self, dtype: str) -> float:
+        return self.matmul_tflops.get(dtype, self.matmul_tflops.get("bf16")) * 1e12
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_ceilings(dtypes=("bf16",), *, copy_gib: float = 1.0, matmul_n: int = 8192, repeats: int = 30) -> Ceilings:
+    """Copy bandwidth (``dst.copy_(src)`` of ``copy_gib`` GiB, counted read + write) and the
+    dense matmul rate (``matmul_n``^3, per dtype), median of ``repeats`` after warm-up."""
+    from .shapes import DTYPES
+
+    numel = int(copy_gib * 2**30) // 2
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = event_times_ms(lambda _j: dst.copy_(src), repeats, head_start_ms=2.0)
+    copy_tbps = 2 * numel * 2 / (statistics.median(ms) * 1e-3) / 1e12
+    del src, dst
+
+    tflops = {}
+    for name in dtypes:
+        dt = DTYPES[name]
+        a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dt)
+        b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dt)
+        c = torch.empty(matmul_n, matmul_n, device="cuda", dtype=dt)
+        for _ in range(5):
+            torch.mm(a, b, out=c)
+        ms = event_times_ms(lambda _j: torch.mm(a, b, out=c), repeats, head_start_ms=2.0)
+        tflops[name] = 2 * matmul_n**3 / (statistics.median(ms) * 1e-3) / 1e12
+        del a, b, c
+    torch.cuda.empty_cache()
+    return Ceilings(copy_tbps=copy_tbps, matmul_tflops=tflops, copy_bytes=2 * numel * 2, matmul_n=matmul_n)
