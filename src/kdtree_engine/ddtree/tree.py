@@ -740,10 +740,10 @@ def check_tree(tree: DraftTree) -> None:
                 j, steps = p[j], steps + 1
             if j != 0:
                 raise ValueError(f"tree {b}: node {i} is on a cycle")
-            if d[i] != steps:
-                raise ValueError(f"tree {b}: node {i} has depth {d[i]}, its parents give {steps}")
             if steps > tree.max_depth:
                 raise ValueError(f"tree {b}: node {i} is deeper ({steps}) than max_depth={tree.max_depth}")
+            if d[i] != steps:
+                raise ValueError(f"tree {b}: node {i} has depth {d[i]}, its parents give {steps}")
         seen = set()
         t = tok[b, :size].tolist()
         for i in range(1, size):

@@ -1,0 +1,319 @@
+"""Acceptance: the batched walk against the reference walk, filtering against a per-row float64
+reference, and a chi-square test that sampling acceptance reproduces the target distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdtree_engine.ddtree import (
+    accept_greedy,
+    accept_reference,
+    accept_sampling,
+    accept_tokens,
+    build_ddtree,
+    commit_positions,
+    compile_tree,
+    filter_probs,
+    sample_from_probs,
+    tree_from_parents,
+)
+
+RESULT_FIELDS = ("accepted", "lengths", "bonus", "accepted_tokens", "new_tokens")
+
+
+def assert_same_result(a, b):
+    for f in RESULT_FIELDS:
+        x, y = getattr(a, f).cpu(), getattr(b, f).cpu()
+        assert x.shape == y.shape, f"{f}: {tuple(x.shape)} != {tuple(y.shape)}"
+        assert torch.equal(x, y), f"{f} differs:\n{x}\n{y}"
+
+
+def chi2_bound(dof: int, z: float = 4.75) -> float:
+    """Upper quantile of chi-square(dof) at about p = 1e-6 (Wilson-Hilferty)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom; cells expected < 5 are pooled into one."""
+    counts = counts.double().flatten().cpu()
+    exp = probs.double().flatten().cpu() * counts.sum()
+    assert bool((counts[exp == 0] == 0).all()), "a zero-probability outcome occurred"
+    small = exp < 5
+    c = torch.cat([counts[~small & (exp > 0)], counts[small].sum().reshape(1)])
+    e = torch.cat([exp[~small & (exp > 0)], exp[small].sum().reshape(1)])
+    keep = e > 0
+    c, e = c[keep], e[keep]
+    return float(((c - e) ** 2 / e).sum()), int(c.numel()) - 1
+
+
+def matching_targets(tree, p_match: float, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Target tokens [B, n]: with probability p_match a random child's token, else a random token."""
+    B, n = tree.batch_size, tree.width
+    par, tok = tree.parents.cpu(), tree.tokens.cpu()
+    out = torch.randint(0, vocab, (B, n), generator=gen)
+    for b in range(B):
+        for i in range(n):
+            kids = (par[b] == i).nonzero().flatten()
+            if len(kids) and float(torch.rand(1, generator=gen)) < p_match:
+                out[b, i] = tok[b, kids[int(torch.randint(0, len(kids), (1,), generator=gen))]]
+    return out.to(tree.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# the walk
+
+
+CASES = [
+    # B, L, V, budget
+    (1, 1, 5, 1),
+    (4, 5, 7, 20),
+    (3, 16, 50, 33),
+    (2, 9, 11, 129),
+    (5, 3, 3, 4),
+]
+
+
+@pytest.mark.parametrize("B,L,V,budget", CASES, ids=[f"B{c[0]}-L{c[1]}-V{c[2]}-N{c[3]}" for c in CASES])
+@pytest.mark.parametrize("p_match", [0.0, 0.8, 1.0])
+def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, device):
+    g = torch.Generator().manual_seed(B * 100 + budget)
+    x = torch.randn(B, L, V, generator=g).to(device)
+    tree = build_ddtree(x, budget, torch.randint(0, V, (B,), generator=g).to(device))
+    tgt = matching_targets(tree, p_match, V, g)
+    got = accept_tokens(tree, tgt.reshape(-1))  # flat [T] rows
+    assert_same_result(got, accept_reference(tree, tgt))
+    assert got.accepted.shape == (B, tree.max_depth + 1)
+    if p_match == 1.0:  # every node has a matching child until a leaf: the path ends at a leaf
+        for b in range(B):
+            last = int(got.accepted[b, got.lengths[b] - 1])
+            assert not bool((tree.parents[b] == last).any())
+
+
+def test_walk_on_ragged_shuffled_trees(device):
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 9, 70, 33, 2]
+    parents, tokens = [], []
+    for n in sizes:
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()  # children before parents too
+        new = [0] * n
+        for old, p in enumerate(par):
+            new[perm[old]] = -1 if p < 0 else perm[p]
+        parents.append(new)
+        tokens.append(torch.randperm(1000, generator=g)[:n].tolist())  # distinct: siblings distinct
+    tree = tree_from_parents(parents, tokens)
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device), sizes)
+    for p_match in (0.5, 1.0):
+        tgt = matching_targets(tree, p_match, 1000, g)
+        flat = torch.cat([tgt[b, :n] for b, n in enumerate(sizes)])  # verify rows, qo_indptr order
+        assert_same_result(accept_tokens(tree, flat), accept_reference(tree, tgt))
+        assert_same_result(accept_tokens(tree, tgt), accept_reference(tree, tgt))
+
+
+def test_greedy_uses_first_argmax_and_flat_rows(device):
+    # chain root(5) -> 1 -> 2 -> 3 and a sibling 4 under the root
+    tree = tree_from_parents([[-1, 0, 1, 2, 0]], [[5, 1, 2, 3, 4]])
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))
+    logits = torch.full((5, 8), -1.0, device=device)
+    logits[0, 1] = 2.0  # root -> 1
+    logits[1, 2] = 2.0
+    logits[1, 6] = 2.0  # tie: argmax is the first index, 2
+    logits[2, 7] = 1.0  # 2 -> 7 is not a child of node 2: stop, bonus 7
+    res = accept_greedy(tree, logits)
+    assert res.accepted.tolist() == [[0, 1, 2, -1]]
+    assert res.lengths.tolist() == [3] and res.bonus.tolist() == [7]
+    assert res.accepted_tokens.tolist() == [[5, 1, 2, -1]]
+    assert res.new_tokens.tolist() == [[1, 2, 7, -1]]
+
+
+def test_commit_positions(device):
+    tree = tree_from_parents([[-1, 0, 0, 2, 3], [-1, 0, 1, 1, 0]], [[9, 1, 2, 3, 4], [9, 1, 2, 3, 4]])
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))
+    tgt = torch.tensor([[2, 0, 3, 4, 0], [1, 3, 0, 0, 0]], device=device)
+    res = accept_tokens(tree, tgt)
+    assert res.accepted.tolist() == [[0, 2, 3, 4], [0, 1, 3, -1]]
+    src, dst, new_len = commit_positions(res, torch.tensor([10, 0], device=device))
+    assert src.tolist() == [[10, 12, 13, 14], [0, 1, 3, -1]]
+    assert dst.tolist() == [[10, 11, 12, 13], [0, 1, 2, -1]]
+    assert new_len.tolist() == [14, 3]
+
+
+def test_accept_bad_inputs(device):
+    tree = build_ddtree(torch.zeros(2, 3, 4, device=device), 5, torch.zeros(2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="target_tokens"):
+        accept_tokens(tree, torch.zeros(7, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match="target_tokens"):
+        accept_tokens(tree, torch.zeros(12, device=device))
+    with pytest.raises(TypeError, match="tree"):
+        accept_tokens(None, torch.zeros(12, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match="prefix_lens"):
+        commit_positions(accept_tokens(tree, torch.zeros(12, dtype=torch.long, device=device)), [0, 0])
+
+
+# ----------------------------------------------------------------------------------------------
+# filtering
+
+
+def filter_reference(row: torch.Tensor, temperature: float, top_k, top_p) -> torch.Tensor:
+    """One row, float64, the documented rules spelled out."""
+    x = row.double()
+    V = x.numel()
+    if temperature <= 0:
+        out = torch.zeros(V, dtype=torch.float64)
+        out[int(x.argmax())] = 1.0
+        return out
+    x = x / temperature
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k and top_k < V:
+        keep &= x >= x.sort(descending=True).values[top_k - 1]
+    if top_p is not None and top_p < 1:
+        p = torch.softmax(x.masked_fill(~keep, -math.inf), 0)
+        order = sorted(range(V), key=lambda t: -float(p[t]))
+        mass, kept = 0.0, []
+        for t in order:
+            if mass >= top_p:
+                break
+            kept.append(t)
+            mass += float(p[t])
+        keep &= p >= min(float(p[t]) for t in kept)
+    return torch.softmax(x.masked_fill(~keep, -math.inf), 0)
+
+
+FILTERS = [
+    (1.0, None, None),
+    (0.6, None, None),
+    (1.3, 5, None),
+    (1.0, None, 0.7),
+    (0.8, 7, 0.5),
+    (1.0, 1, None),
+    (0.0, None, None),
+    (2.0, 0, 1.0),  # both off
+    (1.0, 40, 0.999),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", FILTERS, ids=[f"t{f[0]}-k{f[1]}-p{f[2]}" for f in FILTERS])
+def test_filter_probs_against_reference(temperature, top_k, top_p, device):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 37, generator=g) * 2
+    logits[0, :4] = 3.0  # ties at the top
+    logits[1] = torch.randint(0, 3, (37,), generator=g).float()  # ties everywhere
+    got = filter_probs(logits.to(device), temperature, top_k, top_p).cpu()
+    for r in range(6):
+        want = filter_reference(logits[r], temperature, top_k, top_p)
+        assert torch.equal(got[r] > 0, want > 0), f"row {r}: kept sets differ"
+        torch.testing.assert_close(got[r].double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_filter_probs_per_row_parameters(device):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 23, generator=g)
+    temps = torch.tensor([1.0, 0.0, 0.5, 1.5], device=device)
+    ks = torch.tensor([0, 3, 23, 5], device=device)
+    ps = torch.tensor([1.0, 0.5, 0.9, 0.3], device=device)
+    got = filter_probs(logits.to(device), temps, ks, ps).cpu()
+    for r in range(4):
+        want = filter_reference(logits[r], float(temps[r]), int(ks[r]), float(ps[r]))
+        torch.testing.assert_close(got[r].double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_filter_probs_bad_inputs(device):
+    x = torch.zeros(3, 5, device=device)
+    with pytest.raises(ValueError, match="top_p"):
+        filter_probs(x, 1.0, None, 0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        filter_probs(x, 1.0, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        filter_probs(x, torch.ones(2, device=device))
+    with pytest.raises(TypeError, match="logits"):
+        filter_probs(x.long())
+    with pytest.raises(TypeError, match="temperature"):
+        filter_probs(x, "hot")
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling is lossless
+
+
+def test_sample_from_probs_distribution(device):
+    g = torch.Generator(device=device).manual_seed(3)
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05], device=device)
+    s = sample_from_probs(p.expand(40000, 5), generator=g)
+    counts = torch.bincount(s.cpu(), minlength=5)
+    stat, dof = chi2_stat(counts, p)
+    assert stat < chi2_bound(dof)
+    assert counts[1] == 0
+
+
+SAMPLING = [
+    # temperature, top_k, top_p
+    (1.0, None, None),
+    (0.7, 3, None),
+    (1.2, None, 0.8),
+    (1.0, 4, 0.9),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING, ids=[f"t{s[0]}-k{s[1]}-p{s[2]}" for s in SAMPLING])
+def test_sampling_acceptance_is_lossless(temperature, top_k, top_p, device):
+    """Many copies of one tree: the first emitted token follows the filtered target at the root,
+    and, given it was a drafted child, so does the second (the target at that child)."""
+    V, L, budget, B = 6, 3, 9, 30000
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(V, V, generator=g) * 1.5  # target logits after token t: table[t]
+    draft = table[torch.tensor([2, 0, 4])] + 0.5 * torch.randn(L, V, generator=g)  # a decent draft
+    tree = build_ddtree(draft[None].expand(B, L, V).to(device), budget, torch.full((B,), 2, device=device))
+    vb = compile_tree(tree, torch.zeros(B, dtype=torch.long, device=device))
+    logits = table.to(device)[vb.input_ids]  # [T, V]: the target after each node's token
+    gen = torch.Generator(device=device).manual_seed(11)
+    res = accept_sampling(tree, logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    probs = filter_probs(table.to(device), temperature, top_k, top_p).cpu().double()  # [V, V]
+
+    first = res.new_tokens[:, 0].cpu()
+    stat, dof = chi2_stat(torch.bincount(first, minlength=V), probs[2])
+    assert stat < chi2_bound(dof), f"first token: chi2={stat:.1f} dof={dof}"
+    # negative control: the same samples are far from the unfiltered / untempered target
+    if (temperature, top_k, top_p) != (1.0, None, None):
+        wrong = torch.softmax(table[2].double(), 0)
+        assert chi2_stat(torch.bincount(first, minlength=V), wrong)[0] > chi2_bound(dof)
+    # second token, conditioned on the first (whatever the path length)
+    second = res.new_tokens[:, 1].cpu()
+    for a in range(V):
+        sel = (first == a) & (second >= 0)
+        if int(sel.sum()) < 2000:
+            continue
+        stat, dof = chi2_stat(torch.bincount(second[sel], minlength=V), probs[a])
+        assert stat < chi2_bound(dof), f"second token after {a}: chi2={stat:.1f} dof={dof}"
+    # acceptance happened at all (the test exercises the walk, not only the bonus)
+    assert float((res.lengths > 1).double().mean()) > 0.3
+
+
+def test_sampling_temperature_zero_equals_greedy(device):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 6, 20, generator=g).to(device)
+    tree = build_ddtree(x, 40, torch.tensor([1, 2, 3], device=device))
+    logits = torch.randn(sum(tree.num_nodes_host), 20, generator=g).to(device)
+    assert_same_result(accept_sampling(tree, logits, temperature=0.0), accept_greedy(tree, logits))
+
+
+def test_lossy_rule_is_detected(device):
+    """Negative control for the harness above: a typical lossy shortcut (accept the draft's best
+    child whenever the target gives it >= 15%) must fail the same chi-square bound."""
+    V, L, budget, B = 6, 3, 9, 30000
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(V, V, generator=g) * 1.5
+    draft = table[torch.tensor([2, 0, 4])] + 0.5 * torch.randn(L, V, generator=g)
+    tree = build_ddtree(draft[None].expand(B, L, V).to(device), budget, torch.full((B,), 2, device=device))
+    logits = table.to(device)[compile_tree(tree, torch.zeros(B, dtype=torch.long, device=device)).input_ids]
+    gen = torch.Generator(device=device).manual_seed(11)
+    tokens = sample_from_probs(filter_probs(logits), gen).view(B, -1)
+    best_child = tree.tokens[:, 1]
+    p_child = torch.softmax(logits.view(B, -1, V)[:, 0], -1).gather(1, best_child[:, None])[:, 0]
+    tokens[:, 0] = torch.where(p_child >= 0.15, best_child, tokens[:, 0])
+    first = accept_tokens(tree, tokens).new_tokens[:, 0].cpu()
+    stat, dof = chi2_stat(torch.bincount(first, minlength=V), torch.softmax(table[2].double(), 0))
+    assert stat > chi2_bound(dof)

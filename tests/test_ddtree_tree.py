@@ -1,0 +1,373 @@
+"""DDTree construction and compilation: against a brute-force spec, the heap reference and the mask helpers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kdtree_engine.ddtree import (
+    LOGPROB_FLOOR,
+    LOGPROB_SCALE,
+    DraftTopK,
+    DraftTree,
+    build_ddtree,
+    build_ddtree_reference,
+    check_tree,
+    compile_tree,
+    draft_topk,
+    expand_topk,
+    expand_topk_reference,
+    tree_from_parents,
+    tree_links,
+)
+from kdtree_engine.masks import ancestor_matrix, pack_tree_mask, tree_mask_from_parents
+from kdtree_engine.verify.api import check_content, check_inputs, D_QK
+
+FIELDS = ("tokens", "parents", "depths", "ranks", "scores")
+
+
+def assert_same_tree(a: DraftTree, b: DraftTree, fields=FIELDS):
+    assert a.num_nodes_host == b.num_nodes_host
+    assert a.max_depth == b.max_depth
+    for f in fields:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.shape == y.shape, f"{f}: shape {tuple(x.shape)} != {tuple(y.shape)}"
+        if not torch.equal(x.cpu(), y.cpu()):
+            bad = (x.cpu() != y.cpu()).nonzero()[0].tolist()
+            raise AssertionError(f"{f} differs first at {bad}: {x[tuple(bad)]} vs {y[tuple(bad)]}")
+
+
+def brute_force(top: DraftTopK, budget: int, roots: list[int]):
+    """The spec, by enumeration: every path of ranks up to depth L, sorted by (-score, depth, path)."""
+    lp = top.logprobs.cpu().tolist()
+    ids = top.token_ids.cpu().tolist()
+    B, L, K = top.logprobs.shape
+    out = []
+    for b in range(B):
+        nodes = []
+        for d in range(1, L + 1):
+            for path in itertools.product(range(K), repeat=d):
+                nodes.append((-sum(lp[b][j][r] for j, r in enumerate(path)), d, path))
+        nodes.sort()
+        chosen = nodes[:budget]
+        index = {path: i + 1 for i, (_, _, path) in enumerate(chosen)}
+        index[()] = 0
+        tokens = [roots[b]] + [ids[b][d - 1][p[-1]] for _, d, p in chosen]
+        parents = [-1] + [index[p[:-1]] for _, _, p in chosen]
+        scores = [0] + [-s for s, _, _ in chosen]
+        out.append((tokens, parents, scores))
+    return out
+
+
+def logits_case(kind: str, B: int, L: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        return torch.randn(B, L, V, generator=g) * 2
+    if kind == "ties":  # few distinct values: many equal logits and equal path scores
+        return torch.randint(0, 3, (B, L, V), generator=g).float()
+    if kind == "peaked":
+        x = torch.randn(B, L, V, generator=g)
+        x[..., 0] += 30.0  # log-probs of everything else far below; floor not reached
+        return x
+    if kind == "floor":  # gaps beyond the -1000 floor: equal clamped scores
+        x = torch.randn(B, L, V, generator=g)
+        x[..., :2] += 5000.0
+        return x
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------------------------
+# top-K
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "floor"])
+def test_draft_topk_order_and_values(kind):
+    x = logits_case(kind, 2, 3, 11, seed=3)
+    top = draft_topk(x, 5)
+    lsm = torch.log_softmax(x.double(), -1)
+    for b, d in itertools.product(range(2), range(3)):
+        row = x[b, d].tolist()
+        ids = top.token_ids[b, d].tolist()
+        # ordered by logit desc, then id asc, and they are the 5 best logits
+        assert ids == sorted(ids, key=lambda t: (-row[t], t))
+        assert sorted(row, reverse=True)[4] <= min(row[t] for t in ids)
+        want = (lsm[b, d, ids].clamp(min=LOGPROB_FLOOR) * LOGPROB_SCALE).round().long()
+        # float32 log-softmax: absolute error ~ eps32 * |logit|, in units of 2^-20 nats
+        tol = 64 + 4 * LOGPROB_SCALE * torch.finfo(torch.float32).eps * float(x[b, d].abs().max())
+        assert (top.logprobs[b, d] - want).abs().max() <= tol
+        assert bool((top.logprobs[b, d, 1:] <= top.logprobs[b, d, :-1]).all())
+
+
+def test_draft_topk_bad_inputs():
+    with pytest.raises(TypeError, match="draft_logits"):
+        draft_topk(torch.zeros(2, 3, 4, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="draft_logits"):
+        draft_topk(torch.zeros(2, 3, 4, 5), 2)
+    with pytest.raises(ValueError, match="k must be"):
+        draft_topk(torch.zeros(2, 3, 4), 5)
+    with pytest.raises(TypeError, match="k must be an int"):
+        draft_topk(torch.zeros(2, 3, 4), 2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# construction
+
+
+BRUTE = [
+    # kind, B, L, V, budget, topk
+    ("randn", 1, 1, 5, 3, None),
+    ("randn", 3, 3, 4, 10, None),
+    ("randn", 2, 4, 3, 40, None),  # budget > all 3+9+27+81? no: 120 nodes, 40 chosen
+    ("ties", 3, 4, 3, 17, None),
+    ("ties", 2, 3, 5, 50, None),
+    ("floor", 2, 3, 4, 9, None),
+    ("randn", 2, 3, 2, 100, None),  # fewer possible nodes (14) than the budget
+    ("ties", 2, 4, 6, 13, 2),  # topk cap
+]
+
+
+@pytest.mark.parametrize("kind,B,L,V,budget,topk", BRUTE, ids=[f"{c[0]}-B{c[1]}-L{c[2]}-V{c[3]}-N{c[4]}-k{c[5]}" for c in BRUTE])
+def test_build_matches_brute_force(kind, B, L, V, budget, topk, device):
+    x = logits_case(kind, B, L, V, seed=budget).to(device)
+    roots = torch.arange(B, device=device) + 100
+    tree = build_ddtree(x, budget, roots, topk=topk)
+    k = min(topk or budget, budget, V)
+    top = draft_topk(x, k)
+    spec = brute_force(top, budget, roots.tolist())
+    n = len(spec[0][0])
+    assert tree.num_nodes_host == (n,) * B and tree.width == n
+    for b, (tokens, parents, scores) in enumerate(spec):
+        assert tree.tokens[b].tolist() == tokens
+        assert tree.parents[b].tolist() == parents
+        assert tree.scores[b].tolist() == scores
+    check_tree(tree)
+    assert_same_tree(tree, build_ddtree_reference(x, budget, roots, topk=topk))
+
+
+HEAP = [
+    ("randn", 4, 16, 1000, 64),
+    ("randn", 3, 7, 300, 129),
+    ("randn", 2, 16, 5000, 512),
+    ("ties", 3, 9, 7, 200),
+    ("ties", 2, 5, 2, 61),  # the full binary tree of depth 5 is 62 nodes
+    ("peaked", 3, 16, 50, 33),
+    ("floor", 2, 6, 9, 70),
+    ("randn", 1, 3, 40, 1023),  # maximum budget
+]
+
+
+@pytest.mark.parametrize("kind,B,L,V,budget", HEAP, ids=[f"{c[0]}-B{c[1]}-L{c[2]}-V{c[3]}-N{c[4]}" for c in HEAP])
+def test_vectorised_matches_heap(kind, B, L, V, budget, device):
+    x = logits_case(kind, B, L, V, seed=L * V).to(device)
+    roots = torch.arange(B, device=device)
+    top = draft_topk(x, min(budget, V))
+    fast = expand_topk(top, budget, roots)
+    ref = expand_topk_reference(top, budget, roots)
+    assert_same_tree(fast, ref)
+    assert fast.tokens.device == x.device
+    check_tree(fast)
+    # emission order = sorted by the documented key
+    for b in range(B):
+        s, d = fast.scores[b, 1:].tolist(), fast.depths[b, 1:].tolist()
+        keys = [(-si, di) for si, di in zip(s, d)]
+        assert keys == sorted(keys)
+
+
+def test_children_in_rank_order_and_parents_first(device):
+    x = logits_case("randn", 2, 6, 30, seed=5).to(device)
+    tree = build_ddtree(x, 90, torch.zeros(2, dtype=torch.long, device=device))
+    par, rk = tree.parents.cpu(), tree.ranks.cpu()
+    for b in range(2):
+        for i in range(1, tree.width):
+            assert par[b, i] < i
+        for p in range(tree.width):
+            kids = (par[b] == p).nonzero().flatten().tolist()
+            assert [int(rk[b, c]) for c in kids] == list(range(len(kids)))  # ranks 0,1,2.. in index order
+
+
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_chain_is_special_case(L, device):
+    x = logits_case("randn", 3, L, 50, seed=L).to(device)
+    roots = torch.tensor([7, 8, 9], device=device)
+    tree = build_ddtree(x, L, roots, topk=1)
+    assert tree.width == L + 1
+    assert tree.parents.tolist() == [list(range(-1, L))] * 3
+    assert tree.depths.tolist() == [list(range(L + 1))] * 3
+    assert torch.equal(tree.tokens[:, 0], roots)
+    assert torch.equal(tree.tokens[:, 1:], x.argmax(-1))
+    # a budget beyond L with topk=1 still gives the chain
+    assert torch.equal(build_ddtree(x, L + 5, roots, topk=1).tokens, tree.tokens)
+
+
+def test_degenerate_budgets(device):
+    x = logits_case("randn", 2, 3, 4, seed=0).to(device)
+    roots = torch.tensor([1, 2], device=device)
+    for tree in (build_ddtree(x, 0, roots), build_ddtree(x[:, :0], 5, roots), build_ddtree_reference(x, 0, roots)):
+        assert tree.width == 1 and tree.max_depth == 0
+        assert tree.tokens.tolist() == [[1], [2]] and tree.parents.tolist() == [[-1], [-1]]
+    one = build_ddtree(x, 1, roots)
+    assert one.width == 2 and torch.equal(one.tokens[:, 1], x[:, 0].argmax(-1))
+    v1 = build_ddtree(x[..., :1], 10, roots)  # V = 1: the chain of token 0
+    assert v1.width == 4 and v1.tokens[:, 1:].tolist() == [[0, 0, 0]] * 2
+    single = build_ddtree(x[0], 4, roots[:1])  # [L, V] input
+    assert single.batch_size == 1
+
+
+def test_build_bad_inputs(device):
+    x = torch.zeros(2, 3, 5, device=device)
+    r = torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="budget"):
+        build_ddtree(x, -1, r)
+    with pytest.raises(ValueError, match="budget"):
+        build_ddtree(x, 1024, r)
+    with pytest.raises(TypeError, match="budget"):
+        build_ddtree(x, 3.0, r)
+    with pytest.raises(ValueError, match="root_tokens"):
+        build_ddtree(x, 3, r[:1])
+    with pytest.raises(TypeError, match="root_tokens"):
+        build_ddtree(x, 3, r.float())
+    with pytest.raises(ValueError, match="topk"):
+        build_ddtree(x, 3, r, topk=0)
+    with pytest.raises(TypeError, match="draft_logits"):
+        build_ddtree(x.long(), 3, r)
+    with pytest.raises(TypeError, match="top"):
+        expand_topk(x, 3, r)
+
+
+# ----------------------------------------------------------------------------------------------
+# trees from parents, structure helpers
+
+
+def shuffled_tree(n: int, gen: torch.Generator) -> list[int]:
+    """A random tree with the root at 0 and the other nodes in random order (children may precede parents)."""
+    par = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    perm = [0] + (torch.randperm(n - 1, generator=gen) + 1).tolist()
+    new = [0] * n
+    for old, p in enumerate(par):
+        new[perm[old]] = -1 if p < 0 else perm[p]
+    return new
+
+
+def test_tree_from_parents_depths_and_links(device):
+    g = torch.Generator().manual_seed(11)
+    sizes = [1, 2, 33, 70, 5]
+    parents = [shuffled_tree(n, g) for n in sizes]
+    tokens = [torch.randperm(200, generator=g)[:n].tolist() for n in sizes]
+    pad = torch.nn.utils.rnn.pad_sequence
+    par_t = pad([torch.tensor(p) for p in parents], batch_first=True, padding_value=-1).to(device)
+    tok_t = pad([torch.tensor(t) for t in tokens], batch_first=True, padding_value=-1).to(device)
+    tree = tree_from_parents(par_t, tok_t, sizes)
+    check_tree(tree)
+    assert tree.num_nodes_host == tuple(sizes) and tree.width == 70
+    fc, ns = tree_links(tree)
+    for b, p in enumerate(parents):
+        n = len(p)
+        depth = [0] * n
+        for i in range(n):
+            j = i
+            while p[j] >= 0:
+                j, depth[i] = p[j], depth[i] + 1
+        assert tree.depths[b, :n].tolist() == depth
+        assert tree.depths[b, n:].tolist() == [-1] * (70 - n)
+        kids = {i: [c for c in range(n) if p[c] == i] for i in range(n)}
+        assert fc[b, :n].tolist() == [k[0] if k else -1 for k in kids.values()]
+        want_ns = [-1] * n
+        for k in kids.values():
+            for a, c in zip(k, k[1:]):
+                want_ns[a] = c
+        assert ns[b, :n].tolist() == want_ns
+    assert tree.max_depth == max(max(d for d in tree.depths[b].tolist()) for b in range(len(sizes)))
+
+
+def test_check_tree_rejects():
+    with pytest.raises(ValueError, match="two children with token"):
+        check_tree(tree_from_parents([[-1, 0, 0]], [[1, 5, 5]]))
+    with pytest.raises(ValueError, match="only root"):
+        check_tree(tree_from_parents([[-1, -1, 0]], [[1, 2, 3]]))
+    with pytest.raises(ValueError, match="cycle"):
+        check_tree(tree_from_parents([[-1, 2, 1]], [[1, 2, 3]], max_depth=2))
+    with pytest.raises(ValueError, match="deeper"):
+        check_tree(tree_from_parents([[-1, 0, 1, 2]], [[1, 2, 3, 4]], max_depth=2))
+    with pytest.raises(ValueError, match="num_nodes"):
+        tree_from_parents([[-1, 0]], [[1, 2]], [3])
+    with pytest.raises(TypeError, match="both"):
+        tree_from_parents(torch.tensor([[-1, 0]]), [[1, 2]])
+
+
+# ----------------------------------------------------------------------------------------------
+# compile
+
+
+def test_compile_ddtree_batch(device):
+    x = logits_case("randn", 3, 5, 40, seed=1).to(device)
+    tree = build_ddtree(x, 70, torch.tensor([3, 4, 5], device=device))  # 71 nodes: 3 mask words
+    prefix = torch.tensor([0, 9, 1000], device=device)
+    vb = compile_tree(tree, prefix)
+    n = tree.width
+    assert vb.num_rows == 3 * n and vb.tree_mask.shape == (3 * n, 3) and vb.tree_mask.dtype == torch.int32
+    assert vb.qo_indptr.tolist() == [0, n, 2 * n, 3 * n] and vb.qo_indptr.dtype == torch.int32
+    assert vb.kv_lens.tolist() == [n, 9 + n, 1000 + n] and vb.kv_lens.dtype == torch.int32
+    for b in range(3):
+        rows = slice(b * n, (b + 1) * n)
+        want = tree_mask_from_parents(tree.parents[b].cpu())
+        assert torch.equal(vb.tree_mask[rows].cpu(), want)
+        assert torch.equal(vb.positions[rows], prefix[b] + tree.depths[b])
+        assert torch.equal(vb.kv_positions[rows], prefix[b] + torch.arange(n, device=device))
+        assert torch.equal(vb.input_ids[rows], tree.tokens[b])
+    assert vb.kv_slots is None
+
+
+def test_compile_ragged_paged_and_wide(device):
+    g = torch.Generator().manual_seed(4)
+    sizes = [1, 40, 7, 65]
+    parents = [shuffled_tree(n, g) for n in sizes]
+    tokens = [list(range(n)) for n in sizes]
+    tree = tree_from_parents(parents, tokens)
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device), sizes)
+    prefix = [5, 0, 33, 2]
+    page_size = 4
+    kv_lens = [p + n for p, n in zip(prefix, sizes)]
+    pages = [(L + page_size - 1) // page_size for L in kv_lens]
+    perm = torch.randperm(sum(pages) + 3, generator=g)
+    table = torch.full((4, max(pages)), 10**6, dtype=torch.int32)
+    c = 0
+    for b, k in enumerate(pages):
+        table[b, :k] = perm[c : c + k].to(torch.int32)
+        c += k
+    vb = compile_tree(tree, prefix, page_table=table.to(device), page_size=page_size, words=5)
+    T = sum(sizes)
+    assert vb.num_rows == T and vb.tree_mask.shape == (T, 5)
+    assert vb.qo_indptr.tolist() == [0, 1, 41, 48, 113]
+    for b in range(4):
+        q0, q1 = vb.qo_indptr[b].item(), vb.qo_indptr[b + 1].item()
+        want = pack_tree_mask(ancestor_matrix(parents[b]), words=5)
+        assert torch.equal(vb.tree_mask[q0:q1].cpu(), want)
+        assert vb.input_ids[q0:q1].tolist() == tokens[b]
+        assert torch.equal(vb.positions[q0:q1], prefix[b] + tree.depths[b, : sizes[b]])
+        pos = torch.arange(sizes[b]) + prefix[b]
+        assert vb.kv_positions[q0:q1].tolist() == pos.tolist()
+        want_slot = table[b, pos // page_size].long() * page_size + pos % page_size
+        assert vb.kv_slots[q0:q1].tolist() == want_slot.tolist()
+        assert vb.row_index[b, : sizes[b]].tolist() == list(range(q0, q1))
+        assert vb.row_index[b, sizes[b] :].tolist() == [-1] * (65 - sizes[b])
+    # the contract's own content checks accept the compiled batch
+    q = torch.zeros(T, 3, D_QK, dtype=torch.bfloat16, device=device)
+    kv = torch.zeros(int(perm.numel()), page_size, D_QK, dtype=torch.bfloat16, device=device)
+    info = check_inputs(q, kv, table.to(device), vb.kv_lens, vb.qo_indptr, vb.tree_mask)
+    check_content(table.to(device), vb.kv_lens, vb.qo_indptr, vb.tree_mask, info)
+
+
+def test_compile_bad_inputs(device):
+    tree = build_ddtree(torch.zeros(2, 2, 3, device=device), 3, torch.zeros(2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="prefix_lens"):
+        compile_tree(tree, [1])
+    with pytest.raises(TypeError, match="prefix_lens"):
+        compile_tree(tree, torch.zeros(2, device=device))
+    with pytest.raises(ValueError, match="page_table and page_size"):
+        compile_tree(tree, [0, 0], page_size=4)
+    with pytest.raises(ValueError, match="words"):
+        compile_tree(tree, [0, 0], words=0)
+    with pytest.raises(TypeError, match="tree"):
+        compile_tree("tree", [0, 0])
