@@ -1,7 +1,6 @@
 """End-to-end pieces: absorbed-MLA runner over HF DeepseekV3 weights, drafters, the speculative loop."""
 
 from .mla import (
-    ContiguousKVCache,
     MLARunner,
     StepBatch,
     StepTimer,
@@ -17,7 +16,6 @@ __all__ = [
     "MLARunner",
     "StepBatch",
     "StepTimer",
-    "ContiguousKVCache",
     "check_mla_config",
     "tiny_config",
     "kimi_k2_attention_config",

@@ -28,9 +28,8 @@ Two forward paths:
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +42,6 @@ __all__ = [
     "MLARunner",
     "StepBatch",
     "StepTimer",
-    "ContiguousKVCache",
     "check_mla_config",
     "tiny_config",
     "kimi_k2_attention_config",
@@ -267,45 +265,6 @@ class StepTimer:
         self._pending.clear()
 
 
-class ContiguousKVCache:
-    """The simplest cache: each sequence owns a fixed run of pages (no sharing, no defrag).
-
-    ``layers[l]``: ``[num_pages, page_size, 576]``. Sequence ``b`` owns pages
-    ``b*pages_per_seq .. (b+1)*pages_per_seq - 1`` (shuffled when ``shuffle_pages``) and position
-    ``p`` of it lives at slot ``page_table[b, p // page_size] * page_size + p % page_size``.
-    """
-
-    def __init__(self, num_layers, num_seqs, max_len, *, page_size=16, dtype=torch.bfloat16, device="cpu",
-                 shuffle_pages=False, poison=True, seed=0):
-        self.page_size = page_size
-        self.pages_per_seq = max(1, math.ceil(max_len / page_size))
-        num_pages = num_seqs * self.pages_per_seq
-        fill = float("nan") if poison else 0.0
-        self.layers = [
-            torch.full((num_pages, page_size, D_QK), fill, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        order = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
-                 if shuffle_pages else torch.arange(num_pages))
-        self.page_table = order.view(num_seqs, self.pages_per_seq).to(torch.int32).to(device)
-        self.lens = [0] * num_seqs
-        self.capacity = self.pages_per_seq * page_size
-
-    def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
-        positions = positions.to(self.page_table.device, torch.int64)
-        if int(positions.max()) >= self.capacity:
-            raise ValueError(f"position {int(positions.max())} past the cache capacity {self.capacity}")
-        pages = self.page_table[seq].to(torch.int64)[positions // self.page_size]
-        return pages * self.page_size + positions % self.page_size
-
-    def move(self, seq: int, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
-        """Copy rows of positions ``src_pos`` to ``dst_pos`` in every layer (gather, then scatter)."""
-        src = self.slots(seq, src_pos)
-        dst = self.slots(seq, dst_pos)
-        for kv in self.layers:
-            flat = kv.view(-1, D_QK)
-            flat[dst] = flat[src]
-
-
 # ----------------------------------------------------------------------------------------------
 # the runner
 
@@ -333,12 +292,9 @@ class MLARunner:
         self.device = p.device
         self.dtype = p.dtype
         if cache_dtype is None:
-            if self.dtype in (torch.bfloat16, torch.float16):
-                cache_dtype = self.dtype
-            else:
-                cache_dtype = torch.float32 if kernel == "reference" else torch.bfloat16
-        if kernel != "reference" and cache_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"kernel {kernel!r} needs a bf16/fp16 cache, got {cache_dtype}")
+            cache_dtype = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if cache_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the KV cache (and the kernel's q) must be bf16 or fp16, got {cache_dtype}")
         self.cache_dtype = cache_dtype
         c = self.config
         self.num_layers = c.num_hidden_layers
@@ -365,9 +321,6 @@ class MLARunner:
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token takes across all layers."""
         return self.num_layers * D_QK * torch.empty((), dtype=self.cache_dtype).element_size()
-
-    def new_cache(self, num_seqs: int, max_len: int, **kw) -> ContiguousKVCache:
-        return ContiguousKVCache(self.num_layers, num_seqs, max_len, dtype=self.cache_dtype, device=self.device, **kw)
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -445,15 +398,13 @@ class MLARunner:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, kv_layers: Sequence[torch.Tensor], slots: torch.Tensor,
-                start_pos: int = 0) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Dense causal forward over one sequence's prompt ``tokens [P]`` at positions 0..P-1.
 
         Writes the latent rows of every position into ``slots [P]`` of each layer's cache and
-        returns the float32 logits of the last position ``[vocab]``. ``start_pos`` must be 0
-        (the dense path attends within the given tokens only).
+        returns the float32 logits of the last position ``[vocab]``. ``on_layer(i)`` is called
+        after each layer (progress reporting).
         """
-        if start_pos != 0:
-            raise ValueError("prefill runs over a whole prompt from position 0")
         tokens = tokens.to(self.device)
         P = tokens.shape[0]
         pos = torch.arange(P, device=self.device)
@@ -481,6 +432,8 @@ class MLARunner:
             o = attn.o_proj(o.transpose(0, 1).reshape(P, H * vd))
             h = self._mlp_block(li, h + o)
             del o
+            if on_layer:
+                on_layer(li)
         return self._logits(h[-1:])[0]
 
 

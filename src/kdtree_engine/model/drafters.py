@@ -1,0 +1,160 @@
+"""Drafters: given each sequence's context, logits for the next ``L`` positions.
+
+The interface (all the speculative loop needs)::
+
+    logits = drafter.draft(contexts, num_positions)   # float32 [B, L, vocab], on the CPU
+
+``contexts[b]`` is sequence b's whole token history (prompt + output so far) as a 1-D int64 CPU
+tensor; its last token is the root of the next draft tree (emitted, its KV not yet cached). Row
+``[b, i]`` of the result is the drafter's belief about the token at depth ``i + 1`` below that
+root (one independent distribution per position, as a block / parallel drafter gives them).
+
+- :class:`NGramDrafter` (real; needs no weights): prompt lookup. The longest suffix of the context
+  (``max_ngram`` down to ``min_ngram`` tokens) that occurred earlier votes, at each of the next
+  ``L`` positions, for the tokens that followed its earlier occurrences.
+- :class:`SyntheticDrafter` (SYNTHETIC, for benchmarking only): knows the target's greedy output
+  (a reference continuation) and puts the true next token at rank 1 with probability
+  ``agreement``, else at rank 2 with probability ``agreement``, ... down to ``max_rank`` (else not
+  in its top list). Losslessness does not depend on it: the target still verifies every token.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["Drafter", "NGramDrafter", "SyntheticDrafter", "as_context"]
+
+NEG = -1e4  # logit of "not proposed" (finite: log-softmax stays well defined)
+
+
+class Drafter(Protocol):
+    """Anything with ``name``, ``synthetic`` and ``draft(contexts, num_positions) -> [B, L, V]``."""
+
+    name: str
+    synthetic: bool
+    vocab_size: int
+
+    def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor: ...
+
+
+def as_context(tokens) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of a token sequence."""
+    return torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
+
+
+class NGramDrafter:
+    """Prompt-lookup drafter (no weights).
+
+    For ``n`` from ``max_ngram`` down to ``min_ngram``: find earlier occurrences of the context's
+    last ``n`` tokens (the most recent ``max_matches``); if any, the tokens that followed them vote
+    at each of the next ``L`` positions (a vote at position ``i`` needs the occurrence to be
+    followed by ``i + 1`` tokens). Logits are log-probabilities of the votes, smoothed by
+    ``smoothing`` mass spread over the vocabulary; a position without votes is uniform.
+    """
+
+    name = "ngram"
+    synthetic = False
+
+    def __init__(self, vocab_size: int, *, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8,
+                 smoothing: float = 0.05):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_matches = max_matches
+        self.smoothing = smoothing
+
+    def _matches(self, ctx: np.ndarray) -> tuple[np.ndarray, int]:
+        N = ctx.shape[0]
+        for n in range(min(self.max_ngram, N - 1), self.min_ngram - 1, -1):
+            suffix = ctx[N - n :]
+            # windows starting at i = 0 .. N-n-1 (each followed by at least one token)
+            win = np.lib.stride_tricks.sliding_window_view(ctx[: N - 1], n)
+            hit = np.nonzero((win == suffix).all(axis=1))[0]
+            if hit.size:
+                return hit[::-1][: self.max_matches], n
+        return np.zeros(0, dtype=np.int64), 0
+
+    def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
+        V, L = self.vocab_size, num_positions
+        counts = np.zeros((len(contexts), L, V), dtype=np.float64)
+        for b, c in enumerate(contexts):
+            ctx = as_context(c).numpy()
+            starts, n = self._matches(ctx)
+            for s in starts:
+                follow = ctx[s + n : s + n + L]
+                counts[b, np.arange(follow.shape[0]), follow] += 1.0
+        total = counts.sum(-1, keepdims=True)
+        probs = np.where(total > 0, counts / np.maximum(total, 1.0), 1.0 / V)
+        probs = (1.0 - self.smoothing) * probs + self.smoothing / V
+        return torch.from_numpy(np.log(probs)).float()
+
+
+class SyntheticDrafter:
+    """SYNTHETIC drafter with a set agreement with the target, for benchmarking.
+
+    ``references``: each sequence's full greedy token sequence (prompt + the target's greedy
+    continuation), e.g. from a plain-decoding run. A context is matched to the reference it is a
+    prefix of. At each draft position the true token's rank is drawn: rank ``r`` (1-based) with
+    probability ``agreement * (1 - agreement)^(r-1)`` for ``r <= max_rank``, else it is not
+    proposed; the other ranks hold random tokens. Rank ``r`` gets logit ``-rank_gap * (r - 1)``,
+    tokens not proposed ``-1e4``. Draws are seeded by (``seed``, reference, position), so the same
+    request drafts the same trees whatever the kernel or batch. Past a reference's end, or for
+    a context that matches no reference, all positions are uniform.
+    """
+
+    name = "synthetic"
+    synthetic = True
+
+    def __init__(self, references: Sequence[Sequence[int]], vocab_size: int, *, agreement: float = 0.7,
+                 max_rank: int = 4, rank_gap: float = 1.0, seed: int = 0):
+        if not 0.0 <= agreement <= 1.0:
+            raise ValueError(f"agreement must be in [0, 1], got {agreement}")
+        self.references = [as_context(r) for r in references]
+        self.vocab_size = vocab_size
+        self.agreement = agreement
+        self.max_rank = max(1, min(max_rank, vocab_size))
+        self.rank_gap = rank_gap
+        self.seed = seed
+        self.name = f"synthetic(agreement={agreement:g})"
+
+    def _find(self, ctx: torch.Tensor) -> int:
+        n = ctx.shape[0]
+        for i, r in enumerate(self.references):
+            if r.shape[0] > n and torch.equal(r[:n], ctx):
+                return i
+        return -1
+
+    def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
+        V, L = self.vocab_size, num_positions
+        out = torch.full((len(contexts), L, V), NEG, dtype=torch.float32)
+        for b, c in enumerate(contexts):
+            ctx = as_context(c)
+            ref = self._find(ctx)
+            N = ctx.shape[0]
+            for i in range(L):
+                p = N + i  # reference index of the token at depth i + 1
+                if ref < 0 or p >= self.references[ref].shape[0]:
+                    out[b, i] = 0.0
+                    continue
+                true = int(self.references[ref][p])
+                rng = random.Random(hash((self.seed, ref, p)))
+                rank = next((r for r in range(self.max_rank) if rng.random() < self.agreement), -1)  # 0-based
+                others = rng.sample(range(V - 1), self.max_rank)
+                ranked = [t + (t >= true) for t in others]  # never the true token
+                if rank >= 0:
+                    ranked[rank] = true
+                for r, tok in enumerate(ranked):
+                    out[b, i, tok] = -self.rank_gap * r
+        return out
+
+    @staticmethod
+    def expected_chain_acceptance(agreement: float, depth: int) -> float:
+        """Mean tokens per step of a pure chain (top-1 only) of ``depth`` drafts: sum_k a^k, k=0..depth."""
+        return sum(agreement**k for k in range(depth + 1)) if agreement < 1 else float(depth + 1)
