@@ -351,3 +351,46 @@ def test_cli_tiny_functional_run(tmp_path, capsys):
     else:
         assert data["ceilings"]["copy_tbps"] > 0
         assert all(r["pct_floor"] > 0 for r in data["rows"])
+
+
+def test_flash_detected_and_planned_once_per_shape(monkeypatch):
+    """With a ``kdtree_engine.verify.flash`` that has ``plan_verify``, the harness builds the plan
+    once per shape (outside the timed calls) and passes it to every call. A stand-in module
+    (running the naive kernel) replaces the real one here."""
+    import sys
+    import types
+
+    from kdtree_engine.bench.runner import detect_ours
+    from kdtree_engine.verify.naive import verify_attention_naive
+
+    seen = {"plans": 0, "calls": []}
+
+    def plan_verify(kv_lens_host, qo_indptr_host, num_heads, *, page_size=1):
+        seen["plans"] += 1
+        return types.SimpleNamespace(kv_lens_host=kv_lens_host, qo_indptr_host=qo_indptr_host, heads=num_heads)
+
+    def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
+        seen["calls"].append(plan)
+        verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse)
+
+    mod = types.ModuleType("kdtree_engine.verify.flash")
+    mod.plan_verify, mod.verify_attention_flash = plan_verify, verify_attention_flash
+    monkeypatch.setitem(sys.modules, "kdtree_engine.verify.flash", mod)
+    impls, notes = detect_ours(["flash"])
+    assert [i.name for i in impls] == ["flash"] and notes == {}
+    shapes = [Shape(1, 9, 2, 0, 1), Shape(2, 5, 1, 16, 16)]
+    opts = SweepOptions(device=DEVICE, repeats=2, min_repeats=1, budget_s=0.01, check_heads=2)
+    rows, abort = run_sweep(shapes, impls, opts, None)
+    assert abort is None and [r.status for r in rows] == ["ok", "ok"], rows
+    assert seen["plans"] == 2 and all(r.note == "plan" for r in rows)
+    assert seen["calls"] and all(p is not None and p.heads in (1, 2) for p in seen["calls"])
+
+
+def test_flash_absent_is_left_out_with_a_note(monkeypatch):
+    import sys
+
+    from kdtree_engine.bench.runner import detect_ours
+
+    monkeypatch.setitem(sys.modules, "kdtree_engine.verify.flash", None)  # import raises ImportError
+    impls, notes = detect_ours(None)
+    assert [i.name for i in impls] == ["naive"] and "flash" in notes

@@ -32,7 +32,7 @@ PRESET_TIMING = {
     "tiny": dict(repeats=10, budget_ms=50.0, slow_max_ms=3000.0),
     "quick": dict(repeats=30, budget_ms=150.0, slow_max_ms=500.0),
     "default": dict(repeats=100, budget_ms=400.0, slow_max_ms=1500.0),
-    "issue3": dict(repeats=50, budget_ms=250.0, slow_max_ms=1500.0),
+    "issue3": dict(repeats=30, budget_ms=150.0, slow_max_ms=500.0),
     "custom": dict(repeats=100, budget_ms=400.0, slow_max_ms=1500.0),
 }
 

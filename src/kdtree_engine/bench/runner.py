@@ -325,13 +325,22 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
     try:
         # gate: one call on set 0 with NaN-poisoned outputs, compared with the reference sample
         case.reset_outputs()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         prepared.run(0)
         if cuda:
             torch.cuda.synchronize()
+        gate_s = time.perf_counter() - t0  # includes the first compilation
         ok, detail, worst = check_against(case, sample, impl.has_lse)
         row.check, row.max_abs_err = detail, worst
         if not ok:
             row.status = "FAIL"
+            return row
+        if cuda and is_slow_kind(impl) and gate_s > max(4 * opts.slow_max_ms / 1e3, 3.0):
+            # far slower than the estimate that let it in: do not spend minutes on it
+            row.status = "skip"
+            row.note = f"correct, but one call took {gate_s:.1f} s (> 4x --slow-max-ms); not timed"
             return row
         if cuda:
             row.timing = time_cuda(
@@ -353,6 +362,9 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
                 return row
     except torch.cuda.OutOfMemoryError:
         row.status, row.timing, row.note = "skip", None, "out of memory"
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     except Exception as e:
         row.status, row.timing = "error", None
         row.note = _first_line(e)
@@ -407,13 +419,20 @@ def run_sweep(
             info = check_inputs(**case.inputs(0))
             check_content(case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask, info)
             sample = reference_sample(case, opts.check_seqs, opts.check_heads)
-        except torch.cuda.OutOfMemoryError:
+        except Exception as e:  # out of memory, or a bug in the inputs: the shape's rows say so
+            oom = isinstance(e, torch.cuda.OutOfMemoryError)
+            status, note = ("skip", "out of memory building inputs") if oom else ("error", f"inputs: {_first_line(e)}")
             case = sample = None
+            del e
             gc.collect()
+            if cuda and not _device_ok():
+                for impl in impls:
+                    emit(Row(shape=shape, kernel=impl.name, status="error", note=note))
+                return rows, f"{shape.label}: {note}"
             if cuda:
                 torch.cuda.empty_cache()
             for impl in impls:
-                emit(Row(shape=shape, kernel=impl.name, status="skip", note="out of memory building inputs"))
+                emit(Row(shape=shape, kernel=impl.name, status=status, note=note))
                 if on_progress:
                     on_progress(f"{shape.label} {impl.name}")
             if on_shape_done:
@@ -497,10 +516,6 @@ def crossovers(rows: list[Row], fast: str = "flash", slow: str = "naive") -> lis
             verdict = f"{fast} overtakes {slow} between prefix {before} and {cross}"
         out.append({"group": labels[g], "prefixes": common, "crossover_prefix": cross, "verdict": verdict})
     return out
-
-
-def wall_clock() -> float:
-    return time.perf_counter()
 
 
 def est_total_s(shapes: list[Shape], impls: list[Impl], opts: SweepOptions) -> float:
