@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = report.make_console()
     cpu = device == "cpu"
-    if cpu:
+    if cpu and not a.dry_run:
         report.banner(console)
     shapes, preset, notes = _shapes(a, device)
     tname = preset

@@ -48,6 +48,12 @@ class OursImpl(Impl):
         s0 = case.sets[0]
         available = {
             **case.inputs(0),
+            # plans are built from HOST lengths (a plan_verify that wants device tensors can name
+            # them *_dev / take q and kv_cache); CPU tensors here mean no device sync
+            "kv_lens": case.kv_lens_host,
+            "qo_indptr": case.qo_indptr_host,
+            "kv_lens_dev": case.kv_lens,
+            "qo_indptr_dev": case.qo_indptr,
             "kv_lens_host": case.kv_lens_host,
             "qo_indptr_host": case.qo_indptr_host,
             "num_heads": sh.heads,
@@ -58,7 +64,7 @@ class OursImpl(Impl):
             "max_pages": sh.pages_per_seq,
             "mask_words": case.tree_mask.shape[1],
             "dtype": s0.q.dtype,
-            "device": case.device,
+            "device": s0.q.device,
             "sm_scale": case.sm_scale,
             "max_q_len": sh.q_len,
             "max_kv_len": sh.kv_len,
