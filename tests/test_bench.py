@@ -394,3 +394,40 @@ def test_flash_absent_is_left_out_with_a_note(monkeypatch):
     monkeypatch.setitem(sys.modules, "kdtree_engine.verify.flash", None)  # import raises ImportError
     impls, notes = detect_ours(None)
     assert [i.name for i in impls] == ["naive"] and "flash" in notes
+
+
+def test_table_shows_notes_verbatim():
+    """Check details and error messages hold brackets; the table must print them, not parse them."""
+    from rich.console import Console
+
+    from kdtree_engine.bench.report import rows_table
+
+    bad = Row(shape=Shape(1, 9, 16, 0), kernel="flash", status="FAIL",
+              check="out of seq 0, heads [0, 8, 15]: [bold]x[/] worst at (0, 1, 2)")
+    err = Row(shape=Shape(1, 9, 16, 0), kernel="torch", status="error", note="RuntimeError: [/ weird")
+    console = Console(width=250, record=True)
+    console.print(rows_table([bad, err], cpu=False))
+    text = console.export_text()
+    assert "heads [0, 8, 15]: [bold]x[/]" in text and "[/ weird" in text
+
+
+def test_measure_ceilings_arithmetic(fake_cuda):
+    """Ceilings from the fake clock: every timed launch costs 100 us."""
+    dev = fake_cuda(100.0)
+    real_copy, real_mm = torch.Tensor.copy_, torch.mm
+
+    def copy_(self, src, non_blocking=False):
+        dev.run(0)
+        return real_copy(self, src)
+
+    def mm(a, b, out=None):
+        dev.run(0)
+        return real_mm(a, b, out=out)
+
+    import unittest.mock as mock
+
+    with mock.patch.object(torch.Tensor, "copy_", copy_), mock.patch.object(torch, "mm", mm):
+        c = timing.measure_ceilings(("bf16", "fp16"), copy_gib=1 / 1024, matmul_n=64, repeats=5, device="cpu")
+    assert c.copy_tbps == pytest.approx(2 * 2**20 / 100e-6 / 1e12)  # 1 MiB read + 1 MiB written
+    assert c.matmul_tflops["fp16"] == pytest.approx(2 * 64**3 / 100e-6 / 1e12)
+    assert c.matmul_fps("bf16") == pytest.approx(c.matmul_tflops["bf16"] * 1e12)

@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import SweepOptions, crossovers, detect_ours, est_total_s, estimate, run_sweep
     from .shapes import case_bytes, choose_sets
 
+    from rich.markup import escape
+
     console = report.make_console()
     cpu = device == "cpu"
     if cpu and not a.dry_run:
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if not impls:
         console.print("[red]kdtree bench: none of the requested kernels is available[/]")
         for k, v in why_not.items():
-            console.print(f"  {k}: {v}")
+            console.print(escape(f"  {k}: {v}"))
         return 2
 
     long_tag = "_long" if a.long and preset in ("default", "quick", "custom") else ""
@@ -208,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         return _dry_run(console, shapes, impls, opts, preset, why_not, case_bytes, choose_sets, estimate, est_total_s)
 
     info = report.machine_info(device)
-    console.print(f"[bold]{report.machine_line(info)}[/]")
+    console.print(f"[bold]{escape(report.machine_line(info))}[/]")
     for n in notes:
-        console.print(f"[yellow]{n}[/]")
+        console.print(f"[yellow]{escape(n)}[/]")
     kernels_line = ", ".join(i.name + (f" ({i.version})" if getattr(i, "version", "") else "") for i in impls)
-    console.print(f"kernels: {kernels_line}" + "".join(f" | {k}: {v}" for k, v in why_not.items()))
+    console.print(escape(f"kernels: {kernels_line}" + "".join(f" | {k}: {v}" for k, v in why_not.items())))
     console.print(
         f"preset {preset}{long_tag.replace('_', ' ')}: {len(shapes)} shapes x {len(impls)} kernels; "
         f"repeats <= {opts.repeats}, budget {opts.budget_s * 1e3:.0f} ms/measurement, "
@@ -271,12 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                 if d["speedup_vs_naive"] is not None:
                     figs += f" {d['speedup_vs_naive']:7.1f}x naive"
             else:
-                figs = (d["check"] if d["status"] == "FAIL" else d["note"])[:120]
+                figs = escape((d["check"] if d["status"] == "FAIL" else d["note"])[:160])
             style = report.STATUS_STYLE.get(d["status"], "")
-            progress.console.print(
-                f"[{done[0]:>4}/{total}] {r.shape.label:<32} {r.kernel:<10} [{style}]{d['status']:<5}[/] {figs}",
-                highlight=False,
-            )
+            head = escape(f"[{done[0]:>4}/{total}] {r.shape.label:<32} {r.kernel:<10}")
+            progress.console.print(f"{head} [{style}]{d['status']:<5}[/] {figs}", highlight=False)
 
         def on_shape_done(rows) -> None:
             all_rows.extend(rows)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if cross:
         console.print("[bold]crossover (flash vs naive, per prefix series):[/]")
         for c in cross:
-            console.print(f"  {c['group']}: {c['verdict']}")
+            console.print(escape(f"  {c['group']}: {c['verdict']}"))
     payload["rows"] = [r.to_dict() for r in rows]
     payload["aborted"] = abort
     counts = {}
@@ -311,13 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     payload["counts"] = counts
     console.print("rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if abort:
-        console.print(f"[bold red]sweep aborted: {abort}[/]")
+        console.print(f"[bold red]sweep aborted: {escape(abort)}[/]")
     if files:
         report.write_json(files["json"], payload)
         report.write_csv(files["csv"], payload["rows"], info)
         plot = report.write_plot(files["plot"], payload["rows"], title=title, cpu=cpu)
         written = [str(files["json"]), str(files["csv"])] + ([str(plot)] if plot else [])
-        console.print("wrote " + ", ".join(written))
+        console.print(escape("wrote " + ", ".join(written)))
     if cpu:
         report.banner(console)
     bad = counts.get("FAIL", 0) + counts.get("error", 0)
@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(console, shapes, impls, opts, preset, why_not, case_bytes, choose_sets, estimate, est_total_s) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"dry run: preset {preset}, {len(shapes)} shapes (estimated H200 seconds, rough)")
@@ -337,7 +338,7 @@ def _dry_run(console, shapes, impls, opts, preset, why_not, case_bytes, choose_s
                       f"{case_bytes(s, n_sets) / 2**30:.2f}", *[f"{e:.1f}" if e else "skip" for e in ests])
     console.print(table)
     for k, v in why_not.items():
-        console.print(f"{k}: {v}")
+        console.print(escape(f"{k}: {v}"))
     console.print(f"estimated total: {est_total_s(shapes, impls, opts) / 60:.1f} min on an H200 "
                   f"(budget {opts.budget_s * 1e3:.0f} ms/measurement, repeats <= {opts.repeats})")
     return 0

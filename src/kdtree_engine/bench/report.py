@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -161,9 +162,10 @@ def rows_table(rows, *, cpu: bool, title: str | None = None) -> Table:
         note = d["note"] or ""
         if st == "FAIL":
             note = d["check"]
+        note = escape(note)
         table.add_row(
             *shape_cells,
-            d["kernel"],
+            escape(d["kernel"]),
             f"[{STATUS_STYLE.get(st, '')}]{st}[/]",
             _us(d["median_us"]),
             _f(spread, ".0f") + ("%" if spread is not None else ""),

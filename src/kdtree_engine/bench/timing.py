@@ -168,7 +168,7 @@ def time_cuda(
             if len(k_calls) > graph_max_calls:
                 k_calls = calls * max(1, graph_max_calls // n_sets)
             if len(k_calls) != len(calls):
-                del graph
+                graph = None  # free the first graph (and its pool) before the second capture
                 graph = capture_graph(run, k_calls)
             k = len(k_calls)
             n = n_samples(per_call * k, repeats=repeats, min_repeats=min_repeats, budget_s=budget_s)
@@ -219,30 +219,35 @@ class Ceilings:
         return asdict(self)
 
 
-def measure_ceilings(dtypes=("bf16",), *, copy_gib: float = 1.0, matmul_n: int = 8192, repeats: int = 30) -> Ceilings:
+def _copy_tbps(numel: int, repeats: int, device) -> float:
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = event_times_ms(lambda _j: dst.copy_(src), repeats, head_start_ms=2.0)
+    return 2 * numel * src.element_size() / (statistics.median(ms) * 1e-3) / 1e12
+
+
+def _matmul_tflops(n: int, dtype: torch.dtype, repeats: int, device) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(5):
+        torch.mm(a, b, out=c)
+    ms = event_times_ms(lambda _j: torch.mm(a, b, out=c), repeats, head_start_ms=2.0)
+    return 2 * n**3 / (statistics.median(ms) * 1e-3) / 1e12
+
+
+def measure_ceilings(
+    dtypes=("bf16",), *, copy_gib: float = 1.0, matmul_n: int = 8192, repeats: int = 30, device="cuda"
+) -> Ceilings:
     """Copy bandwidth (``dst.copy_(src)`` of ``copy_gib`` GiB, counted read + write) and the
     dense matmul rate (``matmul_n``^3, per dtype), median of ``repeats`` after warm-up."""
     from .shapes import DTYPES
 
     numel = int(copy_gib * 2**30) // 2
-    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ms = event_times_ms(lambda _j: dst.copy_(src), repeats, head_start_ms=2.0)
-    copy_tbps = 2 * numel * 2 / (statistics.median(ms) * 1e-3) / 1e12
-    del src, dst
-
-    tflops = {}
-    for name in dtypes:
-        dt = DTYPES[name]
-        a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dt)
-        b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dt)
-        c = torch.empty(matmul_n, matmul_n, device="cuda", dtype=dt)
-        for _ in range(5):
-            torch.mm(a, b, out=c)
-        ms = event_times_ms(lambda _j: torch.mm(a, b, out=c), repeats, head_start_ms=2.0)
-        tflops[name] = 2 * matmul_n**3 / (statistics.median(ms) * 1e-3) / 1e12
-        del a, b, c
-    torch.cuda.empty_cache()
+    copy_tbps = _copy_tbps(numel, repeats, device)
+    tflops = {name: _matmul_tflops(matmul_n, DTYPES[name], repeats, device) for name in dtypes}
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return Ceilings(copy_tbps=copy_tbps, matmul_tflops=tflops, copy_bytes=2 * numel * 2, matmul_n=matmul_n)
