@@ -72,7 +72,11 @@ def check_mla_config(config) -> None:
 
 
 def tiny_config(**overrides):
-    """A CPU-sized DeepseekV3 config (2 layers: one dense, one MoE) with the MLA cache dims 512+64."""
+    """A CPU-sized DeepseekV3 config (2 layers: one dense, one MoE) with the MLA cache dims 512+64.
+
+    ``initializer_range`` is 0.1 (HF's default 0.02 leaves a tiny random model's logits almost
+    blind to attention: a 10% softmax-scale error would move them by less than bf16 noise).
+    """
     from transformers import DeepseekV3Config
 
     kw = dict(
@@ -95,6 +99,7 @@ def tiny_config(**overrides):
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=4096,
+        initializer_range=0.1,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
