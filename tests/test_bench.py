@@ -431,3 +431,43 @@ def test_measure_ceilings_arithmetic(fake_cuda):
     assert c.copy_tbps == pytest.approx(2 * 2**20 / 100e-6 / 1e12)  # 1 MiB read + 1 MiB written
     assert c.matmul_tflops["fp16"] == pytest.approx(2 * 64**3 / 100e-6 / 1e12)
     assert c.matmul_fps("bf16") == pytest.approx(c.matmul_tflops["bf16"] * 1e12)
+
+
+def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
+    """The sweep's CUDA code path (memory checks, set rotation, graph timing, ceilings, figures)
+    with CUDA stubbed: kernels really run (on CPU tensors), the fake clock charges 7 us a call."""
+    from kdtree_engine.bench import runner
+
+    dev = fake_cuda(7.0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_build = runner.build_case
+    monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, "cpu", **kw))
+    real_time_cuda = runner.time_cuda
+
+    def time_cuda(run, n_sets, **kw):
+        def both(i):
+            dev.run(i)
+            if dev.capturing is None:
+                run(i)
+
+        return real_time_cuda(both, n_sets, **kw)
+
+    monkeypatch.setattr(runner, "time_cuda", time_cuda)
+    ceilings = timing.Ceilings(copy_tbps=4.0, matmul_tflops={"bf16": 600.0}, copy_bytes=0, matmul_n=0)
+    huge = Shape(16, 65, 128, 2**27)  # 2.4 TB of KV: must be skipped, not built
+    shapes = [Shape(1, 9, 2, 16, 1), huge]
+    opts = SweepOptions(device="cuda", repeats=8, min_repeats=2, budget_s=0.01, max_sets=3, check_heads=2,
+                        l2_bytes=2**20, slow_max_ms=1e6)
+    rows, abort = run_sweep(shapes, [OursImpl("naive"), TorchSDPA()], opts, ceilings)
+    assert abort is None
+    ok = [r for r in rows if r.shape != huge]
+    assert [r.status for r in ok] == ["ok", "ok"], ok
+    for r in ok:
+        assert r.timing.method == "graph" and r.timing.median_us == pytest.approx(7.0)
+        assert r.n_sets == 3 and r.l2_warm
+        assert r.pct_floor == pytest.approx(100 * r.shape.floor_s(4e12, 600e12) / 7e-6)
+        assert r.tflops == pytest.approx(r.shape.flops / 7e-6 / 1e12)
+    assert ok[1].speedup_vs_naive == pytest.approx(1.0)
+    skipped = [r for r in rows if r.shape == huge]
+    assert [r.status for r in skipped] == ["skip", "skip"] and "GiB free" in skipped[0].note
