@@ -724,6 +724,22 @@ class KVPool:
         if self.debug and pages.numel():
             self._store.index_fill_(1, pages.long(), float("nan"))
 
+    def _poison_tails(self, ids: np.ndarray) -> None:
+        """Debug: NaN into the rows past each sequence's length in its last page (page size > 1)."""
+        if not self.debug or self.page_size == 1 or len(ids) == 0:
+            return
+        ps = self.page_size
+        lens = self._len[ids]
+        k = np.where(lens % ps == 0, 0, ps - lens % ps)
+        total = int(k.sum())
+        if total == 0:
+            return
+        seg = np.repeat(np.arange(len(ids)), k)
+        pos = lens[seg] + np.arange(total) - np.repeat(np.cumsum(k) - k, k)
+        tidx_d, off_d = self._to_device(ids[seg] * self._cols + pos // ps, pos % ps)
+        slots = self._table.view(-1)[tidx_d].long() * ps + off_d
+        self._store.view(self.num_layers, -1, D).index_fill_(1, slots, float("nan"))
+
     # ------------------------------------------------------------------ sequences
 
     def add_sequence(self) -> int:
@@ -783,6 +799,7 @@ class KVPool:
         self._tree[ids] = 0
         self._num_free = nf + total
         self._version += 1
+        self._poison_tails(ids)
 
     def extend(self, seq_ids, num_tokens) -> torch.Tensor:
         """Append ``num_tokens[i]`` positions to sequence ``seq_ids[i]`` (allocating pages).
@@ -993,6 +1010,7 @@ class KVPool:
                     f"{top}; host lens {new.tolist()}, device {lens.tolist()}): was num_accepted_host "
                     f"the same as num_accepted?")
             self._poison(self._stack[nf: self._num_free])
+            self._poison_tails(p.ids)
 
     def _check_accepted(self, ids, accepted, num_accepted) -> None:
         acc = accepted.cpu().numpy()
@@ -1300,6 +1318,12 @@ class KVPool:
         if plan.version != self._version:
             raise StalePlanError("the pool changed since this plan was made; plan again")
         s = plan.schedule
+        report = DefragReport(
+            seq_ids=plan.seq_ids, skipped=plan.skipped, pages_moved=plan.pages_moved,
+            bytes_moved=plan.bytes_moved, bytes_extra=plan.bytes_extra, levels=s.levels,
+            scratch_pages=len(s.scratch_src), launches=s.launches, plan_seconds=plan.plan_seconds)
+        if not plan.seq_ids:
+            return report  # nothing moves: the pool is left exactly as it is
         src_d, dst_d, ssrc_d, sdst_d, tidx_d, tval_d, free_d = self._to_device(
             s.src, s.dst, s.scratch_src, s.scratch_dst, plan.table_idx, plan.table_val, plan.free_after)
         ns = len(s.scratch_src)
@@ -1321,22 +1345,25 @@ class KVPool:
                 self._poison(free_d)
         self._top.fill_(nf)
         self._version += 1
-        return DefragReport(
-            seq_ids=plan.seq_ids, skipped=plan.skipped, pages_moved=plan.pages_moved,
-            bytes_moved=plan.bytes_moved, bytes_extra=plan.bytes_extra, levels=s.levels,
-            scratch_pages=ns, launches=s.launches, plan_seconds=plan.plan_seconds)
+        return report
 
-    def defragment(self, seq_ids=None, *, pack: bool = False) -> DefragReport:
-        """Plan and apply. With ``seq_ids=None`` and sequences that find no contiguous room, the
-        whole pool is packed instead (``pack=True``)."""
+    def defragment(self, seq_ids=None, *, pack: bool = False, fallback_pack: bool | None = None) -> DefragReport:
+        """Plan and apply (one device read for the plan).
+
+        ``fallback_pack`` (default: when ``seq_ids`` is None): if a chosen sequence finds no
+        contiguous room, pack the whole pool instead (``pack=True``), which always succeeds but
+        moves every sequence that is not already in its packed place."""
         plan = self.plan_defragment(seq_ids, pack=pack)
-        if plan.skipped and seq_ids is None and not pack:
+        if fallback_pack is None:
+            fallback_pack = seq_ids is None
+        if plan.skipped and fallback_pack and not pack:
             plan = self.plan_defragment(None, pack=True)
         return self.apply_defragment(plan)
 
     def maybe_defragment(self, policy: ThresholdPolicy | None = None) -> DefragReport | None:
         """Policy hook for the serving loop: every ``policy.check_every`` committed steps, read
-        the fragmentation (one sync) and compact the sequences the policy selects."""
+        the fragmentation (one sync) and compact the sequences the policy selects (packing the
+        pool when they find no contiguous room). Returns the report, or None if nothing ran."""
         policy = policy or ThresholdPolicy()
         if self._steps - self._steps_at_check < policy.check_every or self._pending is not None:
             return None
@@ -1344,4 +1371,4 @@ class KVPool:
         chosen = policy.select(self.fragmentation())
         if not chosen:
             return None
-        return self.defragment(chosen)
+        return self.defragment(chosen, fallback_pack=True)
