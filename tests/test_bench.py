@@ -471,3 +471,23 @@ def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
     assert ok[1].speedup_vs_naive == pytest.approx(1.0)
     skipped = [r for r in rows if r.shape == huge]
     assert [r.status for r in skipped] == ["skip", "skip"] and "GiB free" in skipped[0].note
+
+
+def test_broken_flash_module_is_left_out(monkeypatch):
+    import sys
+
+    from kdtree_engine.bench.runner import detect_ours
+
+    monkeypatch.delitem(sys.modules, "kdtree_engine.verify.flash", raising=False)
+    import importlib
+
+    real = importlib.import_module
+
+    def fake_import(name, *a, **k):
+        if name == "kdtree_engine.verify.flash":
+            raise SyntaxError("invalid syntax (flash.py, line 1)")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    impls, notes = detect_ours(None)
+    assert [i.name for i in impls] == ["naive"] and "SyntaxError" in notes["flash"]

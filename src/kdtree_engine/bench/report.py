@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -49,9 +50,11 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def git_commit() -> str:
+    """Short commit of the checkout (``-dirty`` with uncommitted changes to tracked files); without
+    git or .git, ``$KDTREE_GIT_COMMIT`` if set, else "unknown"."""
     sha = _run(["git", "rev-parse", "--short=12", "HEAD"])
     if not sha:
-        return "unknown"
+        return os.environ.get("KDTREE_GIT_COMMIT", "unknown")
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return sha + ("-dirty" if dirty else "")
 

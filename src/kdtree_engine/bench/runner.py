@@ -108,6 +108,8 @@ def detect_ours(requested: list[str] | None) -> tuple[list[Impl], dict[str, str]
             mod = importlib.import_module("kdtree_engine.verify.flash")
         except ImportError as e:
             notes["flash"] = f"not available in this build ({e})"
+        except Exception as e:  # present but broken: leave it out, say why, time the rest
+            notes["flash"] = f"failed to import ({type(e).__name__}: {str(e)[:120]})"
         else:
             plan_verify = getattr(mod, "plan_verify", None)
             if plan_verify is None:
