@@ -262,7 +262,7 @@ def write_plot(path: Path, row_dicts: list[dict], *, title: str, cpu: bool, max_
             if prefixes[-1] > 1024:
                 ax.set_xscale("symlog", linthresh=max(256, min(p for p in prefixes if p > 0) if any(prefixes) else 256))
             ax.set_xticks(prefixes)
-            ax.set_xticklabels([_klabel(p) for p in prefixes], fontsize=8)
+            ax.set_xticklabels([_klabel(p) for p in prefixes], fontsize=7, rotation=45 if len(prefixes) > 6 else 0)
             ax.minorticks_off()
             ax.set_xlabel("prefix (tokens)")
             ax.grid(True, alpha=0.3)
@@ -279,9 +279,9 @@ def write_plot(path: Path, row_dicts: list[dict], *, title: str, cpu: bool, max_
             ax_p.set_ylim(bottom=0)
             ax_p.set_title(label, fontsize=9)
             if ax_p.lines:
-                ax_p.legend(fontsize=8)
+                ax_p.legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=10, color="red" if cpu else "black")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
