@@ -303,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[bold]crossover (flash vs naive, per prefix series):[/]")
         for c in cross:
             console.print(escape(f"  {c['group']}: {c['verdict']}"))
-    payload["rows"] = [r.to_dict() for r in rows]
+    cross_by_group = {c["group"]: c["crossover_prefix"] for c in cross}
+    payload["rows"] = []
+    for r in rows:
+        d = r.to_dict()
+        if r.kernel == "flash" and r.shape.group_label in cross_by_group:
+            d["crossover_prefix"] = cross_by_group[r.shape.group_label]  # of its prefix series
+        payload["rows"].append(d)
     payload["aborted"] = abort
     counts = {}
     for r in rows:

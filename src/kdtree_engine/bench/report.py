@@ -198,7 +198,7 @@ def write_json(path: Path, payload: dict) -> Path:
 CSV_FIELDS = [
     "batch", "q_len", "heads", "prefix", "page_size", "dtype", "kernel", "status", "median_us", "min_us",
     "p25_us", "p75_us", "samples", "calls_per_sample", "method", "tflops", "tbps", "pct_floor", "floor_us",
-    "speedup_vs_naive", "flops", "bytes", "n_sets", "l2_warm", "max_abs_err", "check", "note",
+    "speedup_vs_naive", "crossover_prefix", "flops", "bytes", "n_sets", "l2_warm", "max_abs_err", "check", "note",
 ]
 
 

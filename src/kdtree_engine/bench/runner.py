@@ -173,6 +173,7 @@ class Row:
             pct_floor=self.pct_floor,
             floor_us=self.floor_us,
             speedup_vs_naive=self.speedup_vs_naive,
+            crossover_prefix=None,  # filled in for flash rows once the sweep is done
             flops=self.shape.flops,
             bytes=self.shape.bytes,
             n_sets=self.n_sets,
