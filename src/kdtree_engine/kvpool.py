@@ -476,11 +476,12 @@ class DefragPlan:
     new_start: list  # their first page after the move
     skipped: list  # chosen sequences that found no contiguous room (left as they are)
     schedule: MoveSchedule
-    table_idx: np.ndarray  # flat page-table entries to rewrite ...
-    table_val: np.ndarray  # ... and their new pages
-    free_after: np.ndarray  # the new free stack (bottom to top)
+    moved_pages: np.ndarray  # pages of each moving sequence (its new table: start + arange)
+    live_ids: np.ndarray  # every live sequence and ...
+    live_pages: np.ndarray  # ... its pages (to rebuild the free stack on the device)
     page_bytes: int  # bytes of one page over all layers
     plan_seconds: float = 0.0
+    _dev: list | None = field(default=None, repr=False)  # device copies (upload_plan)
 
     @property
     def pages_moved(self) -> int:
@@ -692,10 +693,10 @@ class KVPool:
         if self._pending is not None:
             raise RuntimeError(f"{what}: a commit is pending; call finalize_commit() first")
 
-    def _to_device(self, *arrays) -> list:
-        """Host int arrays -> device int64 tensors with one (pinned, asynchronous) copy."""
+    def _to_device(self, *arrays, dtype=np.int64) -> list:
+        """Host int arrays -> device tensors with one (pinned, asynchronous) copy."""
         sizes = [len(a) for a in arrays]
-        blob = torch.from_numpy(np.concatenate([np.asarray(a, np.int64) for a in arrays]) if arrays else np.zeros(0, np.int64))
+        blob = torch.from_numpy(np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros(0, dtype))
         if self.device.type == "cuda":
             blob = blob.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -1063,7 +1064,7 @@ class KVPool:
             o_n = torch.arange(n_max, device=dev)
             in_tree = o_n[None, :] < n[:, None]
             node_slot = tflat[torch.where(in_tree, rbase + P[:, None] + o_n, trash_col)]  # [B, n_max]
-            acc_slot = node_slot.gather(1, torch.minimum(acc, torch.tensor(n_max - 1, device=dev)))
+            acc_slot = node_slot.gather(1, acc.clamp(max=n_max - 1))
             is_acc = torch.zeros(B, n_max + 1, dtype=torch.bool, device=dev)
             is_acc.scatter_(1, torch.where(valid, acc, n_max), True)
             rej = (in_tree & ~is_acc[:, :n_max]).reshape(-1)
@@ -1238,28 +1239,15 @@ class KVPool:
         sched = schedule_moves(src, dst, N, self.page_bytes,
                                self.defrag_scratch_bytes if scratch_bytes is None else scratch_bytes)
         moved = np.array([all_ids[i] for i in mv], np.int64)
-        k = owned[mv] if mv else np.zeros(0, np.int64)
-        seg = np.repeat(np.arange(len(mv)), k)
-        j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
-        table_idx = moved[seg] * self._cols + j
-        table_val = dst
-        used = np.zeros(N, bool)
-        keep = np.ones(len(all_ids), bool)
-        keep[mv] = False
-        for i in np.flatnonzero(keep):
-            used[pages[offs[i]: offs[i + 1]]] = True
-        used[dst] = True
-        free_after = np.flatnonzero(~used)[::-1].copy()
-        assert len(free_after) == self._num_free
         return DefragPlan(
             version=self._version,
             seq_ids=[int(s) for s in moved],
             new_start=[int(placed[i]) for i in mv],
             skipped=skipped,
             schedule=sched,
-            table_idx=table_idx,
-            table_val=table_val,
-            free_after=free_after,
+            moved_pages=owned[mv].astype(np.int64) if mv else np.zeros(0, np.int64),
+            live_ids=all_ids,
+            live_pages=owned.astype(np.int64),
             page_bytes=self.page_bytes,
             plan_seconds=time.perf_counter() - t0,
         )
@@ -1311,9 +1299,44 @@ class KVPool:
             placed[i] = start
         return placed, skipped
 
+    def upload_plan(self, plan: DefragPlan) -> None:
+        """Copy the plan's index arrays to the device (one asynchronous copy, int32: 8 bytes per
+        moved page); :meth:`apply_defragment` does it if it was not done."""
+        if plan._dev is None:
+            s = plan.schedule
+            plan._dev = self._to_device(
+                s.src, s.dst, s.scratch_src, s.scratch_dst, plan.seq_ids, plan.new_start,
+                plan.moved_pages, plan.live_ids, plan.live_pages, dtype=np.int32)
+
+    def _segments(self, counts_d: torch.Tensor, total: int):
+        """For segments of ``counts_d`` items: (segment of each item, index inside it), on the device."""
+        seg = torch.repeat_interleave(torch.arange(counts_d.numel(), device=self.device), counts_d.long(),
+                                      output_size=total)
+        starts = torch.cumsum(counts_d.long(), 0) - counts_d.long()
+        return seg, torch.arange(total, device=self.device) - starts[seg]
+
+    def _run_moves(self, plan: DefragPlan) -> None:
+        """The page copies of a plan (no table change): scratch gather, one launch per level,
+        scratch scatter."""
+        self.upload_plan(plan)
+        s = plan.schedule
+        src_d, dst_d, ssrc_d, sdst_d = plan._dev[:4]
+        if not self.use_triton:
+            src_d, dst_d, ssrc_d, sdst_d = (t.long() for t in (src_d, dst_d, ssrc_d, sdst_d))
+        ns = len(s.scratch_src)
+        if ns:
+            scratch = torch.empty((self.num_layers, ns, self.page_size, D), dtype=self.dtype, device=self.device)
+            seq = torch.arange(ns, device=self.device, dtype=src_d.dtype)
+            _copy_pages(self._store, scratch, ssrc_d, seq, self.use_triton)
+        for k in range(s.levels):
+            lo, hi = int(s.level_bounds[k]), int(s.level_bounds[k + 1])
+            _copy_pages(self._store, self._store, src_d[lo:hi], dst_d[lo:hi], self.use_triton)
+        if ns:
+            _copy_pages(scratch, self._store, seq, sdst_d, self.use_triton)
+
     def apply_defragment(self, plan: DefragPlan) -> DefragReport:
         """Run a plan: the page moves (scratch gather, one launch per level, scratch scatter),
-        then the table and free-stack rewrite. No sync."""
+        then the rewrite of the moved tables and the free stack, all on the device. No sync."""
         self._require_idle("apply_defragment")
         if plan.version != self._version:
             raise StalePlanError("the pool changed since this plan was made; plan again")
@@ -1324,26 +1347,24 @@ class KVPool:
             scratch_pages=len(s.scratch_src), launches=s.launches, plan_seconds=plan.plan_seconds)
         if not plan.seq_ids:
             return report  # nothing moves: the pool is left exactly as it is
-        src_d, dst_d, ssrc_d, sdst_d, tidx_d, tval_d, free_d = self._to_device(
-            s.src, s.dst, s.scratch_src, s.scratch_dst, plan.table_idx, plan.table_val, plan.free_after)
-        ns = len(s.scratch_src)
-        if ns:
-            scratch = torch.empty((self.num_layers, ns, self.page_size, D), dtype=self.dtype, device=self.device)
-            seq = torch.arange(ns, device=self.device)
-            _copy_pages(self._store, scratch, ssrc_d, seq, self.use_triton)
-        for k in range(s.levels):
-            lo, hi = int(s.level_bounds[k]), int(s.level_bounds[k + 1])
-            _copy_pages(self._store, self._store, src_d[lo:hi], dst_d[lo:hi], self.use_triton)
-        if ns:
-            _copy_pages(scratch, self._store, seq, sdst_d, self.use_triton)
-        if len(plan.table_idx):
-            self._table.view(-1)[tidx_d] = tval_d.to(torch.int32)
-        nf = len(plan.free_after)
-        if nf:
-            self._stack[:nf] = free_d.to(torch.int32)
-            if self.debug:
-                self._poison(free_d)
+        self._run_moves(plan)
+        mrow_d, mstart_d, mcnt_d, lrow_d, lcnt_d = plan._dev[4:]
+        # moved sequences: table row = start, start+1, ...
+        tflat = self._table.view(-1)
+        seg, j = self._segments(mcnt_d, int(plan.moved_pages.sum()))
+        tflat[mrow_d.long()[seg] * self._cols + j] = (mstart_d[seg] + j).to(torch.int32)
+        # free stack = pages no live sequence holds, descending (pops hand out the lowest first)
+        n = self.num_pages
+        seg, j = self._segments(lcnt_d, int(plan.live_pages.sum()))
+        used = torch.zeros(n + 1, dtype=torch.bool, device=self.device)
+        used[tflat[lrow_d.long()[seg] * self._cols + j].long()] = True
+        free = ~used[:n]
+        rank = torch.cumsum(free, 0) - 1
+        nf = self._num_free
+        self._stack[torch.where(free, nf - 1 - rank, n)] = torch.arange(n, dtype=torch.int32, device=self.device)
         self._top.fill_(nf)
+        if self.debug:
+            self._poison(self._stack[:nf])
         self._version += 1
         return report
 
