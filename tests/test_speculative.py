@@ -1,0 +1,155 @@
+"""The speculative decoding loop end to end on the CPU: lossless against HF ``generate``.
+
+Tiny DeepseekV3 (fp32 weights, fp16 KV pool). Most loop tests run attention through the float64
+``reference`` on the 16-bit cache (the Triton interpreter is slow); one runs the real ``naive``
+kernel. Sequences of different lengths decode in one batch; the output must equal
+``model.generate(do_sample=False)`` of the same HF model token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree_engine.model import MLARunner, build_random_model, tiny_config
+from kdtree_engine.model.drafters import NGramDrafter, SyntheticDrafter
+from kdtree_engine.model.speculative import RequestTooLarge, SpeculativeEngine, check_lossless
+
+V = 128
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_random_model(tiny_config(), seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(2)  # a seed whose greedy outputs are not one repeated token
+    return [torch.randint(0, V, (P,), generator=g).tolist() for P in (5, 23, 12)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model, prompts):
+    """HF generate per prompt (batch 1, no padding): new tokens and the logits behind them."""
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+        out.append((g.sequences[0, len(p):].tolist(), torch.cat(g.logits, 0)))
+    return out
+
+
+def _drafter(kind, prompts, refs):
+    if kind == "ngram":
+        return NGramDrafter(V)
+    if kind.startswith("synthetic"):
+        agreement = float(kind.split("-")[1])
+        return SyntheticDrafter([p + r for p, r in zip(prompts, refs)], V, agreement=agreement, seed=7)
+    return None
+
+
+@pytest.mark.parametrize("kind,budget,depth", [
+    ("plain", 0, 0),
+    ("ngram", 8, 4),
+    ("synthetic-0.8", 8, 4),
+    ("synthetic-0.4", 16, 6),
+    ("synthetic-1.0", 5, 5),
+])
+def test_lossless_vs_hf_generate(model, prompts, hf_greedy, kind, budget, depth):
+    refs = [r for r, _ in hf_greedy]
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    eng = SpeculativeEngine(runner, _drafter(kind, prompts, refs), budget=budget, depth=depth, page_size=4)
+    res = eng.generate(prompts, NEW)
+    report = check_lossless(res.tokens, refs, [lg for _, lg in hf_greedy])
+    assert report.exact, report.line()
+    assert [len(t) for t in res.tokens] == [NEW] * len(prompts)
+    assert res.decoded_tokens == sum(res.accepted) >= len(prompts) * (NEW - 1)
+    if kind == "plain":
+        assert res.mean_accepted == 1.0
+    if kind == "synthetic-1.0":  # every top-1 right; DDTree spends budget 5 on a depth-4 chain +
+        assert res.mean_accepted > 4.5  # one sibling (rank-2 at depth 1 outscores depth 5)
+    if kind == "synthetic-0.8":
+        assert res.mean_accepted > 2.5
+
+
+def test_lossless_naive_kernel(model, prompts, hf_greedy):
+    """The same with the real Triton kernel (interpreter), ragged batch of two."""
+    refs = [r[:12] for r, _ in hf_greedy[:2]]
+    runner = MLARunner(model, kernel="naive", cache_dtype=torch.float16)
+    drafter = SyntheticDrafter([p + r for p, r in zip(prompts, refs)], V, agreement=0.7, seed=3)
+    eng = SpeculativeEngine(runner, drafter, budget=6, depth=3, page_size=16)
+    res = eng.generate(prompts[:2], 12)
+    report = check_lossless(res.tokens, refs)
+    assert report.exact, report.line()
+    assert res.steps < 11  # fewer target forwards than tokens
+
+
+def test_reset_and_eos(model, prompts, hf_greedy):
+    """Decoding again after reset() reuses the prompt KV and gives the same tokens; an EOS token
+    ends a sequence there, as in HF generate."""
+    refs = [r for r, _ in hf_greedy]
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    eng = SpeculativeEngine(runner, NGramDrafter(V), budget=6, depth=3, page_size=8)
+    eng.prefill(prompts, NEW)
+    first = eng.decode().tokens
+    eng.reset()
+    assert eng.decode().tokens == first == refs
+    eos = refs[1][7]  # sequence 1's 8th token
+    eng.reset()
+    out = eng.decode(eos_token_id=eos).tokens
+    for p, o, r in zip(prompts, out, refs):
+        expect = r[: r.index(eos) + 1] if eos in r else r
+        assert o == expect
+        hf = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+        assert o == hf[0, len(p):].tolist()[: len(o)] and (o[-1] == eos or len(o) == NEW)
+
+
+def test_request_too_large_fails_before_any_work(model, prompts, monkeypatch):
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    eng = SpeculativeEngine(runner, NGramDrafter(V), budget=8, depth=4, page_size=16, max_pool_bytes=64 << 10)
+    plan = eng.plan([len(p) for p in prompts], NEW)
+    # pages: ceil((P + NEW - 1 + 9) / 16) per sequence; bytes: (pages + trash) * 16 * 576 * 2 * layers
+    assert plan.pages_per_seq == [4, 5, 4]
+    assert plan.kv_bytes == (13 + 1) * 16 * 576 * 2 * 2
+    called = []
+    monkeypatch.setattr(runner, "prefill", lambda *a, **k: called.append(1))
+    with pytest.raises(RequestTooLarge, match="KV pool needs"):
+        eng.prefill(prompts, NEW)
+    assert not called and eng.pool is None
+
+
+def test_ngram_drafter_proposes_continuations():
+    d = NGramDrafter(10, max_ngram=3)
+    ctx = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
+    logits = d.draft([ctx], 4)
+    assert logits.shape == (1, 4, 10)
+    # "1 2 3" was followed by "4 1 2 3" and "5 1 2 3": both candidates at position 0, then 1 2 3
+    p0 = logits[0, 0].softmax(-1)
+    assert p0[4] > 0.4 and p0[5] > 0.4
+    assert logits[0, 1:].argmax(-1).tolist() == [1, 2, 3]
+    flat = d.draft([torch.tensor([7])], 2)  # nothing to look up: uniform
+    assert torch.allclose(flat, flat[..., :1].expand_as(flat))
+
+
+def test_synthetic_drafter_agreement():
+    ref = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    for agreement in (0.0, 0.5, 1.0):
+        d = SyntheticDrafter([ref], 50, agreement=agreement, max_rank=4, seed=1)
+        logits = d.draft([torch.tensor(ref[:100])], 200)[0]  # positions 100..299
+        top1 = logits.argmax(-1)
+        hit = (top1 == torch.tensor(ref[100:300])).float().mean().item()
+        assert abs(hit - agreement) < 0.08, (agreement, hit)
+    # beyond the reference: uniform
+    tail = d.draft([torch.tensor(ref[:399])], 3)[0]
+    assert torch.all(tail[1:] == 0)
+
+
+def test_check_lossless_report():
+    logits = [torch.tensor([[0.0, 1.0, 0.999], [0.0, 5.0, 1.0]])]
+    near = check_lossless([[2, 1]], [[1, 1]], logits, tie_tol=0.01)
+    assert not near.exact and near.ok and near.divergences[0][:2] == (0, 0)
+    far = check_lossless([[1, 0]], [[1, 1]], logits, tie_tol=0.01)
+    assert not far.ok and "MISMATCH" in far.line()
+    assert check_lossless([[1, 1]], [[1, 1]]).exact
