@@ -29,8 +29,10 @@ from .tree import DraftTree, _jump_iters
 
 __all__ = [
     "AcceptResult",
+    "filter_logits",
     "filter_probs",
     "sample_from_probs",
+    "sample_from_logits",
     "target_tokens_greedy",
     "target_tokens_sampled",
     "accept_tokens",
@@ -83,27 +85,29 @@ def _row_param(name, value, rows: int, device, dtype, default):
     return torch.full((rows, 1), value, dtype=dtype, device=device)
 
 
-def filter_probs(
+def filter_logits(
     logits: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sampling distribution of each row: temperature, then top-k, then top-p, renormalised.
+    """The one filtering rule (used by :func:`filter_probs` and by sampling acceptance).
+
+    Temperature, then top-k, then top-p; returns float32 ``[R, V]`` scaled logits with every
+    filtered token at -inf (the sampling distribution is their softmax).
 
     Args:
-        logits: ``[R, V]`` float (any float dtype; computed in float32).
-        temperature: scalar or ``[R]``; a row with temperature <= 0 is greedy (one-hot on its
-            argmax, the first index among ties).
+        logits: ``[R, V]`` float (any float dtype; computed in float32 on a copy).
+        temperature: scalar or ``[R]``; a row with temperature <= 0 is greedy: only its argmax
+            (the first index among ties) survives.
         top_k: int or ``[R]`` int tensor; keep the tokens whose logit is >= the k-th largest (ties
             at the boundary are kept). None, 0 or >= V: off for that row.
         top_p: float or ``[R]`` tensor in (0, 1]; on the top-k-renormalised distribution, keep the
             smallest set of most probable tokens whose mass reaches top_p, plus every token tied
-            with the least probable one kept. None or 1.0: off.
+            with the least probable one kept. None or >= 1: off.
 
-    Returns ``[R, V]`` float32 probabilities (rows sum to 1, filtered tokens exactly 0).
     An int ``top_k`` uses ``torch.topk(top_k)``; a tensor ``top_k`` or a top-p without top-k sorts
-    the whole row (costly at V = 163840; prefer an int top_k alongside top_p).
+    the whole row (costly at V = 163840; prefer an int top_k alongside top_p). No host sync.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point torch.Tensor")
@@ -111,12 +115,7 @@ def filter_probs(
         raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
     R, V = logits.shape
     dev = logits.device
-    x = logits.float()
     temp = _row_param("temperature", temperature, R, dev, torch.float32, 1.0)
-    greedy = None
-    if temp is not None:
-        greedy = temp <= 0  # [R, 1]
-        x = x / torch.where(greedy, torch.ones_like(temp), temp)
     k_row = None
     k_static = None
     if isinstance(top_k, int) and not isinstance(top_k, bool):
@@ -133,42 +132,59 @@ def filter_probs(
     if p_row is not None:  # top_p >= 1 is off (cumsum rounding must not drop the tail)
         p_row = torch.where(p_row >= 1, float("inf"), p_row)
 
+    x = logits.to(torch.float32, copy=True)
+    greedy = None
+    if temp is not None:
+        greedy = temp <= 0  # [R, 1]
+        x.div_(torch.where(greedy, torch.ones_like(temp), temp))
     if k_static is not None or k_row is not None or p_row is not None:
         width = k_static if k_static is not None else V
         vals = x.topk(width, dim=1, sorted=True).values if width < V else x.sort(dim=1, descending=True).values
-        if k_static is not None:
-            thresh = vals[:, -1:]  # [R, 1]
-        elif k_row is not None:
-            thresh = vals.gather(1, k_row - 1)
-        else:
-            thresh = vals[:, -1:]
-        keep = x >= thresh
+        thresh = vals.gather(1, k_row - 1) if k_row is not None else vals[:, -1:]  # [R, 1]
         if p_row is not None:
-            # mass of the kept set, tail ties past `width` included
-            lse = torch.logsumexp(x.masked_fill(~keep, float("-inf")), dim=1, keepdim=True)
+            # mass of the top-k set, boundary ties past `width` included
+            lse = torch.logsumexp(x.masked_fill(x < thresh, float("-inf")), dim=1, keepdim=True)
             p_sorted = torch.exp(vals - lse).masked_fill(vals < thresh, 0.0)  # [R, width]
             before = torch.cumsum(p_sorted, dim=1) - p_sorted
             n_keep = ((before < p_row) & (vals >= thresh)).sum(1, keepdim=True).clamp(min=1)
             thresh = torch.maximum(thresh, vals.gather(1, n_keep - 1))
-            keep = x >= thresh
-        x = x.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(x, dim=1)
+        x.masked_fill_(x < thresh, float("-inf"))
     if greedy is not None:
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(1, keepdim=True), 1.0)
-        probs = torch.where(greedy, onehot, probs)
-    return probs
+        top1 = torch.zeros_like(x, dtype=torch.bool).scatter_(1, logits.argmax(1, keepdim=True), True)
+        x.masked_fill_(greedy & ~top1, float("-inf"))
+    return x
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``softmax(filter_logits(...))``: ``[R, V]`` float32 probabilities, filtered tokens exactly 0."""
+    return torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=1)
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``probs [R, V]`` (non-negative, rows need not be normalised): ``[R]`` int64.
 
-    Exponential race: argmax(p / E), E ~ Exp(1) i.i.d. (the same method as ``torch.multinomial``
-    for one sample); no host sync; a zero-probability token is never drawn.
+    Exponential race: argmax(p / E), E ~ Exp(1) i.i.d. (``torch.multinomial``'s method for one
+    sample); a zero-probability token is never drawn; no host sync.
     """
-    if probs.dim() != 2:
-        raise ValueError(f"probs must be [R, V], got shape {tuple(probs.shape)}")
-    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return (probs.float() / e).argmax(dim=1)
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
+        raise ValueError("probs must be a [R, V] tensor")
+    e = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
+    return (probs.float() / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=1)
+
+
+def sample_from_logits(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One sample per row of ``softmax(x)`` for float32 ``x [R, V]`` (-inf = excluded): ``[R]`` int64.
+
+    The same exponential race in log space, ``argmax(x - log E)`` (Gumbel-max), without the
+    softmax; ``x`` is overwritten.
+    """
+    e = torch.empty_like(x).exponential_(generator=generator)
+    return x.sub_(e.clamp_(min=torch.finfo(torch.float32).tiny).log_()).argmax(dim=1)
 
 
 def target_tokens_greedy(target_logits: torch.Tensor) -> torch.Tensor:
@@ -186,9 +202,8 @@ def target_tokens_sampled(
     top_p: float | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """``[T]`` int64, one sample per row of the filtered target distribution (:func:`filter_probs`)."""
-    probs = filter_probs(target_logits, temperature, top_k, top_p)
-    return sample_from_probs(probs, generator)
+    """``[T]`` int64, one sample per row of the filtered target distribution (:func:`filter_logits`)."""
+    return sample_from_logits(filter_logits(target_logits, temperature, top_k, top_p), generator)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,320 @@
+"""Timings of the DDTree stages of one speculative step (no model forwards): ``python -m kdtree_engine.ddtree.bench``.
+
+Per budget (draft nodes per tree, root excluded) and batch, on random logits (never zeros):
+
+=================  ============================================================================
+topk               :func:`draft_topk` on the draft logits ``[B, L, V]`` (device; log-softmax,
+                   top-K, tie order)
+expand             :func:`expand_topk`, the vectorised best-first expansion (device, eager)
+expand_graph       the same, replayed from a CUDA graph (CUDA only)
+expand_host        :func:`expand_topk_reference`: one device->host copy of the top-K, a Python
+                   heap per sequence, the tree copied back (what a host-side DDTree costs)
+compile            :func:`compile_tree` with a page table (masks, positions, links, KV slots)
+accept_greedy      :func:`accept_greedy` on target logits ``[T, V]`` (argmax + walk)
+accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9
+walk               :func:`accept_tokens` alone (target tokens given)
+step               topk + expand + compile + accept_greedy, eager
+step_graph         the same four captured in one CUDA graph (CUDA only)
+=================  ============================================================================
+
+Method: eager stages are timed as wall-clock latency of one call between two device syncs
+(``torch.cuda.synchronize``), median of ``reps`` after ``warmup`` calls: the expansion is
+launch-bound, so host time is part of its cost. Graph stages: CUDA events around one replay,
+median. Draft logits rotate through 4 buffers (> 60 MB L2 at Kimi's vocabulary); target logits
+are ``B*(budget+1) x V`` (bf16), larger than L2. Before timing, the vectorised tree is checked
+against the host heap (a mismatch is reported in the row and on stderr, never hidden).
+
+Prints a machine line, then a table; ``--json PATH`` writes the rows; ``--plot PATH`` a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from .accept import accept_greedy, accept_sampling, accept_tokens
+from .tree import compile_tree, draft_topk, expand_topk, expand_topk_reference
+
+__all__ = ["run_benchmark", "machine_line", "main"]
+
+KIMI_VOCAB = 163840
+STAGES = (
+    "topk",
+    "expand",
+    "expand_graph",
+    "expand_host",
+    "compile",
+    "accept_greedy",
+    "accept_sample",
+    "walk",
+    "step",
+    "step_graph",
+)
+
+
+def machine_line(device: str) -> str:
+    dev = torch.device(device)
+    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        parts.insert(0, f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
+        parts.append(f"CUDA {torch.version.cuda}")
+    else:
+        parts.insert(0, f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)")
+    return " | ".join(parts)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_wall(fn: Callable[[int], object], dev: torch.device, reps: int, warmup: int) -> float:
+    """Median wall-clock microseconds of ``fn(i)`` between device syncs."""
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn(i)
+        _sync(dev)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _time_graph(fn: Callable[[], object], dev: torch.device, reps: int, warmup: int) -> float:
+    """Median GPU microseconds of one replay of a CUDA graph of ``fn`` (CUDA events)."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 2)):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    _sync(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(max(warmup, 2)):
+        graph.replay()
+    _sync(dev)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    _sync(dev)
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    del graph
+    return statistics.median(times)
+
+
+def _same_tree(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths", "scores"))
+
+
+def run_benchmark(
+    device: str | None = None,
+    budgets=(32, 128, 512),
+    vocab: int = KIMI_VOCAB,
+    depth: int = 16,
+    batch: int = 4,
+    *,
+    reps: int | None = None,
+    warmup: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    graphs: bool = True,
+    seed: int = 0,
+    verbose: bool = True,
+) -> list[dict]:
+    """Time the DDTree stages for each budget; returns one dict per budget (times in microseconds).
+
+    Args:
+        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``; default CUDA when available.
+        budgets: draft nodes per tree (root excluded); trees have budget+1 nodes.
+        vocab: V (Kimi K2: 163840). depth: L, draft positions per step. batch: B sequences.
+        reps / warmup: default 30 / 3 on CUDA, 5 / 1 on the CPU.
+        dtype: of the draft and target logits.
+        graphs: also time CUDA-graph replays (CUDA only).
+
+    A stage that fails records ``None`` and its error in ``row["errors"]`` instead of raising.
+    """
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    cuda = dev.type == "cuda"
+    reps = reps if reps is not None else (30 if cuda else 5)
+    warmup = warmup if warmup is not None else (3 if cuda else 1)
+    if verbose:
+        print(machine_line(str(dev)))
+        print(f"V={vocab} L={depth} B={batch} dtype={str(dtype).replace('torch.', '')} reps={reps}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n_rot = 4 if cuda else 1
+    drafts = [
+        (torch.randn(batch, depth, vocab, generator=gen) * 3).to(device=dev, dtype=dtype) for _ in range(n_rot)
+    ]
+    roots = torch.randint(0, vocab, (batch,), generator=gen).to(dev)
+    rows = []
+    for budget in budgets:
+        row: dict = {
+            "device": str(dev),
+            "budget": budget,
+            "nodes": budget + 1,
+            "batch": batch,
+            "vocab": vocab,
+            "depth": depth,
+            "errors": {},
+        }
+        k = min(budget, vocab)
+        T = batch * (budget + 1)
+        prefix = torch.randint(100, 5000, (batch,), generator=gen).to(dev)
+        page_size = 64
+        max_pages = (int(prefix.max()) + budget + 1 + page_size - 1) // page_size
+        page_table = torch.randperm(batch * max_pages, generator=gen).view(batch, max_pages).to(torch.int32).to(dev)
+        target = None
+        try:
+            target = (torch.randn(T, vocab, generator=gen) * 3).to(device=dev, dtype=dtype)
+        except Exception as exc:  # e.g. out of memory at a huge batch: the other stages still run
+            row["errors"]["target_logits"] = repr(exc)
+        top = draft_topk(drafts[0], k)
+        tree = expand_topk(top, budget, roots)
+        ok = _same_tree(tree, expand_topk_reference(top, budget, roots))
+        row["matches_reference"] = ok
+        if not ok:
+            print(f"ERROR: vectorised tree != host heap at budget {budget}", file=sys.stderr)
+        tgt_tokens = target.argmax(-1) if target is not None else None
+
+        def stage(name: str, fn):
+            try:
+                row[name] = fn()
+            except Exception as exc:
+                row[name] = None
+                row["errors"][name] = repr(exc)
+                if verbose:
+                    print(f"  {name} failed at budget {budget}: {exc!r}", file=sys.stderr)
+
+        def step(i: int = 0):
+            t = expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
+            compile_tree(t, prefix, page_table=page_table, page_size=page_size)
+            return accept_greedy(t, target)
+
+        stage("topk", lambda: _time_wall(lambda i: draft_topk(drafts[i % n_rot], k), dev, reps, warmup))
+        stage("expand", lambda: _time_wall(lambda i: expand_topk(top, budget, roots), dev, reps, warmup))
+        stage("expand_host", lambda: _time_wall(lambda i: expand_topk_reference(top, budget, roots), dev, reps, warmup))
+        stage(
+            "compile",
+            lambda: _time_wall(
+                lambda i: compile_tree(tree, prefix, page_table=page_table, page_size=page_size), dev, reps, warmup
+            ),
+        )
+        if target is not None:
+            stage("accept_greedy", lambda: _time_wall(lambda i: accept_greedy(tree, target), dev, reps, warmup))
+            sgen = torch.Generator(device=dev).manual_seed(seed)
+            stage(
+                "accept_sample",
+                lambda: _time_wall(
+                    lambda i: accept_sampling(tree, target, temperature=0.7, top_k=50, top_p=0.9, generator=sgen),
+                    dev,
+                    reps,
+                    warmup,
+                ),
+            )
+            stage("walk", lambda: _time_wall(lambda i: accept_tokens(tree, tgt_tokens), dev, reps, warmup))
+            stage("step", lambda: _time_wall(step, dev, reps, warmup))
+        if cuda and graphs:
+            stage("expand_graph", lambda: _time_graph(lambda: expand_topk(top, budget, roots), dev, reps, warmup))
+            if target is not None:
+                stage("step_graph", lambda: _time_graph(step, dev, reps, warmup))
+        del target
+        rows.append(row)
+        if verbose:
+            _print_row(row, header=len(rows) == 1)
+    return rows
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _print_row(row: dict, header: bool) -> None:
+    cols = ("budget", "nodes") + STAGES
+    if header:
+        print("times in us (eager: wall-clock between syncs; *_graph: CUDA-graph replay, GPU time)")
+        print(" ".join(f"{c:>13}" for c in cols) + "  ok")
+    vals = [str(row["budget"]), str(row["nodes"])] + [_fmt(row.get(s)) for s in STAGES]
+    print(" ".join(f"{v:>13}" for v in vals) + f"  {'yes' if row.get('matches_reference') else 'NO'}")
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [s for s in STAGES if any(r.get(s) is not None for r in rows)]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(len(rows), 1)
+    for j, r in enumerate(rows):
+        xs = [i + j * width for i in range(len(stages))]
+        ax.bar(xs, [r.get(s) or 0 for s in stages], width, label=f"budget {r['budget']} (B={r['batch']})")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stages))], stages, rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("us per call")
+    ax.set_title(f"DDTree stages, {rows[0]['device']}, V={rows[0]['vocab']}, L={rows[0]['depth']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kdtree_engine.ddtree.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="cuda / cuda:N / cpu (default: cuda if available)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128, 512])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16], help="one table per batch size")
+    ap.add_argument("--vocab", type=int, default=KIMI_VOCAB)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--json", default=None, help="write all rows to this JSON file")
+    ap.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
+    args = ap.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    rows = []
+    for b in args.batch:
+        rows += run_benchmark(
+            args.device,
+            tuple(args.budgets),
+            args.vocab,
+            args.depth,
+            b,
+            reps=args.reps,
+            warmup=args.warmup,
+            dtype=dtype,
+            graphs=not args.no_graphs,
+        )
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_line(rows[0]["device"]), "rows": rows}, f, indent=1)
+    if args.plot:
+        try:
+            _plot(rows, args.plot)
+        except Exception as exc:
+            print(f"plot failed: {exc!r}", file=sys.stderr)
+    return 0 if all(r.get("matches_reference") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
