@@ -89,7 +89,7 @@ def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
 def verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse):
     """Launch the naive kernel; inputs already validated by ``verify_attention``. Writes out, lse."""
     T, H, _ = q.shape
-    block_n = 16 if _interpreting() else 32
+    block_n = 128 if _interpreting() else 32
     grid = (T, H)
     _verify_naive_kernel[grid](
         q, kv_cache, page_table, kv_lens, qo_indptr, row_to_sequence(qo_indptr, T), tree_mask, out, lse,

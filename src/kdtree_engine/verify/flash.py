@@ -1,0 +1,407 @@
+"""Flash tree-verify kernel: every head and tree node of a sequence against ONE read of its KV.
+
+MLA in absorbed form has one latent KV head, so the ``n_b x H`` query rows of a sequence form one
+matrix problem ``[n_b*H, 576] x [576, kv_len]``. Rows are packed (row ``r`` = node ``r // H``, head
+``r % H``) into blocks of ``BLOCK_M``; the KV range is cut into splits so that even one sequence
+fills the GPU. One program = one (sequence, row block, KV split) work item:
+
+- for each ``BLOCK_N``-position KV tile (rows gathered through the page table, each 1152-byte
+  cache row contiguous): ``S = Q_lat K_lat^T + Q_rope K_rope^T`` on tensor cores, fp32 online
+  softmax in base 2 (log2(e) folded into the scale), ``O += P V`` with V = the latent columns of
+  the SAME tile (never loaded twice);
+- only tiles that reach the last ``n_b`` positions (the tree) or the end of the split apply a mask;
+  prefix tiles run unmasked;
+- a work item that covers its whole sequence writes the final ``out``/``lse``; otherwise it writes
+  a normalised partial and its log2-sum-exp, merged by :func:`_combine_kernel`.
+
+The work list comes from :func:`plan_verify`, computed on the host from host lengths and reusable
+across the layers of a model step; with a plan, a launch does no host sync and can be captured
+in a CUDA graph. No atomics: results are bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .api import D_QK, D_V, _interpreting
+
+LOG2E = 1.4426950408889634
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attend_tile(
+    b_q, b_qr, b_m, b_l, b_acc,
+    kv, p_pages, p_mask_rows, m_rows,
+    start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
+    MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """One KV tile of the online softmax. MASKED tiles bound-check and apply the tree mask."""
+    o_n = start + tl.arange(0, BLOCK_N)  # [BN] positions
+    o_d = tl.arange(0, D_LATENT)
+    o_r = tl.arange(0, D_ROPE)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies inside one page: one page id, contiguous rows
+        b_page = tl.load(p_pages + start // PAGE_SIZE).to(tl.int64)
+        p_row = kv + b_page * stride_kvp + (o_n % PAGE_SIZE) * stride_kvs  # [BN]
+    else:
+        if MASKED:
+            b_pages = tl.load(p_pages + o_n // PAGE_SIZE, mask=o_n < kv_end, other=0)
+        else:
+            b_pages = tl.load(p_pages + o_n // PAGE_SIZE)
+        p_row = kv + b_pages.to(tl.int64) * stride_kvp + (o_n % PAGE_SIZE) * stride_kvs  # [BN]
+    if MASKED:
+        m_n = o_n < kv_end
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)  # [BN, D_LATENT]
+        b_kr = tl.load(p_row[:, None] + D_LATENT + o_r[None, :], mask=m_n[:, None], other=0.0)  # [BN, D_ROPE]
+    else:
+        b_k = tl.load(p_row[:, None] + o_d[None, :])
+        b_kr = tl.load(p_row[:, None] + D_LATENT + o_r[None, :])
+    if DOT_FP32:
+        b_k = b_k.to(tl.float32)
+        b_kr = b_kr.to(tl.float32)
+    b_s = tl.dot(b_q, tl.trans(b_k))  # [BM, BN]
+    b_s = tl.dot(b_qr, tl.trans(b_kr), b_s)
+    b_s = b_s * scale_log2
+    if MASKED:
+        o_j = o_n - prefix  # tree node index of each position (negative: prefix)
+        o_jc = tl.maximum(o_j, 0)
+        m_tree = m_n & (o_j >= 0)
+        b_word = tl.load(p_mask_rows[:, None] + (o_jc // 32)[None, :],
+                         mask=m_rows[:, None] & m_tree[None, :], other=0)  # [BM, BN]
+        b_bit = (b_word >> (o_jc % 32)[None, :]) & 1
+        m_vis = m_n[None, :] & ((o_j < 0)[None, :] | (b_bit != 0))
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # rows with nothing visible yet
+    else:
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_use = b_m_new
+    b_p = tl.exp2(b_s - b_m_use[:, None])  # [BM, BN]
+    b_alpha = tl.exp2(b_m - b_m_use)  # [BM]
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None]
+    b_acc = tl.dot(b_p.to(b_k.dtype), b_k, b_acc)  # [BM, D_LATENT]
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def _verify_flash_kernel(
+    q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
+    work_seq, work_row0, work_kv_start, work_kv_end, work_partial,
+    partial_out, partial_lse,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_pt,
+    stride_mt,
+    stride_ot, stride_oh,
+    stride_lt,
+    scale_log2,
+    H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    i_w = tl.program_id(0)
+    i_b = tl.load(work_seq + i_w)
+    row0 = tl.load(work_row0 + i_w)
+    kv_start = tl.load(work_kv_start + i_w)
+    kv_end = tl.load(work_kv_end + i_w)
+    i_part = tl.load(work_partial + i_w)
+    qo_start = tl.load(qo_indptr + i_b)
+    n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
+    prefix = tl.load(kv_lens + i_b) - n_nodes
+
+    o_m = row0 + tl.arange(0, BLOCK_M)  # packed rows of this sequence: node = r // H, head = r % H
+    m_rows = o_m < n_nodes * H
+    o_node = tl.minimum(o_m // H, n_nodes - 1)
+    o_head = o_m % H
+    o_t = (qo_start + o_node).to(tl.int64)  # [BM] q rows
+    o_d = tl.arange(0, D_LATENT)
+    o_r = tl.arange(0, D_ROPE)
+    p_q = q + o_t * stride_qt + o_head * stride_qh  # [BM]
+    b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_rows[:, None], other=0.0)  # [BM, D_LATENT]
+    b_qr = tl.load(p_q[:, None] + D_LATENT + o_r[None, :], mask=m_rows[:, None], other=0.0)  # [BM, D_ROPE]
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
+        b_qr = b_qr.to(tl.float32)
+    p_pages = page_table + i_b.to(tl.int64) * stride_pt
+    p_mask_rows = tree_mask + o_t * stride_mt  # [BM]
+
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D_LATENT], tl.float32)
+    # full prefix tiles: no bounds, no tree mask
+    clean_end = kv_start + tl.maximum(tl.minimum(kv_end, prefix) - kv_start, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, clean_end, BLOCK_N):
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
+            start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+            PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, False, DOT_FP32,
+        )
+    # the split's ragged end and the tree: bounds and tree mask
+    for start in range(clean_end, kv_end, BLOCK_N):
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
+            start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+            PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, True, DOT_FP32,
+        )
+
+    has_key = b_l > 0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_out = tl.where(has_key[:, None], b_acc / b_l_safe[:, None], 0.0)
+    b_lse2 = tl.where(has_key, b_m + tl.log2(b_l_safe), float("-inf"))  # log2-sum-exp2
+    if i_part < 0:
+        p_out = out + o_t[:, None] * stride_ot + o_head[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_out, b_out.to(out.dtype.element_ty), mask=m_rows[:, None])
+        tl.store(lse + o_t * stride_lt + o_head, b_lse2 * LN2, mask=m_rows)
+    else:
+        o_p = i_part.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(partial_out + o_p[:, None] * D_LATENT + o_d[None, :], b_out, mask=m_rows[:, None])
+        tl.store(partial_lse + o_p, b_lse2, mask=m_rows)
+
+
+@triton.jit
+def _combine_kernel(
+    partial_out, partial_lse, out, lse, qo_indptr,
+    group_seq, group_row0, group_first, group_count,
+    stride_ot, stride_oh, stride_lt,
+    H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr,
+):
+    """Merge the KV splits of one packed row: one program per (split group, row of the block)."""
+    i_g = tl.program_id(0)
+    i_r = tl.program_id(1)
+    i_b = tl.load(group_seq + i_g)
+    row = tl.load(group_row0 + i_g) + i_r
+    qo_start = tl.load(qo_indptr + i_b)
+    n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
+    if row < n_nodes * H:
+        first = tl.load(group_first + i_g)
+        count = tl.load(group_count + i_g)
+        o_d = tl.arange(0, D_LATENT)
+        b_m = tl.full([], float("-inf"), tl.float32)
+        b_l = tl.zeros([], tl.float32)
+        b_acc = tl.zeros([D_LATENT], tl.float32)
+        for s in range(count):
+            o_p = (first + s).to(tl.int64) * BLOCK_M + i_r
+            b_lse2 = tl.load(partial_lse + o_p)
+            b_m_new = tl.maximum(b_m, b_lse2)
+            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+            b_w = tl.exp2(b_lse2 - b_m_use)
+            b_alpha = tl.exp2(b_m - b_m_use)
+            b_part = tl.load(partial_out + o_p * D_LATENT + o_d)
+            b_acc = b_acc * b_alpha + b_w * b_part
+            b_l = b_l * b_alpha + b_w
+            b_m = b_m_new
+        has_key = b_l > 0
+        b_l_safe = tl.where(has_key, b_l, 1.0)
+        o_t = (qo_start + row // H).to(tl.int64)
+        head = row % H
+        tl.store(out + o_t * stride_ot + head * stride_oh + o_d, (b_acc / b_l_safe).to(out.dtype.element_ty))
+        tl.store(lse + o_t * stride_lt + head, tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf")))
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes(self, elem: int = 2) -> int:
+        """Rough shared-memory need: q block, pipelined K tiles, P tile."""
+        return elem * (self.block_m * D_QK + self.num_stages * self.block_n * D_QK + self.block_m * self.block_n)
+
+
+# Ordered by preference; the first that fits the device's shared memory is used. The last fits
+# 99 KB (sm_120 / consumer parts).
+CONFIGS = (
+    FlashConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    FlashConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    FlashConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+)
+INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+MIN_SPLIT_TILES = 4  # a KV split covers at least this many BLOCK_N tiles
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessor count, max shared memory per block in bytes)."""
+    if device.type != "cuda":
+        return 4, 1 << 30
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["multiprocessor_count"], props["max_shared_mem"]
+
+
+def pick_config(device: torch.device) -> FlashConfig:
+    if _interpreting():
+        return INTERPRETER_CONFIG
+    _, smem = _device_limits(device)
+    for cfg in CONFIGS:
+        if cfg.shared_bytes() <= smem:
+            return cfg
+    return CONFIGS[-1]
+
+
+@dataclass
+class VerifyPlan:
+    """Work list of the flash kernel for one set of lengths and head count (see :func:`plan_verify`).
+
+    Reusable for every layer of a model step (same lengths, same heads); holds its own partial
+    buffers, so calls that share a plan must run one after another on one stream.
+    """
+
+    num_heads: int
+    num_rows: int
+    num_seqs: int
+    kv_lens_host: list[int]
+    qo_indptr_host: list[int]
+    config: FlashConfig
+    device: torch.device
+    work: torch.Tensor  # [5, num_items] int32: seq, row0, kv_start, kv_end, partial slot (-1: final)
+    groups: torch.Tensor  # [4, num_groups] int32: seq, row0, first partial slot, split count
+    partial_out: torch.Tensor  # [num_partials, BLOCK_M, 512] float32
+    partial_lse: torch.Tensor  # [num_partials, BLOCK_M] float32 (log2 units)
+
+    @property
+    def num_items(self) -> int:
+        return self.work.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups.shape[1]
+
+
+def plan_verify(
+    kv_lens: Sequence[int] | torch.Tensor,
+    qo_indptr: Sequence[int] | torch.Tensor,
+    num_heads: int,
+    device: str | torch.device = "cuda",
+    *,
+    config: FlashConfig | None = None,
+    num_splits: int | None = None,
+) -> VerifyPlan:
+    """Build the flash kernel's work list from HOST lengths (no device sync if they are host data).
+
+    Args:
+        kv_lens: ``[B]`` KV length per sequence (host list / CPU tensor; a CUDA tensor is copied,
+            which syncs).
+        qo_indptr: ``[B+1]`` q row offsets (host).
+        num_heads: H.
+        device: where the kernel runs.
+        config: kernel tile config (default: the best that fits the device).
+        num_splits: force every (sequence, row block) to this many KV splits (tuning / tests);
+            default: enough splits to give every multiprocessor work, each at least
+            ``MIN_SPLIT_TILES`` tiles long.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    kv = [int(x) for x in (kv_lens.tolist() if isinstance(kv_lens, torch.Tensor) else kv_lens)]
+    qo = [int(x) for x in (qo_indptr.tolist() if isinstance(qo_indptr, torch.Tensor) else qo_indptr)]
+    if len(qo) != len(kv) + 1:
+        raise ValueError(f"qo_indptr must have {len(kv) + 1} entries, got {len(qo)}")
+    if not 1 <= num_heads <= 128:
+        raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    cfg = config or pick_config(device)
+    bm, bn = cfg.block_m, cfg.block_n
+    num_sms, _ = _device_limits(device)
+
+    n = [qo[b + 1] - qo[b] for b in range(len(kv))]
+    row_blocks = [math.ceil(n_b * num_heads / bm) for n_b in n]
+    tiles = [math.ceil(L / bn) for L in kv]
+    if num_splits is None:
+        total = sum(rb * t for rb, t in zip(row_blocks, tiles))
+        chunk = max(math.ceil(total / num_sms), MIN_SPLIT_TILES)
+        # a row block needs at least `chunk` tiles per split; splits per sequence are equal-sized
+        splits = [max(1, math.ceil(t * rb / chunk)) if rb else 1 for rb, t in zip(row_blocks, tiles)]
+        splits = [min(s, t) for s, t in zip(splits, tiles)]
+    else:
+        splits = [min(num_splits, t) for t in tiles]
+
+    work, groups = [], []
+    num_partials = 0
+    for b in range(len(kv)):
+        per = math.ceil(tiles[b] / splits[b]) * bn
+        bounds = [(a, min(a + per, kv[b])) for a in range(0, kv[b], per)]
+        multi = len(bounds) > 1
+        # split-major order: the row blocks of one KV split run side by side and share it in L2
+        for s, (a, e) in enumerate(bounds):
+            for rb in range(row_blocks[b]):
+                slot = num_partials + rb * len(bounds) + s if multi else -1
+                work.append([b, rb * bm, a, e, slot])
+        if multi:
+            for rb in range(row_blocks[b]):
+                groups.append([b, rb * bm, num_partials + rb * len(bounds), len(bounds)])
+            num_partials += row_blocks[b] * len(bounds)
+
+    work_t = torch.tensor(work, dtype=torch.int32).T.contiguous().to(device)
+    groups_t = torch.tensor(groups, dtype=torch.int32).reshape(-1, 4).T.contiguous().to(device)
+    return VerifyPlan(
+        num_heads=num_heads,
+        num_rows=qo[-1],
+        num_seqs=len(kv),
+        kv_lens_host=kv,
+        qo_indptr_host=qo,
+        config=cfg,
+        device=device,
+        work=work_t,
+        groups=groups_t,
+        partial_out=torch.empty(num_partials, bm, D_V, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(num_partials, bm, dtype=torch.float32, device=device),
+    )
+
+
+def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
+    """Launch the flash and combine kernels; inputs already validated by ``verify_attention``."""
+    T, H, _ = q.shape
+    if plan is None:
+        plan = plan_verify(kv_lens.cpu(), qo_indptr.cpu(), H, q.device)
+    elif (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, kv_lens.shape[0]) or plan.device != q.device:
+        raise ValueError(
+            f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
+            f"got H={H}, T={T}, B={kv_lens.shape[0]} on {q.device}"
+        )
+    cfg = plan.config
+    w = plan.work
+    _verify_flash_kernel[(plan.num_items,)](
+        q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
+        w[0], w[1], w[2], w[3], w[4],
+        plan.partial_out, plan.partial_lse,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        tree_mask.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        sm_scale * LOG2E,
+        H=H,
+        PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        D_LATENT=D_V,
+        D_ROPE=D_QK - D_V,
+        DOT_FP32=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if plan.num_groups:
+        g = plan.groups
+        _combine_kernel[(plan.num_groups, cfg.block_m)](
+            plan.partial_out, plan.partial_lse, out, lse, qo_indptr,
+            g[0], g[1], g[2], g[3],
+            out.stride(0), out.stride(1), lse.stride(0),
+            H=H, BLOCK_M=cfg.block_m, D_LATENT=D_V,
+            num_warps=4,
+        )

@@ -1,0 +1,103 @@
+"""verify_attention's input checks: each bad input raises a clear error naming the argument."""
+
+import pytest
+import torch
+
+from kdtree_engine import verify_attention
+from kdtree_engine.testing import CaseSpec, build_case, random_tree
+
+
+@pytest.fixture
+def case():
+    gen = torch.Generator().manual_seed(0)
+    spec = CaseSpec("c", 2, [5, 0], [random_tree(3, gen), random_tree(2, gen)], page_size=4)
+    return build_case(spec)
+
+
+def call(case, **overrides):
+    args = dict(case)
+    kw = {k: overrides.pop(k) for k in ("kernel", "out", "lse", "sm_scale", "validate") if k in overrides}
+    args.update(overrides)
+    return verify_attention(**args, **kw)
+
+
+@pytest.mark.parametrize(
+    "name, make, exc, match",
+    [
+        ("q", lambda c: c["q"].float(), TypeError, "q must be one of"),
+        ("q", lambda c: c["q"][0], ValueError, "q must have 3 dimensions"),
+        ("q", lambda c: c["q"][..., :512], ValueError, "q must have last dimension 576"),
+        ("q", lambda c: c["q"].new_zeros(0, 2, 576), ValueError, "q has no rows"),
+        ("q", lambda c: torch.zeros(5, 2, 576 * 2, dtype=torch.bfloat16)[..., ::2], ValueError, "contiguous"),
+        ("q", lambda c: c["q"].new_zeros(5, 129, 576), ValueError, "129 heads"),
+        ("kv_cache", lambda c: c["kv_cache"].half(), TypeError, "kv_cache must be torch.bfloat16"),
+        ("kv_cache", lambda c: c["kv_cache"][..., :512], ValueError, "kv_cache must have last dimension 576"),
+        ("page_table", lambda c: c["page_table"].long(), TypeError, "page_table must be torch.int32"),
+        ("page_table", lambda c: c["page_table"][:1], ValueError, "page_table has 1 rows"),
+        ("kv_lens", lambda c: c["kv_lens"].long(), TypeError, "kv_lens must be torch.int32"),
+        ("kv_lens", lambda c: c["kv_lens"][None], ValueError, "kv_lens must have 1 dimensions"),
+        ("qo_indptr", lambda c: c["qo_indptr"][:2], ValueError, "qo_indptr must have B\\+1=3"),
+        ("tree_mask", lambda c: c["tree_mask"][:4], ValueError, "tree_mask has 4 rows"),
+        ("tree_mask", lambda c: c["tree_mask"].to(torch.int64), TypeError, "tree_mask must be torch.int32"),
+    ],
+)
+def test_bad_argument(case, name, make, exc, match):
+    with pytest.raises(exc, match=match):
+        call(case, **{name: make(case)})
+
+
+def test_bad_options(case):
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        call(case, kernel="fast")
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(case, sm_scale=-1.0)
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(case, sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="out must have shape"):
+        call(case, out=torch.empty(5, 3, 512, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out must be torch.bfloat16"):
+        call(case, out=torch.empty(5, 2, 512, dtype=torch.float16))
+    with pytest.raises(TypeError, match="lse must be torch.float32"):
+        call(case, lse=torch.empty(5, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c["page_table"].__setitem__((0, 1), 99), "page_table\\[0, 1\\]=99 is outside"),
+        (lambda c: c["page_table"].__setitem__((1, 0), -1), "page_table\\[1, 0\\]=-1 is outside"),
+        (lambda c: c["kv_lens"].__setitem__(1, 1), "kv_lens\\[1\\]=1 is shorter than its tree"),
+        (lambda c: c["kv_lens"].__setitem__(0, 50), "exceeds page_table capacity"),
+        (lambda c: c["qo_indptr"].__setitem__(1, 0), "no tree node"),
+        (lambda c: c["qo_indptr"].__setitem__(2, 4), "end at T=5"),
+        (lambda c: c["tree_mask"].__setitem__((1, 0), 0), "row 1 does not set its own bit"),
+        (lambda c: c["tree_mask"].__setitem__((4, 0), 7), "row 4 sets a bit at or past its tree size n_b=2"),
+    ],
+)
+def test_content_checks(case, edit, match):
+    edit(case)
+    with pytest.raises(ValueError, match=match):
+        call(case, kernel="naive")
+
+
+def test_content_checks_can_be_skipped(case):
+    """validate=False skips the content checks (the caller vouches for the inputs)."""
+    case["tree_mask"][4, 0] |= 1 << 5  # stray bit past n_b: harmless to the kernels
+    with pytest.raises(ValueError):
+        call(case, kernel="naive")
+    call(case, kernel="naive", validate=False)
+
+
+def test_mask_too_narrow():
+    spec = CaseSpec("n", 1, [0], [list(range(-1, 39))], page_size=1)
+    c = build_case(spec)
+    c["tree_mask"] = c["tree_mask"][:, :1].contiguous()
+    with pytest.raises(ValueError, match="too narrow for a tree of 40 nodes"):
+        verify_attention(**c)
+
+
+def test_cpu_without_interpreter_is_refused(case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if case["q"].device.type == "cpu":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            verify_attention(**case)

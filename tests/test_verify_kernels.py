@@ -1,0 +1,169 @@
+"""naive and flash kernels against the float64 reference, on awkward shapes, with poisoning.
+
+Without CUDA these run through Triton's interpreter at small sizes (conftest.py).
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, HAS_CUDA, requires_cuda
+from kdtree_engine import reference, verify_attention
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
+from kdtree_engine.verify.flash import plan_verify
+
+KERNELS = ["naive", "flash"]
+G = torch.Generator().manual_seed(1234)
+# GPU runs use longer prefixes; the interpreter stays small
+P = 1000 if HAS_CUDA else 40
+
+SHAPES = {
+    "1node-p0": dict(num_heads=4, prefix_lens=[0], trees=[[-1]]),
+    "1node-long": dict(num_heads=3, prefix_lens=[P], trees=[[-1]]),
+    "chain65": dict(num_heads=2, prefix_lens=[P // 2], trees=[chain_tree(65)], page_size=16),
+    "star33": dict(num_heads=5, prefix_lens=[7], trees=[star_tree(33)], page_size=1),
+    "tree130-5words": dict(num_heads=2, prefix_lens=[P], trees=[random_tree(130, G)], page_size=16),
+    "odd-heads-h7": dict(num_heads=7, prefix_lens=[P + 3], trees=[random_tree(9, G)], page_size=1),
+    "prefix0-ragged": dict(num_heads=3, prefix_lens=[0, 1, 0], trees=[random_tree(4, G), [-1], random_tree(6, G)]),
+    "ragged-b4": dict(num_heads=6, prefix_lens=[P, 5, 63, 2 * P],
+                      trees=[random_tree(17, G), random_tree(3, G), [-1], random_tree(40, G)], page_size=16),
+    "page64": dict(num_heads=4, prefix_lens=[P, 3], trees=[random_tree(9, G), chain_tree(5)], page_size=64),
+    "page1-unscattered": dict(num_heads=4, prefix_lens=[P], trees=[random_tree(9, G)], scatter=False),
+    "wide-mask": dict(num_heads=2, prefix_lens=[11], trees=[random_tree(5, G)], extra_mask_words=2),
+    "fp16": dict(num_heads=8, prefix_lens=[P], trees=[random_tree(17, G)], dtype="fp16", page_size=16),
+    "h128": dict(num_heads=128, prefix_lens=[9], trees=[random_tree(3, G)], page_size=1),
+}
+
+
+def run_checked(c, kernel, dtype_name, **kw):
+    """Run with NaN-prefilled outputs and compare against the reference."""
+    T, H, _ = c["q"].shape
+    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=c["q"].device)
+    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=c["q"].device)
+    verify_attention(**c, kernel=kernel, out=out, lse=lse, **kw)
+    r_out, r_lse = reference(**c)
+    res_out = compare(out, r_out, *TOLERANCES[dtype_name]["out"])
+    res_lse = compare(lse, r_lse, *TOLERANCES[dtype_name]["lse"])
+    assert res_out.ok, f"out: {res_out} {res_out.detail}"
+    assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
+    return out, lse
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_kernel_matches_reference(kernel, shape):
+    spec = CaseSpec(shape, seed=hash(shape) % 1000, **SHAPES[shape])
+    run_checked(build_case(spec, DEVICE), kernel, spec.dtype)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_non_contiguous_q_and_out(kernel):
+    spec = CaseSpec("strided", 3, [P, 2], [random_tree(5, G), [-1, 0]], page_size=16)
+    c = build_case(spec, DEVICE)
+    wide = torch.randn(c["q"].shape[0], 6, 576, device=DEVICE).to(c["q"].dtype)
+    wide[:, 1::2] = c["q"]  # heads at stride 2 * 576
+    c["q"] = wide[:, 1::2]
+    assert not c["q"].is_contiguous()
+    out_buf = torch.full((c["q"].shape[0], 3, 1024), math.nan, dtype=c["q"].dtype, device=DEVICE)
+    out = out_buf[..., 256:768]
+    verify_attention(**c, kernel=kernel, out=out)
+    r_out, _ = reference(**c)
+    assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok
+    assert bool(out_buf[..., :256].isnan().all()) and bool(out_buf[..., 768:].isnan().all())
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_flash_split_counts(num_splits):
+    spec = CaseSpec("splits", 4, [3 * P, 10], [random_tree(9, G), random_tree(20, G)], page_size=1)
+    c = build_case(spec, DEVICE)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 4, DEVICE, num_splits=num_splits)
+    run_checked(c, "flash", "bf16", plan=plan)
+
+
+def test_flash_split_ending_inside_the_tree():
+    """A split whose KV range holds only tree nodes a row cannot see gives that row lse=-inf partials."""
+    spec = CaseSpec("tail", 2, [0], [chain_tree(64)], page_size=1)
+    c = build_case(spec, DEVICE)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 2, DEVICE, num_splits=4)
+    run_checked(c, "flash", "bf16", plan=plan)
+
+
+def test_flash_deterministic_and_plan_reuse():
+    spec = CaseSpec("det", 8, [2 * P, P], [random_tree(17, G), random_tree(9, G)], page_size=1)
+    c = build_case(spec, DEVICE)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 8, DEVICE)
+    out1, lse1 = verify_attention(**c, kernel="flash", plan=plan)
+    out2, lse2 = verify_attention(**c, kernel="flash", plan=plan)
+    out3, lse3 = verify_attention(**c, kernel="flash")
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2) and torch.equal(out1, out3)
+    # the same plan serves another layer's data of the same lengths
+    c2 = build_case(CaseSpec("det2", 8, [2 * P, P], spec.trees, page_size=1, seed=99), DEVICE)
+    run_checked(c2, "flash", "bf16", plan=plan)
+
+
+def test_plan_mismatch_is_refused():
+    spec = CaseSpec("mis", 4, [10], [random_tree(5, G)])
+    c = build_case(spec, DEVICE)
+    plan = plan_verify([15], [0, 5], 8, DEVICE)
+    with pytest.raises(ValueError, match="plan was built for H=8"):
+        verify_attention(**c, kernel="flash", plan=plan)
+    with pytest.raises(ValueError, match="qo_indptr must have 2 entries"):
+        plan_verify([15], [0, 5, 6], 4, DEVICE)
+
+
+def test_nan_in_unused_slots_and_tail_pages_never_leaks():
+    """build_case poisons every slot no sequence uses; page_size 16 leaves NaN tails in last pages."""
+    spec = CaseSpec("poison", 3, [19, 1], [random_tree(6, G), [-1]], page_size=16, spare_pages=5)
+    c = build_case(spec, DEVICE)
+    assert bool(c["kv_cache"].isnan().any())
+    for kernel in KERNELS:
+        out, lse = run_checked(c, kernel, "bf16")
+        assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_with_no_visible_key(kernel):
+    spec = CaseSpec("blind", 2, [0, 3], [[-1, 0], [-1]], page_size=1)
+    c = build_case(spec, DEVICE)
+    c["tree_mask"][0] = 0  # node 0 of sequence 0 has no prefix and sees nothing
+    out, lse = verify_attention(**c, kernel=kernel, validate=False)
+    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
+    r_out, r_lse = reference(**c)
+    assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok
+    assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
+
+
+@requires_cuda
+def test_flash_long_prefix_many_heads_gpu():
+    spec = CaseSpec("long", 64, [20000, 4097], [random_tree(33, G), random_tree(33, G)], page_size=1)
+    run_checked(build_case(spec, "cuda"), "flash", "bf16")
+
+
+@requires_cuda
+def test_flash_cuda_graph_capture_and_replay():
+    spec = CaseSpec("graph", 16, [5000, 300], [random_tree(9, G), random_tree(17, G)], page_size=1)
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda")
+    out = torch.empty(c["q"].shape[0], 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(c["q"].shape[0], 16, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
+    # replay on fresh data written into the same input buffers
+    fresh = build_case(CaseSpec("graph2", 16, [5000, 300], spec.trees, page_size=1, seed=5), "cuda")
+    for k in ("q", "kv_cache"):
+        c[k].copy_(fresh[k])
+    c["page_table"].copy_(fresh["page_table"])
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    r_out, r_lse = reference(**c)
+    assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok
+    assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
