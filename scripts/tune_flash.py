@@ -1,0 +1,145 @@
+"""Flash-kernel tuning probe for the GPU: compiler report and timing per tile config and shape.
+
+    PYTHONPATH=src python scripts/tune_flash.py [--configs 64x64x8x2,64x32x8x3] [--shapes ...]
+
+For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape:
+median us (CUDA graph replay of the planned call), TFLOP/s, TB/s, % of the roofline floor from
+ceilings measured in this run, and a correctness check against the float64 reference on one
+sequence. Prints a table; --json writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from kdtree_engine import reference, verify_attention
+from kdtree_engine.testing import TOLERANCES, compare, random_tree
+from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
+from kdtree_engine.verify import flash
+from kdtree_engine.verify.flash import FlashConfig, plan_verify
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of CUDA-event timings."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    t_copy = time_graph(lambda: y.copy_(x), reps=50)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = time_graph(lambda: a @ b, reps=30)
+    return 2 * x.numel() / t_copy, 2 * 8192**3 / t_mm
+
+
+def time_graph(fn, reps: int = 50) -> float:
+    """Median seconds of one call, replayed from a CUDA graph (warm-up on a side stream first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def make_inputs(H: int, n: int, B: int, prefix: int, page_size: int, seed: int = 0):
+    """Random inputs built on the GPU; page_size-1 slots (or pages) shuffled over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    L = prefix + n
+    pages_per_seq = math.ceil(L / page_size)
+    num_pages = B * pages_per_seq
+    kv_cache = torch.randn(num_pages, page_size, 576, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(num_pages, device="cuda").to(torch.int32)
+    page_table = perm.view(B, pages_per_seq).contiguous()
+    q = torch.randn(B * n, H, 576, device="cuda", dtype=torch.bfloat16) * 2
+    trees = [random_tree(n, gen) for _ in range(B)]
+    tree_mask = concat_tree_masks([tree_mask_from_parents(t) for t in trees], words=mask_words(n)).cuda()
+    kv_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    qo_indptr = torch.arange(0, B * n + 1, n, dtype=torch.int32, device="cuda")
+    return dict(q=q, kv_cache=kv_cache, page_table=page_table, kv_lens=kv_lens, qo_indptr=qo_indptr,
+                tree_mask=tree_mask)
+
+
+def compiled_report(kernel_fn) -> dict:
+    """Registers, spills, shared memory and wgmma use of the most recently compiled variant."""
+    try:
+        cache = kernel_fn.device_caches[torch.cuda.current_device()][0]
+        compiled = list(cache.values())[-1]
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return dict(regs="?", spills="?", smem="?", wgmma="?", mma_sync="?")
+    ptx = compiled.asm.get("ptx", "")
+    return dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=compiled.metadata.shared,
+                wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx)
+
+
+def parse_config(text: str) -> FlashConfig:
+    bm, bn, w, s = (int(x) for x in text.split("x"))
+    return FlashConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="64x64x8x2,64x32x8x2,64x32x8x3,32x64x4x2,128x32x8x2")
+    parser.add_argument("--shapes", default="16x9x1x131072x1,64x33x1x16384x1,64x33x4x131072x1,128x33x1x65536x1,"
+                        "16x9x16x4096x1,64x65x16x1024x1,64x33x1x16384x64,8x9x1x1024x1")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    copy_bps, mm_fps = measure_ceilings()
+    print(f"ceilings: copy {copy_bps / 1e12:.2f} TB/s, bf16 matmul {mm_fps / 1e12:.0f} TFLOP/s")
+    rows = []
+    for shape_text in args.shapes.split(","):
+        H, n, B, prefix, ps = (int(x) for x in shape_text.split("x"))
+        c = make_inputs(H, n, B, prefix, ps)
+        L = prefix + n
+        flops = 2 * B * n * H * L * (576 + 512)
+        nbytes = B * L * 1152 + B * n * H * (576 + 512) * 2
+        floor = max(flops / mm_fps, nbytes / copy_bps)
+        ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
+                                     c["qo_indptr"][:2], c["tree_mask"][:n])
+        for cfg_text in args.configs.split(","):
+            cfg = parse_config(cfg_text)
+            try:
+                plan = plan_verify([L] * B, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
+                out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
+                lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+                verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
+                torch.cuda.synchronize()
+                ok = compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
+                    compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
+                rep = compiled_report(flash._verify_flash_kernel)
+                t = time_graph(lambda: verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse))
+            except Exception as exc:  # a config that does not compile or fit: report, go on
+                print(f"{shape_text:>22} {cfg_text:>12}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            row = dict(shape=shape_text, config=cfg_text, us=t * 1e6, tflops=flops / t / 1e12,
+                       tbps=nbytes / t / 1e12, pct_floor=100 * floor / t, floor_us=floor * 1e6,
+                       items=plan.num_items, groups=plan.num_groups, ok=ok, **rep)
+            rows.append(row)
+            print(f"{shape_text:>22} {cfg_text:>12} {'PASS' if ok else 'FAIL'} {row['us']:9.1f} us "
+                  f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
+                  f"({row['floor_us']:.1f} us) items={plan.num_items} regs={rep['regs']} spills={rep['spills']} "
+                  f"smem={rep['smem']} wgmma={rep['wgmma']}", flush=True)
+        del c
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_tbps=copy_bps / 1e12, matmul_tflops=mm_fps / 1e12, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
