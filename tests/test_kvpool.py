@@ -802,3 +802,26 @@ def test_commit_has_no_host_sync_and_captures(page_size):
     model[ids[0]] = torch.cat([model[ids[0]], rows[:, [0, 2, 5]].cpu()], 1)
     model[ids[1]] = torch.cat([model[ids[1]], rows[:, [9, 10]].cpu()], 1)
     assert_consistent(pool, model)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark's code path, at toy sizes on the CPU (its GPU numbers come from the H200 run)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU smoke run; on CUDA run python -m kdtree_engine.kvpool_bench")
+@needs_triton
+def test_benchmark_runs_on_cpu():
+    from kdtree_engine.kvpool_bench import format_results, run_benchmark
+
+    rows = run_benchmark("cpu", quick=True, prefixes=(70,), shapes=((2, 3),), kernels=("naive",),
+                         commit_batch=3, commit_nodes=5, commit_steps=2)
+    assert not [r for r in rows if "error" in r]
+    (d,) = [r for r in rows if r["section"] == "defrag"]
+    assert d["kv_intact"] and d["pages_moved"] > 0
+    ver = [r for r in rows if r["section"] == "verify"]
+    assert {r["layout"] for r in ver} == {"ps1-scattered", "ps1-defragmented", "ps64-scattered"}
+    # the naive kernel reads the same logical KV through three page layouts: bitwise the same
+    assert all(r["max_diff_vs_scattered"] == 0.0 for r in ver if r["layout"] != "ps1-scattered")
+    assert len([r for r in rows if r["section"] == "commit"]) == 4
+    assert len([r for r in rows if r["section"] == "payback"]) == 1
+    assert "commit per step" in format_results(rows)
