@@ -270,3 +270,42 @@ def test_sampling_over_steps_matches_target_joint(device):
     h = 2.0 / (9.0 * dof)
     bound = dof * (1.0 - h + 4.75 * math.sqrt(h)) ** 3
     assert stat < bound, f"chi2={stat:.1f} dof={dof} bound={bound:.1f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# the KV pool of kdtree_engine.kvpool takes the compiled tree and the accepted paths as they are
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_kvpool_interop(page_size, device):
+    from kdtree_engine.kvpool import KVPool
+
+    g = torch.Generator().manual_seed(page_size)
+    B, V = 3, 30
+    pool = KVPool(num_pages=200 // page_size + 8, page_size=page_size, device=device, max_seqs=4)
+    ids = [pool.add_sequence() for _ in range(B)]
+    prefix = [5, 0, 13]
+    pool.extend(ids, prefix)
+    tree = build_ddtree(torch.randn(B, 4, V, generator=g).to(device), 20, torch.tensor([1, 2, 3], device=device))
+    slots = pool.reserve_tree(ids, list(tree.num_nodes_host))
+    page_table, kv_lens = pool.verify_inputs(ids)
+    vb = compile_tree(tree, torch.tensor(prefix, device=device), page_table=page_table, page_size=page_size)
+    assert torch.equal(vb.kv_slots, slots.to(torch.int64))
+    assert torch.equal(vb.kv_lens, kv_lens)
+    assert torch.equal(vb.qo_indptr, pool.qo_indptr(ids))
+    # tag each node's KV row with its flat verify row, accept, commit, read back by position
+    cache = pool.kv_cache().view(-1, D_QK)
+    cache[vb.kv_slots] = torch.arange(vb.num_rows, device=device, dtype=cache.dtype)[:, None].expand(-1, D_QK)
+    tgt = torch.randint(0, V, (vb.num_rows,), generator=g).to(device)
+    tgt.view(B, -1)[:, 0] = tree.tokens[:, 1]  # the best first child is accepted at least
+    res = accept_greedy(tree, torch.nn.functional.one_hot(tgt, V).float())
+    pool.commit(ids, res.accepted, res.lengths, num_accepted_host=res.lengths.cpu())
+    src, dst, new_len = commit_positions(res, torch.tensor(prefix, device=device))
+    page_table, kv_lens = pool.verify_inputs(ids)
+    assert torch.equal(kv_lens.long(), new_len)
+    n = tree.width
+    for b in range(B):
+        for i in range(int(res.lengths[b])):
+            pos = int(dst[b, i])
+            slot = int(page_table[b, pos // page_size]) * page_size + pos % page_size
+            assert int(cache[slot, 0]) == b * n + int(res.accepted[b, i])  # node's row, now at P + i

@@ -40,23 +40,35 @@ def assert_same_tree(a: DraftTree, b: DraftTree, fields=FIELDS):
 
 
 def brute_force(top: DraftTopK, budget: int, roots: list[int]):
-    """The spec, by enumeration: every path of ranks up to depth L, sorted by (-score, depth, path)."""
+    """The spec, by enumeration of every node up to depth L (paths of ranks).
+
+    Order: score descending; ties: shallower first, then the node whose parent comes first, then
+    the lower rank. Same-depth parents compare by their order within their depth, so the order is
+    built depth by depth, then merged.
+    """
     lp = top.logprobs.cpu().tolist()
     ids = top.token_ids.cpu().tolist()
     B, L, K = top.logprobs.shape
     out = []
     for b in range(B):
+        within = {(): 0}  # path -> rank within its depth
+        score = {(): 0}
         nodes = []
         for d in range(1, L + 1):
-            for path in itertools.product(range(K), repeat=d):
-                nodes.append((-sum(lp[b][j][r] for j, r in enumerate(path)), d, path))
+            level = [p + (r,) for p in score if len(p) == d - 1 for r in range(K)]
+            for p in level:
+                score[p] = score[p[:-1]] + lp[b][d - 1][p[-1]]
+            level.sort(key=lambda p: (-score[p], within[p[:-1]], p[-1]))
+            for i, p in enumerate(level):
+                within[p] = i
+                nodes.append((-score[p], d, i, p))
         nodes.sort()
-        chosen = nodes[:budget]
-        index = {path: i + 1 for i, (_, _, path) in enumerate(chosen)}
+        chosen = [p for *_, p in nodes[:budget]]
+        index = {p: i + 1 for i, p in enumerate(chosen)}
         index[()] = 0
-        tokens = [roots[b]] + [ids[b][d - 1][p[-1]] for _, d, p in chosen]
-        parents = [-1] + [index[p[:-1]] for _, _, p in chosen]
-        scores = [0] + [-s for s, _, _ in chosen]
+        tokens = [roots[b]] + [ids[b][len(p) - 1][p[-1]] for p in chosen]
+        parents = [-1] + [index[p[:-1]] for p in chosen]
+        scores = [0] + [score[p] for p in chosen]
         out.append((tokens, parents, scores))
     return out
 

@@ -20,9 +20,10 @@ Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
 * **Scores are fixed point**: ``lp[d, r] = round(2**20 * max(log_softmax(draft_logits[d])[tok], -1000))``
   as int64 (units of 2^-20 nats); a node's score is the exact integer sum of ``lp`` along its path.
   Integer scores make ties exact and the order independent of summation order and device.
-* **Order / tie-break**: nodes are emitted by (score descending, depth ascending, rank path
-  ascending lexicographically). The heap pops in exactly this order because a child's and a next
-  sibling's keys are larger than the key of the node that pushed them.
+* **Order / tie-break**: nodes are emitted by score (descending); ties go to the shallower node,
+  then to the node whose parent was emitted first, then to the lower rank. As a heap key:
+  ``(-score, depth, parent's node index, rank)``. The heap pops in exactly this order because a
+  child's and a next sibling's keys are larger than the key of the node that pushed them.
 * The batch is padded: tensors are ``[B, n]``; all trees built by :func:`build_ddtree` have the
   same size; trees from elsewhere (:func:`tree_from_parents`) may be ragged, padding entries are -1.
 """
@@ -30,7 +31,7 @@ Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -127,8 +128,9 @@ class DraftTree:
 class VerifyBatch:
     """A compiled batch of trees: the inputs :func:`kdtree_engine.verify_attention` and the model need.
 
-    Rows: tree node j of sequence b is flat row ``qo_indptr[b] + j`` (T rows in all).
+    Rows: tree node j of sequence b is flat row ``qo_indptr[b] + j`` (T = num_rows rows in all).
 
+    num_rows:     T, a host int.
     input_ids:    ``[T]`` int64, node tokens (the q rows of the verify forward).
     positions:    ``[T]`` int64, RoPE position = prefix_len + depth.
     qo_indptr:    ``[B+1]`` int32.
@@ -143,6 +145,7 @@ class VerifyBatch:
     next_sibling: ``[B, n]`` int64, next sibling in index order (local index), -1 if none.
     """
 
+    num_rows: int
     input_ids: torch.Tensor
     positions: torch.Tensor
     qo_indptr: torch.Tensor
@@ -153,7 +156,6 @@ class VerifyBatch:
     row_index: torch.Tensor
     first_child: torch.Tensor
     next_sibling: torch.Tensor
-    num_rows: int = field(default=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +256,30 @@ def _pairs(num_parents: int, k: int, budget: int, device: str) -> tuple[torch.Te
     return pi, pr
 
 
+@lru_cache(maxsize=256)
+def _plan(k: int, depth_cap: int, budget: int, device: str):
+    """Static layout of one expansion: per-depth pair lists and kept counts, and the columns
+    (depth, slot within its depth, offset of the parent depth) of the concatenated kept nodes."""
+    dev = torch.device(device)
+    pairs, kept = [], []
+    n_par = 1
+    for _ in range(depth_cap):
+        pi, pr = _pairs(n_par, k, budget, device)
+        kept.append(min(budget, pi.numel()))
+        pairs.append((pi, pr))
+        n_par = kept[-1]
+    depth_col = torch.cat([torch.full((m,), d + 1, dtype=torch.int64, device=dev) for d, m in enumerate(kept)])
+    slot_col = torch.cat([torch.arange(m, device=dev) for m in kept])
+    offsets = [0]
+    for m in kept:
+        offsets.append(offsets[-1] + m)
+    parent_base = torch.cat(
+        [torch.full((m,), offsets[d - 1] if d > 0 else -1, dtype=torch.int64, device=dev) for d, m in enumerate(kept)]
+    )
+    slot_k = [torch.arange(m, device=dev) * k for m in kept]
+    return pairs, kept, depth_col, slot_col, parent_base, slot_k
+
+
 def _bits(x: int) -> int:
     return max(int(x).bit_length(), 1)
 
@@ -265,7 +291,9 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     it keeps the ``budget`` best nodes of that depth (the global ``budget`` best are among them,
     since a node's parent beats it), choosing among the children of the previous depth's kept
     nodes that can still rank; the kept nodes of all depths are then merged by the global key.
-    Shapes are static for given (B, L, K, budget), so the function can be captured in a CUDA graph.
+    A node's whole within-depth key is one int64, ``(-score) << S | parent_slot * K + rank``, so
+    a depth costs two gathers, an add and a top-k. Shapes are static for given (B, L, K, budget):
+    the function can be captured in a CUDA graph.
 
     Args:
         top: from :func:`draft_topk`, ``[B, L, K]``.
@@ -282,77 +310,52 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     depth_cap = min(L, budget) if K > 0 else 0
     if depth_cap == 0:
         return _root_only(roots)
-    if depth_cap >= 1 << 11:  # keeps the merged key below 2**63 (never reached: depth <= 1023)
-        raise ValueError(f"depth {depth_cap} too large")
+    pairs, kept, depth_col, slot_col, parent_base, slot_k = _plan(K, depth_cap, budget, str(dev))
 
-    slot_bits = _bits(budget)  # within-depth lexicographic rank < budget
-    depth_bits = _bits(depth_cap)
-    par_score = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-    par_lex = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-    n_par = 1
-    offset = 0
-    keys, cand_parent, cand_token, cand_rank, cand_depth, cand_score = [], [], [], [], [], []
-    for d in range(1, depth_cap + 1):
-        pi, pr = _pairs(n_par, K, budget, str(dev))
-        C = pi.numel()
-        M = min(budget, C)
-        score = par_score.index_select(1, pi) + lp[:, d - 1].index_select(1, pr)  # [B, C], <= 0
-        sec = par_lex.index_select(1, pi) * K + pr  # [B, C], path order within the depth, unique per row
-        sec_bits = _bits(n_par * K)
-        key = torch.bitwise_left_shift(-score, sec_bits) | sec  # [B, C], unique per row
-        if M < C:
-            key_sel, order = key.topk(M, dim=1, largest=False, sorted=True)  # [B, M]
-        else:
-            key_sel, order = key.sort(dim=1)
-        new_score = score.gather(1, order)  # [B, M], key order
-        new_slot = pi.expand(B, C).gather(1, order)  # parent slot in the previous depth
-        new_rank = pr.expand(B, C).gather(1, order)
-        new_sec = key_sel & ((1 << sec_bits) - 1)
-        lex_order = new_sec.argsort(dim=1)
-        new_lex = torch.empty_like(lex_order).scatter_(
-            1, lex_order, torch.arange(M, device=dev).expand(B, M).contiguous()
-        )
-        merged = (
-            torch.bitwise_left_shift(-new_score, depth_bits + slot_bits)
-            | (d << slot_bits)
-            | new_lex
-        )
-        keys.append(merged)
-        cand_parent.append(new_slot + (offset - n_par) if d > 1 else torch.full_like(new_slot, -1))
-        cand_token.append(ids[:, d - 1].gather(1, new_rank))
-        cand_rank.append(new_rank)
-        cand_depth.append(torch.full_like(new_rank, d))
-        cand_score.append(new_score)
-        offset += M
-        par_score, par_lex, n_par = new_score, new_lex, M
+    # within-depth key: (-score) << S | sec, sec = parent slot * K + rank < budget * K <= 2**S;
+    # -score < depth * 1000 * 2**20 < 2**40, so keys stay below 2**60
+    S = _bits(budget * K)
+    low = (1 << S) - 1
+    child = torch.bitwise_left_shift(-lp, S) + torch.arange(K, device=dev)  # [B, L, K]
+    par = torch.zeros(B, 1, dtype=torch.int64, device=dev)  # the root: score 0, slot 0
+    sel = []
+    for d in range(depth_cap):
+        pi, pr = pairs[d]
+        key = par.index_select(1, pi) + child[:, d].index_select(1, pr)  # [B, C], unique per row
+        M = kept[d]
+        key = key.topk(M, dim=1, largest=False, sorted=True).values if M < key.shape[1] else key.sort(dim=1).values
+        sel.append(key)
+        par = (key & ~low) + slot_k[d]  # next depth's parent part: score bits + slot * K
 
-    all_keys = torch.cat(keys, 1)  # [B, total]
-    total = all_keys.shape[1]
+    keys = torch.cat(sel, 1)  # [B, total], each depth in key order
+    total = keys.shape[1]
+    neg = torch.bitwise_right_shift(keys, S)  # -score
+    sec = keys & low
+    slot_bits, depth_bits = _bits(budget), _bits(depth_cap)
+    merged = torch.bitwise_left_shift(neg, slot_bits + depth_bits) | (depth_col << slot_bits) | slot_col
     n_draft = min(budget, total)
     if n_draft < total:
-        _, order = all_keys.topk(n_draft, dim=1, largest=False, sorted=True)
+        order = merged.topk(n_draft, dim=1, largest=False, sorted=True).indices
     else:
-        _, order = all_keys.sort(dim=1)
+        order = merged.sort(dim=1).indices
     emit = torch.full((B, total), -1, dtype=torch.int64, device=dev)
-    emit.scatter_(1, order, torch.arange(n_draft, device=dev).expand(B, n_draft).contiguous())
-    par = torch.cat(cand_parent, 1).gather(1, order)  # candidate id of the parent, -1 = root
-    parents = torch.where(par >= 0, emit.gather(1, par.clamp(min=0)) + 1, torch.zeros_like(par))
-
-    def col(xs, root_value):
-        body = torch.cat(xs, 1).gather(1, order)
-        head = root_value if isinstance(root_value, torch.Tensor) else torch.full((B,), root_value, device=dev)
-        return torch.cat([head.to(torch.int64)[:, None], body], 1)
-
+    emit.scatter_(1, order, torch.arange(1, n_draft + 1, device=dev).expand(B, n_draft))
+    depth = depth_col[order]  # [B, n_draft]
+    rank = (sec % K).gather(1, order)
+    parent_cand = parent_base[order] + (sec // K).gather(1, order)
+    parents = torch.where(depth > 1, emit.gather(1, parent_cand.clamp(min=0)), 0)
+    tokens = ids.reshape(B, L * K).gather(1, (depth - 1) * K + rank)
+    head = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     n = n_draft + 1
     return DraftTree(
-        tokens=col(cand_token, roots),
-        parents=torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), parents], 1),
-        depths=col(cand_depth, 0),
+        tokens=torch.cat([roots[:, None], tokens], 1),
+        parents=torch.cat([head - 1, parents], 1),
+        depths=torch.cat([head, depth], 1),
         num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
         num_nodes_host=(n,) * B,
         max_depth=depth_cap,
-        ranks=col(cand_rank, -1),
-        scores=col(cand_score, 0),
+        ranks=torch.cat([head - 1, rank], 1),
+        scores=torch.cat([head, -neg.gather(1, order)], 1),
     )
 
 
@@ -382,7 +385,7 @@ def expand_topk_reference(top: DraftTopK, budget: int, root_tokens: torch.Tensor
     One device->host copy of the top-K for the whole batch, then per sequence: the heap starts with
     (depth 1, rank 0); popping a node emits it and pushes its next sibling (same parent, rank+1)
     and its first child (depth+1, rank 0) while depth < L; stop after ``budget`` pops. Heap key =
-    (-score, depth, rank path). The result is moved back to the top-K's device.
+    (-score, depth, parent's node index, rank). The result is moved back to the top-K's device.
     """
     if not isinstance(top, DraftTopK):
         raise TypeError(f"top must be a DraftTopK, got {type(top).__name__}")
@@ -398,10 +401,10 @@ def expand_topk_reference(top: DraftTopK, budget: int, root_tokens: torch.Tensor
         tokens, parents, depths, ranks, scores = [roots[b]], [-1], [0], [-1], [0]
         heap = []
         if budget > 0 and L > 0 and K > 0:
-            heap.append((-lp[0][0], 1, (0,), 0))
+            heap.append((-lp[0][0], 1, 0, 0))
         while heap and len(tokens) - 1 < budget:
-            neg, depth, path, parent = heapq.heappop(heap)
-            node, rank = len(tokens), path[-1]
+            neg, depth, parent, rank = heapq.heappop(heap)
+            node = len(tokens)
             tokens.append(ids[depth - 1][rank])
             parents.append(parent)
             depths.append(depth)
@@ -409,9 +412,9 @@ def expand_topk_reference(top: DraftTopK, budget: int, root_tokens: torch.Tensor
             scores.append(-neg)
             if rank + 1 < K:
                 sib = scores[parent] + lp[depth - 1][rank + 1]
-                heapq.heappush(heap, (-sib, depth, path[:-1] + (rank + 1,), parent))
+                heapq.heappush(heap, (-sib, depth, parent, rank + 1))
             if depth < L:
-                heapq.heappush(heap, (-(scores[node] + lp[depth][0]), depth + 1, path + (0,), node))
+                heapq.heappush(heap, (-(scores[node] + lp[depth][0]), depth + 1, node, 0))
         rows.append((tokens, parents, depths, ranks, scores))
     n = len(rows[0][0])  # every sequence pops the same number of nodes
     t = [torch.tensor([r[i] for r in rows], dtype=torch.int64).view(B, n).to(dev) for i in range(5)]
@@ -668,11 +671,7 @@ def compile_tree(
     P = _prefix_tensor(prefix_lens, B, dev)
     if (page_table is None) != (page_size is None):
         raise ValueError("page_table and page_size must be given together")
-    sizes = tree.num_nodes_host
-    T = sum(sizes)
-    qo_host = [0]
-    for s in sizes:
-        qo_host.append(qo_host[-1] + s)
+    T = sum(tree.num_nodes_host)
     qo = torch.cumsum(tree.num_nodes, 0)
     qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), qo]).to(torch.int32)
     valid = tree.node_mask()
@@ -698,6 +697,7 @@ def compile_tree(
         page = page_table.to(torch.int64)[seq, kv_positions // page_size]
         kv_slots = page * page_size + kv_positions % page_size
     return VerifyBatch(
+        num_rows=T,
         input_ids=tree.tokens[seq, loc],
         positions=P[seq] + tree.depths[seq, loc],
         qo_indptr=qo_indptr,
@@ -708,7 +708,6 @@ def compile_tree(
         row_index=row_index,
         first_child=first_child,
         next_sibling=next_sibling,
-        num_rows=T,
     )
 
 
