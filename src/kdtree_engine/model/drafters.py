@@ -20,6 +20,7 @@ root (one independent distribution per position, as a block / parallel drafter g
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Protocol
@@ -71,29 +72,43 @@ class NGramDrafter:
         self.smoothing = smoothing
 
     def _matches(self, ctx: np.ndarray) -> tuple[np.ndarray, int]:
+        """Start of the continuation after each of the most recent earlier occurrences of the
+        longest matching suffix (``min_ngram``..``max_ngram`` tokens), and that length."""
         N = ctx.shape[0]
-        for n in range(min(self.max_ngram, N - 1), self.min_ngram - 1, -1):
-            suffix = ctx[N - n :]
-            # windows starting at i = 0 .. N-n-1 (each followed by at least one token)
-            win = np.lib.stride_tricks.sliding_window_view(ctx[: N - 1], n)
-            hit = np.nonzero((win == suffix).all(axis=1))[0]
-            if hit.size:
-                return hit[::-1][: self.max_matches], n
-        return np.zeros(0, dtype=np.int64), 0
+        none = np.zeros(0, dtype=np.int64), 0
+        if N < 2:
+            return none
+        ends = np.flatnonzero(ctx[: N - 1] == ctx[N - 1])  # earlier occurrences of the last token
+        if ends.size == 0:
+            return none
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for k in range(1, min(self.max_ngram, N - 1)):
+            idx = ends - k
+            alive &= idx >= 0
+            alive[alive] = ctx[idx[alive]] == ctx[N - 1 - k]
+            length += alive
+        best = int(length.max())
+        if best < self.min_ngram:
+            return none
+        return ends[length == best][::-1][: self.max_matches] + 1, best
 
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
         V, L = self.vocab_size, num_positions
-        counts = np.zeros((len(contexts), L, V), dtype=np.float64)
+        out = torch.zeros(len(contexts), L, V)  # no votes: uniform
+        floor = math.log(self.smoothing / V)
         for b, c in enumerate(contexts):
             ctx = as_context(c).numpy()
-            starts, n = self._matches(ctx)
-            for s in starts:
-                follow = ctx[s + n : s + n + L]
-                counts[b, np.arange(follow.shape[0]), follow] += 1.0
-        total = counts.sum(-1, keepdims=True)
-        probs = np.where(total > 0, counts / np.maximum(total, 1.0), 1.0 / V)
-        probs = (1.0 - self.smoothing) * probs + self.smoothing / V
-        return torch.from_numpy(np.log(probs)).float()
+            starts, _ = self._matches(ctx)
+            for i in range(L):
+                follow = ctx[starts[starts + i < ctx.shape[0]] + i]
+                if follow.size == 0:
+                    break
+                tok, cnt = np.unique(follow, return_counts=True)
+                p = (1.0 - self.smoothing) * cnt / follow.size + self.smoothing / V
+                out[b, i] = floor
+                out[b, i, torch.from_numpy(tok)] = torch.from_numpy(np.log(p)).float()
+        return out
 
 
 class SyntheticDrafter:

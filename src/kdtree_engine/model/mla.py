@@ -172,18 +172,13 @@ def build_random_model(config, *, seed: int = 0, dtype=torch.float32, device="cp
     from transformers import DeepseekV3ForCausalLM
 
     check_mla_config(config)
-    config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed_all(seed)
-    old = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = DeepseekV3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    return model.to(dtype).eval()
+    # _from_config builds under `dtype` like from_pretrained does (rotary inv_freq stays fp32)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()
 
 
 def load_model(path: str | Path, *, dtype=torch.bfloat16, device="cpu", attn_implementation="eager"):
@@ -447,7 +442,7 @@ def _sdpa_causal(q, k, v, scale):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 

@@ -183,8 +183,11 @@ class SpeculativeEngine:
 
     Args:
         runner: the target.
-        drafter: a :class:`~kdtree_engine.model.drafters.Drafter`; ``None`` = plain decoding.
-        budget: DDTree draft nodes per tree, root excluded (tree = budget + 1 verify rows).
+        drafter: a :class:`~kdtree_engine.model.drafters.Drafter`; ``None`` = plain decoding
+            (one-node trees). The attribute may be swapped between :meth:`decode` calls (e.g.
+            plain, then speculative, on the same prefilled prompts after :meth:`reset`).
+        budget: DDTree draft nodes per tree, root excluded (tree = budget + 1 verify rows); the
+            KV pool is sized for it at :meth:`prefill`.
         depth: positions asked of the drafter (the deepest a tree can go).
         page_size: KV pool page size.
         max_pool_bytes: optional cap on the KV pool; a larger request raises
@@ -195,8 +198,10 @@ class SpeculativeEngine:
                  page_size: int = 16, max_pool_bytes: int | None = None):
         self.runner = runner
         self.drafter = drafter
-        self.budget = budget if drafter is not None else 0
-        self.depth = depth if drafter is not None else 0
+        if budget < 0 or depth < 0:
+            raise ValueError(f"budget and depth must be >= 0, got {budget}, {depth}")
+        self.budget = budget
+        self.depth = depth
         self.page_size = page_size
         self.max_pool_bytes = max_pool_bytes
         self.pool = None
