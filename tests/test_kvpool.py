@@ -757,7 +757,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=20, deadline=None,
+    max_examples=60, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_pool_state_machine = PoolMachine.TestCase
 
@@ -767,7 +767,7 @@ class TritonPoolMachine(PoolMachine):
 
 
 TritonPoolMachine.TestCase.settings = settings(
-    max_examples=8, stateful_step_count=12, deadline=None,
+    max_examples=10, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_pool_state_machine_triton = needs_triton(TritonPoolMachine.TestCase)
 

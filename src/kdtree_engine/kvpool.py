@@ -177,7 +177,7 @@ def _commit_kernel(
         # membership "node is accepted" through a per-slot scratch flag array (kept all zero)
         tl.store(marks + b_acc_slot, 1, mask=m_a)
         tl.debug_barrier()
-        b_is_acc = tl.load(marks + b_node, mask=m_n, other=0)
+        b_is_acc = tl.load(marks + b_node, mask=m_n, other=0, volatile=True)  # other threads' stores
         tl.debug_barrier()
         tl.store(marks + b_acc_slot, 0, mask=m_a)
         m_rej = m_n & (b_is_acc == 0)

@@ -39,7 +39,9 @@ import math
 import platform
 import statistics
 import subprocess
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -485,7 +487,14 @@ def run_benchmark(device="cuda", quick: bool = False, *, prefixes=None, shapes=N
     rows.append(ceil)
     ceiling_bps = ceil["tbps"] * 1e12
     for p in prefixes:
-        rows += bench_prefix(clock, p, ceiling_bps, shapes=shapes, kernels=kernels, quick=quick)
+        try:
+            rows += bench_prefix(clock, p, ceiling_bps, shapes=shapes, kernels=kernels, quick=quick)
+        except Exception as e:  # report and go on with the other sections
+            rows.append({"section": "defrag", "prefix": p, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                         "traceback": traceback.format_exc()})
+            if clock.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
     steps = commit_steps or (2 if cpu else (30 if quick else 100))
     for ps in (1, 64):
         for use_triton in (True, False):
@@ -493,7 +502,7 @@ def run_benchmark(device="cuda", quick: bool = False, *, prefixes=None, shapes=N
                 rows.append(bench_commit(clock, ps, use_triton, B=commit_batch, n=commit_nodes, A=16, steps=steps))
             except Exception as e:
                 rows.append({"section": "commit", "page_size": ps, "path": "triton" if use_triton else "torch",
-                             "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                             "error": f"{type(e).__name__}: {str(e)[:200]}", "traceback": traceback.format_exc()})
     return rows
 
 
@@ -533,7 +542,7 @@ def format_results(rows: list) -> str:
         ("extraMB", "mb_extra", "{:.1f}"), ("levels", "levels", None), ("scratch", "scratch_pages", None),
         ("plan ms", "plan_ms", "{:.1f}"), ("upload us", "upload_us", "{:.1f}"), ("copy us", "copy_us", "{:.1f}"),
         ("apply us", "apply_us", "{:.1f}"), ("copy GB/s", "copy_gbps", "{:.0f}"),
-        ("% ceiling", "copy_pct_ceiling", "{:.0f}"), ("KV intact", "kv_intact", None)],
+        ("% ceiling", "copy_pct_ceiling", "{:.0f}"), ("KV intact", "kv_intact", None), ("error", "error", None)],
         sec.get("defrag", [])))
     out.append(_table("\npays back after (steps) = (apply + upload) / (scattered - contiguous verify time)", [
         ("prefix", "prefix", None), ("kernel", "kernel", None), ("H", "heads", None), ("n", "nodes", None),
@@ -562,6 +571,9 @@ def main(argv=None) -> int:
         return 2
     rows = run_benchmark(args.device, args.quick)
     print(format_results(rows))
+    for r in rows:
+        if "traceback" in r:
+            print(f"\n--- {r['section']} {r.get('prefix', r.get('page_size', ''))}:", r["traceback"], file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
