@@ -304,6 +304,8 @@ def test_check_tree_rejects():
         check_tree(tree_from_parents([[-1, 0, 1, 2]], [[1, 2, 3, 4]], max_depth=2))
     with pytest.raises(ValueError, match="num_nodes"):
         tree_from_parents([[-1, 0]], [[1, 2]], [3])
+    with pytest.raises(ValueError, match="outside"):
+        tree_from_parents([[-1, 0], [-1, 5]], [[1, 2], [1, 2]])
     with pytest.raises(TypeError, match="both"):
         tree_from_parents(torch.tensor([[-1, 0]]), [[1, 2]])
 

@@ -488,7 +488,9 @@ def tree_from_parents(
         max_depth: host bound of the depth; computed on the host when omitted (a device sync when
             the tensors are on a GPU).
 
-    Depths are computed on the device by pointer jumping. Use :func:`check_tree` to validate.
+    Depths are computed on the device by pointer jumping. List input is range-checked here;
+    tensors are not (a sync): validate them with :func:`check_tree` (out-of-range parents make the
+    gathers fault on a GPU).
     """
     if isinstance(parents, torch.Tensor) != isinstance(tokens, torch.Tensor):
         raise TypeError("parents and tokens must both be tensors or both be lists")
@@ -500,6 +502,9 @@ def tree_from_parents(
             raise ValueError("parents[b] and tokens[b] must have the same length")
         if min(sizes) < 1:
             raise ValueError("every tree needs at least its root")
+        for b, p in enumerate(parents):
+            if any(not -1 <= int(x) < len(p) for x in p):
+                raise ValueError(f"parents[{b}] holds an index outside [-1, {len(p)})")
         n = max(sizes)
         par = torch.full((len(sizes), n), -1, dtype=torch.int64)
         tok = torch.full((len(sizes), n), -1, dtype=torch.int64)
