@@ -95,8 +95,10 @@ def _copy_pages_kernel(
     ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    """dst[l, dst_idx[i]] = src[l, src_idx[i]] for BLOCK_M moves x one layer; a page is ROW values.
+    """dst[l, dst_idx[i]] = src[l, src_idx[i]] for BLOCK_M moves x one layer; a page is ROW values,
+    copied in ceil(ROW / BLOCK_D) tiles [BLOCK_M, BLOCK_D] (a small page in one masked tile).
 
     One pass: correct only if no page is both read and written by this launch (the schedule
     guarantees it)."""
@@ -108,10 +110,14 @@ def _copy_pages_kernel(
     b_dst = tl.load(dst_idx + o_m, mask=m_m, other=0).to(tl.int64)
     p_src = src + i_l.to(tl.int64) * stride_src_l + b_src * ROW  # [BM]
     p_dst = dst + i_l.to(tl.int64) * stride_dst_l + b_dst * ROW  # [BM]
-    for i_d in range(0, ROW // BLOCK_D):
+    for i_d in range(0, tl.cdiv(ROW, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        b_x = tl.load(p_src[:, None] + o_d[None, :], mask=m_m[:, None])  # [BM, BD]
-        tl.store(p_dst[:, None] + o_d[None, :], b_x, mask=m_m[:, None])
+        if EVEN_D:
+            m_x = m_m[:, None]
+        else:
+            m_x = m_m[:, None] & (o_d < ROW)[None, :]
+        b_x = tl.load(p_src[:, None] + o_d[None, :], mask=m_x)  # [BM, BD]
+        tl.store(p_dst[:, None] + o_d[None, :], b_x, mask=m_x)
 
 
 @triton.jit
@@ -251,13 +257,15 @@ def _copy_pages(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst
         d = dst.view(num_layers, dst.shape[1], row)
         d[:, dst_idx] = s[:, src_idx]
         return
-    block_d = min(_pow2_divisor(row), 2048)
-    block_m = max(1, 4096 // block_d)
+    # whole pages per tile when they are small (page size 1: [8, 1024] masked to 576 values: a
+    # program keeps 8 full rows in flight); else tiles of a power-of-two divisor of the page
+    block_d = _pow2(row) if row <= 4096 else min(_pow2_divisor(row), 4096)
+    block_m = max(1, 8192 // block_d)
     grid = (triton.cdiv(n, block_m), num_layers)
     _copy_pages_kernel[grid](
         src, dst, src_idx, dst_idx, n,
         src.stride(0), dst.stride(0),
-        ROW=row, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+        ROW=row, BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=row % block_d == 0, num_warps=4,
     )
 
 
