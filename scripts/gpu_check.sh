@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench tune (default: all but tune)
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree tune (default: all but tune)
 # Results go to $OUT (default ./gpu_out): machine.txt, pytest.log, refs.log, bench JSON/CSV/PNG.
 # Runs from the source tree (PYTHONPATH=src): nothing is installed.
 set -uo pipefail
@@ -8,7 +8,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench)
+[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench ddtree)
 status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -26,6 +26,8 @@ for stage in "${stages[@]}"; do
       python3 -m kdtree_engine.cli refs check --kernel all --device cuda "$refs"/*.kdtr 2>&1 | tee "$OUT/refs.log" || status=1 ;;
     bench)
       python3 -m kdtree_engine.bench.cli ${BENCH_ARGS:---quick} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1 ;;
+    ddtree)
+      python3 -m kdtree_engine.ddtree.bench --json "$OUT/ddtree.json" 2>&1 | tee "$OUT/ddtree.log" | tail -40 || status=1 ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;

@@ -25,13 +25,13 @@ from kdtree_engine.verify.flash import FlashConfig, plan_verify
 
 def measure_ceilings() -> tuple[float, float]:
     """(copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of CUDA-event timings."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    x = torch.randn(1 << 29, dtype=torch.float32, device="cuda")
     y = torch.empty_like(x)
     t_copy = time_graph(lambda: y.copy_(x), reps=50)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t_mm = time_graph(lambda: a @ b, reps=30)
-    return 2 * x.numel() / t_copy, 2 * 8192**3 / t_mm
+    return 2 * x.numel() * x.element_size() / t_copy, 2 * 8192**3 / t_mm
 
 
 def time_graph(fn, reps: int = 50) -> float:
@@ -80,6 +80,7 @@ def compiled_report(kernel_fn) -> dict:
     try:
         cache = kernel_fn.device_caches[torch.cuda.current_device()][0]
         compiled = list(cache.values())[-1]
+        compiled._init_handles()
     except (AttributeError, IndexError, KeyError, TypeError):
         return dict(regs="?", spills="?", smem="?", wgmma="?", mma_sync="?")
     ptx = compiled.asm.get("ptx", "")
@@ -94,7 +95,7 @@ def parse_config(text: str) -> FlashConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--configs", default="64x64x8x2,64x32x8x2,64x32x8x3,32x64x4x2,128x32x8x2")
+    parser.add_argument("--configs", default="64x32x8x3,64x32x8x2,64x64x8x1,64x32x4x3,32x32x4x1,32x32x4x2")
     parser.add_argument("--shapes", default="16x9x1x131072x1,64x33x1x16384x1,64x33x4x131072x1,128x33x1x65536x1,"
                         "16x9x16x4096x1,64x65x16x1024x1,64x33x1x16384x64,8x9x1x1024x1")
     parser.add_argument("--json")

@@ -219,16 +219,18 @@ class FlashConfig:
     num_stages: int
 
     def shared_bytes(self, elem: int = 2) -> int:
-        """Rough shared-memory need: q block, pipelined K tiles, P tile."""
-        return elem * (self.block_m * D_QK + self.num_stages * self.block_n * D_QK + self.block_m * self.block_n)
+        """Upper estimate of the shared memory: q block, pipelined K tiles, P tile, and 12 KB of
+        compiler scratch (layout conversions)."""
+        tiles = self.block_m * D_QK + self.num_stages * self.block_n * D_QK + self.block_m * self.block_n
+        return elem * tiles + 12 * 1024
 
 
 # Ordered by preference; the first that fits the device's shared memory is used. The last fits
-# 99 KB (sm_120 / consumer parts).
+# 99 KB (sm_120 / consumer parts). Measured on the H200: see docs/perf_log.md.
 CONFIGS = (
     FlashConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
-    FlashConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
-    FlashConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+    FlashConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
+    FlashConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
 )
 INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 MIN_SPLIT_TILES = 4  # a KV split covers at least this many BLOCK_N tiles
@@ -322,11 +324,10 @@ def plan_verify(
     row_blocks = [math.ceil(n_b * num_heads / bm) for n_b in n]
     tiles = [math.ceil(L / bn) for L in kv]
     if num_splits is None:
+        # ~one work item per multiprocessor: a split covers `chunk` tiles for each of its row blocks
         total = sum(rb * t for rb, t in zip(row_blocks, tiles))
         chunk = max(math.ceil(total / num_sms), MIN_SPLIT_TILES)
-        # a row block needs at least `chunk` tiles per split; splits per sequence are equal-sized
-        splits = [max(1, math.ceil(t * rb / chunk)) if rb else 1 for rb, t in zip(row_blocks, tiles)]
-        splits = [min(s, t) for s, t in zip(splits, tiles)]
+        splits = [min(t, max(1, math.ceil(t / chunk))) for t in tiles]
     else:
         splits = [min(num_splits, t) for t in tiles]
 
