@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -658,21 +658,24 @@ def test_check_schedule_catches_a_hazard():
 class PoolMachine(RuleBasedStateMachine):
     use_triton = False
 
-    @initialize(page_size=st.sampled_from([1, 2, 5, 16]), pages=st.integers(6, 40),
-                layers=st.integers(1, 2), seed=st.integers(0, 2**16))
-    def setup(self, page_size, pages, layers, seed):
+    @initialize(page_size=st.sampled_from([1, 2, 5, 16]), pages=st.integers(8, 48),
+                layers=st.integers(1, 2), seed=st.integers(0, 2**16), short=st.booleans())
+    def setup(self, page_size, pages, layers, seed, short):
+        # short: a sequence may hold only half the pool (SequenceTooLongError becomes reachable)
         self.pool = KVPool(pages, page_size, num_layers=layers, device=DEVICE, debug=True,
-                           use_triton=self.use_triton, max_seqs=4, max_seq_len=(pages - 2) * page_size)
+                           use_triton=self.use_triton, max_seqs=4,
+                           max_seq_len=(pages // 2 if short else pages) * page_size)
         self.pool.defrag_scratch_bytes = self.pool.page_bytes * (seed % 3)  # 0, 1 or 2 pages
         self.pool.shuffle_free_pages(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.model: dict = {}
+        self.model: dict = {self.pool.add_sequence(): torch.zeros(layers, 0, D, dtype=BF16)}
 
     def _expect_unchanged(self, fn) -> bool:
         snap = snapshot(self.pool)
         try:
             fn()
-        except (PoolFullError, SequenceTooLongError):
+        except (PoolFullError, SequenceTooLongError) as e:
+            event(f"refused: {type(e).__name__}")
             assert_same_state(snap, snapshot(self.pool))
             return False
         return True
@@ -689,7 +692,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def extend(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
-        counts = data.draw(st.lists(st.integers(0, 3 * self.pool.page_size + 2), min_size=len(ids), max_size=len(ids)))
+        counts = data.draw(st.lists(st.integers(0, 2 * self.pool.page_size + 1), min_size=len(ids), max_size=len(ids)))
         out = {}
 
         def go():
@@ -718,8 +721,15 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             step(self.pool, self.model, self.gen, ids, trees, paths, pad=pad, host=host,
                  acc_dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
-        except (PoolFullError, SequenceTooLongError):
+            event("committed")
+        except (PoolFullError, SequenceTooLongError) as e:
+            event(f"step refused: {type(e).__name__}")
             assert_same_state(snap, snapshot(self.pool))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def speculative_step_again(self, data):  # twice as likely as the other rules
+        self.speculative_step(data)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -741,7 +751,7 @@ class PoolMachine(RuleBasedStateMachine):
         how = data.draw(st.sampled_from(["all", "pack", "subset"]))
         if how == "subset" and self.model:
             ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
-            self.pool.defragment(ids)
+            event(f"defrag subset moved {min(self.pool.defragment(ids).pages_moved, 1)}")
         else:
             self.pool.defragment(pack=how == "pack")
             assert all(r <= 1 for r in self.pool.fragmentation().runs)  # 0: empty sequence
