@@ -90,8 +90,7 @@ def _build_model(args, device: str):
     if args.model_dir:
         return load_model(args.model_dir, dtype=dtype, device=device, attn_implementation=attn), "checkpoint"
     if device == "cuda":
-        need = max(args.prefix, max(args.sweep or [0])) + args.steps + args.budget + 8
-        cfg = kimi_k2_attention_config(num_layers=args.layers, max_positions=max(262144, need))
+        cfg = kimi_k2_attention_config(num_layers=args.layers)
         name = f"Kimi-K2 attention (64 heads, latent 512 + rope 64), {args.layers} dense layers, random weights"
     else:
         cfg = tiny_config(num_hidden_layers=args.layers, first_k_dense_replace=1)
@@ -178,7 +177,10 @@ def numerics_check(runner, device: str, seed: int, prefix_len: int = 200) -> dic
         sid = pool.add_sequence()
         runner.prefill(torch.tensor(p), pool.kv_layers, pool.extend([sid], [len(p)]))
         ids.append(sid)
-    tree = tree_from_parents([t[1] for t in trees], [t[0] for t in trees])
+    width = max(len(t[0]) for t in trees)
+    pad = [(t[0] + [-1] * (width - len(t[0])), t[1] + [-1] * (width - len(t[1]))) for t in trees]
+    tree = tree_from_parents(torch.tensor([p[1] for p in pad], device=device),
+                             torch.tensor([p[0] for p in pad], device=device), [len(t[0]) for t in trees])
     slots = pool.reserve_tree(ids, tree.num_nodes_host)
     page_table, kv_lens = pool.verify_inputs(ids)
     vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=device))

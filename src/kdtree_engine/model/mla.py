@@ -118,7 +118,7 @@ def tiny_config(**overrides):
     return DeepseekV3Config(**kw)
 
 
-def kimi_k2_attention_config(num_layers: int = 2, max_positions: int = 262144, **overrides):
+def kimi_k2_attention_config(num_layers: int = 2, **overrides):
     """Attention exactly as Kimi K2 per GPU (TP1): 64 heads, q_lora 1536, nope 128 + rope 64,
     v 128, latent 512, hidden 7168, yarn (factor 32 over 4096, mscale 1/1 as K2 ships); the rest
     shrunk so a few layers fit: dense MLP (intermediate 18432, K2's dense-layer size), vocab 32768.
@@ -144,7 +144,7 @@ def kimi_k2_attention_config(num_layers: int = 2, max_positions: int = 262144, *
         qk_rope_head_dim=D_ROPE,
         qk_nope_head_dim=128,
         v_head_dim=128,
-        max_position_embeddings=max_positions,
+        max_position_embeddings=131072,  # K2's (= yarn factor 32 x 4096); longer contexts still rotate
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 50000.0,

@@ -118,6 +118,7 @@ class GenerateResult:
     tokens: list[list[int]]  # new tokens per sequence (the first one comes from the prefill)
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per (sequence, step)
+    kept: int = 0  # emitted tokens within max_new_tokens (the last step may overshoot)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # wall time of all decode steps (synchronised)
     attn_s: float = 0.0  # time inside the attention kernel, all layers and steps
@@ -131,8 +132,9 @@ class GenerateResult:
 
     @property
     def decoded_tokens(self) -> int:
-        """Tokens emitted by the decode steps (total accepted lengths)."""
-        return sum(self.accepted)
+        """Tokens the decode steps produced within ``max_new_tokens`` (overshoot of a last step not
+        counted); the basis of :attr:`tokens_per_s`."""
+        return self.kept
 
     @property
     def mean_accepted(self) -> float:
@@ -300,6 +302,7 @@ class SpeculativeEngine:
             self.pool.commit(ids, acc.accepted, acc.lengths, num_accepted_host=lengths)
             for b, s in enumerate(active):
                 a = int(lengths[b])
+                res.kept += min(a, max_new - (s.length - s.prompt_len))
                 s.buf[s.length : s.length + a] = host[b, 1 : 1 + a]
                 s.length += a
                 res.accepted.append(a)
