@@ -787,26 +787,36 @@ test_pool_state_machine_triton = needs_triton(TritonPoolMachine.TestCase)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_commit_has_no_host_sync_and_captures(page_size):
+def test_commit_has_no_host_sync_and_captures(page_size, use_triton):
     gen = torch.Generator().manual_seed(14)
-    pool = new_pool(4096 // page_size + 64, page_size, debug=False, use_triton=True, seed=14)
+    pool = new_pool(4096 // page_size + 64, page_size, debug=False, use_triton=use_triton, seed=14)
     model = fill(pool, gen, [100, 300])
     ids = sorted(model)
+    step(pool, model, gen, ids, [9, 9], [[0, 2, 5], [0, 1]])  # compile, warm the row cache
     acc = torch.tensor([[0, 2, 5], [0, 1, -1]], device="cuda")
     na = torch.tensor([3, 2], device="cuda")
-    step(pool, model, gen, ids, [9, 9], [[0, 2, 5], [0, 1]])  # compile, warm the row cache
-    slots = pool.reserve_tree(ids, [9, 9])
     rows = rand_rows(gen, 1, 18)
-    pool.write(slots, rows, layer=None)
+    # eager: reserve, verify_inputs and commit raise if anything synchronizes
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            pool.commit(ids, acc, na)
+        slots = pool.reserve_tree(ids, [9, 9])
+        pool.write(slots, rows, layer=None)
+        pool.verify_inputs(ids)
+        pool.commit(ids, acc, na)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    pool.finalize_commit([3, 2])
+    model[ids[0]] = torch.cat([model[ids[0]], rows[:, [0, 2, 5]].cpu()], 1)
+    model[ids[1]] = torch.cat([model[ids[1]], rows[:, [9, 10]].cpu()], 1)
+    # captured in a CUDA graph (nothing runs), then replayed
+    slots = pool.reserve_tree(ids, [9, 9])
+    pool.write(slots, rows, layer=None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.commit(ids, acc, na)
     graph.replay()
     pool.finalize_commit([3, 2])
     model[ids[0]] = torch.cat([model[ids[0]], rows[:, [0, 2, 5]].cpu()], 1)
