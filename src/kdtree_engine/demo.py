@@ -297,13 +297,13 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
             eng.reset()
             adv = bars.task(f"{kernel}: {name} speculative", len(prompts) * (steps - 1))
             res = eng.decode(progress=adv)
-            vs_plain = check_lossless(res.tokens, plain.tokens)
+            vs_plain = check_lossless(res.tokens, plain.tokens, plain.top2, tie_tol)
             vs_hf = check_lossless(res.tokens, hf_tokens, hf_logits, tie_tol) if hf else None
             rows.append(_row(kernel, label, res, plain, vs_plain, vs_hf))
     return rows
 
 
-def _sweep(runner, args, kernels, bars) -> tuple[list[dict], bool]:
+def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], bool]:
     from .model.drafters import SyntheticDrafter
     from .model.speculative import SpeculativeEngine, check_lossless
 
@@ -322,7 +322,7 @@ def _sweep(runner, args, kernels, bars) -> tuple[list[dict], bool]:
             eng.drafter = SyntheticDrafter(refs, runner.vocab_size, agreement=args.agreement, seed=args.seed)
             eng.reset()
             spec = eng.decode()
-            same = check_lossless(spec.tokens, plain.tokens)
+            same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
             ok &= same.ok
             row = dict(prefix=prefix, batch=args.batch, kernel=kernel, prefill_s=prefill_s,
                        plain_tok_s=plain.tokens_per_s, plain_step_ms=plain.step_ms, plain_attn_share=plain.attn_share,
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             print(f"== stage 3: sweep, batch {args.batch} x prefix {args.sweep}, {args.steps} tokens/sequence, "
                   f"SYNTHETIC drafter a={args.agreement:g}, budget {args.budget}, depth {args.depth} ==", flush=True)
-            rows, ok = _sweep(runner, args, kernels, bars)
+            rows, ok = _sweep(runner, args, kernels, bars, tie_tol)
             failures += not ok
             report["sweep"] = rows
         else:

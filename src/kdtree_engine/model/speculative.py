@@ -116,6 +116,8 @@ class GenerateResult:
     """Output and measurements of one :meth:`SpeculativeEngine.decode` (or ``generate``) call."""
 
     tokens: list[list[int]]  # new tokens per sequence (the first one comes from the prefill)
+    top2: list[torch.Tensor] = field(default_factory=list)  # per sequence [N, 2]: the target's two
+    # largest logits behind each new token (their gap is the token's margin; see check_lossless)
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per (sequence, step)
     kept: int = 0  # emitted tokens within max_new_tokens (the last step may overshoot)
@@ -169,6 +171,7 @@ class _Seq:
     buf: torch.Tensor  # int64 [capacity]: prompt + output
     length: int  # tokens in buf; the last one is the next root (its KV is not cached yet)
     prompt_len: int
+    top2: list = field(default_factory=list)  # [2] float32 per generated token
     done: bool = False
 
     @property
@@ -248,10 +251,11 @@ class SpeculativeEngine:
             logits = r.prefill(p, self.pool.kv_layers, slots,
                                on_layer=(lambda _i: progress(per_layer)) if progress else None)
             tok = int(logits.argmax())
+            top2 = logits.topk(2).values.float().cpu()
             buf = torch.zeros(P + max_new_tokens + self.depth + 1, dtype=torch.int64)
             buf[:P] = p
             buf[P] = tok
-            self.seqs.append(_Seq(sid, buf, P + 1, P))
+            self.seqs.append(_Seq(sid, buf, P + 1, P, [top2]))
             first.append(tok)
         return first, _now(r.device) - t0
 
@@ -260,6 +264,7 @@ class SpeculativeEngine:
         for s in self.seqs:
             self.pool.truncate(s.sid, s.prompt_len)
             s.length = s.prompt_len + 1
+            del s.top2[1:]
             s.done = False
 
     # -- decoding -----------------------------------------------------------------------------
@@ -297,13 +302,18 @@ class SpeculativeEngine:
             logits = r.forward(batch, self.pool.kv_layers, timer)
             timer.add_total(t_fwd, timer.mark())
             acc = accept_greedy(tree, logits)
+            # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
+            rows = vb.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
+            top2 = logits.topk(2, dim=-1).values[rows]  # [B, D+1, 2]
             host = torch.cat([acc.lengths[:, None], acc.new_tokens], 1).cpu()  # the step's one sync
+            top2 = top2.cpu()
             lengths = host[:, 0]
             self.pool.commit(ids, acc.accepted, acc.lengths, num_accepted_host=lengths)
             for b, s in enumerate(active):
                 a = int(lengths[b])
                 res.kept += min(a, max_new - (s.length - s.prompt_len))
                 s.buf[s.length : s.length + a] = host[b, 1 : 1 + a]
+                s.top2.extend(top2[b, :a])
                 s.length += a
                 res.accepted.append(a)
                 s.done = self._finished(s, max_new, eos_token_id)
@@ -315,6 +325,7 @@ class SpeculativeEngine:
         timer.flush()
         res.attn_s, res.forward_s = timer.attn_s, timer.total_s
         res.tokens = [self._output(s, max_new, eos_token_id) for s in self.seqs]
+        res.top2 = [torch.stack(s.top2[: len(t)]) for s, t in zip(self.seqs, res.tokens)]
         return res
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -406,8 +417,9 @@ def check_lossless(outputs: Sequence[Sequence[int]], references: Sequence[Sequen
                    reference_logits: Sequence[torch.Tensor] | None = None, tie_tol: float = 0.0) -> LosslessReport:
     """Compare outputs with reference greedy outputs token for token (first divergence per sequence).
 
-    ``reference_logits[b]``: optional ``[N_b, V]`` logits behind reference b's tokens; at a divergence
-    the reference's margin top1 - top2 is reported, and divergences with margin <= ``tie_tol`` count
+    ``reference_logits[b]``: optional ``[N_b, V]`` logits behind reference b's tokens (or just their
+    two largest, ``[N_b, 2]``, as :attr:`GenerateResult.top2` keeps them); at a divergence the
+    reference's margin top1 - top2 is reported, and divergences with margin <= ``tie_tol`` count
     as numerics (not losslessness failures) in :attr:`LosslessReport.ok`.
     """
     compared = matched = 0
