@@ -210,9 +210,10 @@ def hf_reference(model, prompts, steps: int, device: str, bars: _Bars):
     ctx = _no_math_sdpa() if device == "cuda" else _null()
     with ctx, torch.inference_mode():
         for p in prompts:
-            g = model.generate(torch.tensor([p], device=device), max_new_tokens=steps, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True, eos_token_id=None,
-                               pad_token_id=0)
+            ids = torch.tensor([p], device=device)
+            # an explicit all-ones mask: HF must not guess padding from token ids
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True, eos_token_id=None)
             out.append((g.sequences[0, len(p):].tolist(), torch.cat(g.logits, 0).float().cpu()))
             if adv:
                 adv(1)
