@@ -204,8 +204,7 @@ class StepBatch:
     tokens: ``[T]`` int64 token of each tree node. rope_pos: ``[T]`` int64 ``P_b + depth``.
     slots: ``[T]`` int64 flat cache slot (``page * page_size + offset``) of position ``P_b + j``.
     page_table / kv_lens / qo_indptr / tree_mask: :func:`verify_attention`'s inputs
-    (``kv_lens = P_b + n_b``). logit_rows: rows whose logits are wanted (``None`` = all).
-    plan: optional flash plan reused by every layer.
+    (``kv_lens = P_b + n_b``). plan: optional flash plan, reused by every layer.
     """
 
     tokens: torch.Tensor
@@ -215,7 +214,6 @@ class StepBatch:
     kv_lens: torch.Tensor
     qo_indptr: torch.Tensor
     tree_mask: torch.Tensor
-    logit_rows: torch.Tensor | None = None
     plan: object | None = None
 
 
@@ -274,11 +272,12 @@ class MLARunner:
 
     Args:
         hf_model: a ``DeepseekV3ForCausalLM`` (eval mode). Its parameters are used in place.
-        kernel: ``"naive"``, ``"flash"``, ``"auto"`` (kernels of :func:`verify_attention`; q and the
-            cache in bf16/fp16) or ``"reference"`` (the float64 reference, any cache dtype; for
-            CPU tests of the loop where the Triton interpreter is too slow).
-        cache_dtype: dtype of the KV cache and of the kernel's q. Defaults to the model dtype when
-            that is bf16/fp16, else bf16 (fp32 for ``kernel="reference"``).
+        kernel: ``"naive"``, ``"flash"``, ``"auto"`` (kernels of :func:`verify_attention`) or
+            ``"reference"`` (:func:`kdtree_engine.reference`: float64 on the same 16-bit q and
+            cache; for CPU tests of the loop, where the Triton interpreter is slow). May be
+            changed between calls.
+        cache_dtype: bf16 or fp16: the KV cache and the kernel's q. Default: the model dtype when
+            it is 16-bit, else bf16.
     """
 
     def __init__(self, hf_model, *, kernel: str = "auto", cache_dtype: torch.dtype | None = None):
@@ -314,13 +313,6 @@ class MLARunner:
 
         self._rope_fn = hf_mod.apply_rotary_pos_emb_interleave if c.rope_interleave else hf_mod.apply_rotary_pos_emb
         self.sm_scale = float(self.layers[0].self_attn.scaling)
-
-    # -- sizes --------------------------------------------------------------------------------
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Cache bytes one token takes across all layers."""
-        return self.num_layers * D_QK * torch.empty((), dtype=self.cache_dtype).element_size()
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -358,7 +350,8 @@ class MLARunner:
     def forward(self, batch: StepBatch, kv_layers: Sequence[torch.Tensor], timer: StepTimer | None = None) -> torch.Tensor:
         """One target forward over a batch of draft trees. Writes every node's KV, returns logits.
 
-        Returns ``[R, vocab]`` float32 logits of ``batch.logit_rows`` (all ``T`` rows by default).
+        ``kv_layers[l]``: layer l's cache ``[num_pages, page_size, 576]`` (contiguous; e.g.
+        ``KVPool.kv_layers``). Returns the float32 logits ``[T, vocab]`` of every tree node.
         """
         from ..verify import verify_attention
         from ..verify.reference import reference
@@ -390,8 +383,6 @@ class MLARunner:
             o = torch.bmm(o_lat.transpose(0, 1), self._w_uv[li].transpose(1, 2))  # [H, T, v]
             o = attn.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
             h = self._mlp_block(li, h + o)
-        if batch.logit_rows is not None:
-            h = h[batch.logit_rows.to(self.device)]
         return self._logits(h)
 
     # -- prefill ------------------------------------------------------------------------------
