@@ -304,9 +304,8 @@ class SpeculativeEngine:
             acc = accept_greedy(tree, logits)
             # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
             rows = vb.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
-            top2 = logits.topk(2, dim=-1).values[rows]  # [B, D+1, 2]
-            host = torch.cat([acc.lengths[:, None], acc.new_tokens], 1).cpu()  # the step's one sync
-            top2 = top2.cpu()
+            top2 = logits.topk(2, dim=-1).values[rows].to("cpu", non_blocking=True)  # [B, D+1, 2]
+            host = torch.cat([acc.lengths[:, None], acc.new_tokens], 1).cpu()  # the step's sync
             lengths = host[:, 0]
             self.pool.commit(ids, acc.accepted, acc.lengths, num_accepted_host=lengths)
             for b, s in enumerate(active):
