@@ -166,3 +166,15 @@ def test_top2_margins_match_logits(model, prompts, hf_greedy):
         assert top2.shape == (NEW, 2)
         expected = logits.topk(2, dim=-1).values
         assert torch.allclose(top2, expected, atol=5e-3), (top2 - expected).abs().max()
+
+
+def test_memory_plan_against_free_device_memory():
+    """With a device's free memory known, pool + prefill working memory must fit in 90% of it."""
+    from kdtree_engine.model.speculative import MemoryPlan
+
+    plan = MemoryPlan(pages_per_seq=[8, 4], page_size=16, kv_bytes=600, work_bytes=300, free_bytes=1000)
+    plan.check()  # 900 <= 0.9 * 1000
+    with pytest.raises(RequestTooLarge, match="free"):
+        MemoryPlan([8, 4], 16, 600, 301, 1000).check()
+    with pytest.raises(RequestTooLarge, match="limit"):
+        plan.check(limit_bytes=599)

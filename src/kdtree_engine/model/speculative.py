@@ -58,7 +58,7 @@ class MemoryPlan:
     page_size: int
     kv_bytes: int
     work_bytes: int  # estimated peak activations: the prefill of the longest prompt
-    free_bytes: int | None  # device memory free now (None on the CPU)
+    free_bytes: int | None  # device memory free now, incl. the allocator's unused cache (None on the CPU)
 
     @property
     def num_pages(self) -> int:
@@ -103,7 +103,10 @@ def memory_plan(runner: MLARunner, prompt_lens: Sequence[int], max_new_tokens: i
     inter = max(c.intermediate_size, c.moe_intermediate_size * ((c.num_experts_per_tok or 0) + c.n_shared_experts))
     work = P * elt * (H * (4 * dk + runner.nope + 2 * runner.v_dim) + 3 * inter + 6 * c.hidden_size)
     work += P * 4 * 2  # positions, slots
-    free = torch.cuda.mem_get_info(runner.device)[0] if runner.device.type == "cuda" else None
+    free = None
+    if runner.device.type == "cuda":  # free on the device + what PyTorch's allocator holds unused
+        dev = runner.device
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     return MemoryPlan(per_seq, page_size, kv, work, free)
 
 
