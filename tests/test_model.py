@@ -17,6 +17,8 @@ from kdtree_engine.kvpool import KVPool
 from kdtree_engine.model import MLARunner, StepBatch, build_random_model, hf_tree_logits, load_model, tiny_config
 from kdtree_engine.testing import compare
 
+from conftest import requires_cuda
+
 V = 128
 
 
@@ -44,7 +46,8 @@ def _case(seed: int = 1, prefix_lens=(7, 19, 1), tree_sizes=(5, 9, 1)):
 
 def verify_step(runner: MLARunner, prefixes, trees, *, page_size: int = 4):
     """Prefill each prefix into a fresh KV pool, then one verify forward over all trees."""
-    pool = KVPool(64, page_size, num_layers=runner.num_layers, dtype=runner.cache_dtype, device="cpu",
+    dev = runner.device
+    pool = KVPool(64, page_size, num_layers=runner.num_layers, dtype=runner.cache_dtype, device=dev,
                   max_seqs=len(prefixes), debug=True)
     pool.shuffle_free_pages(seed=3)
     ids = []
@@ -52,10 +55,14 @@ def verify_step(runner: MLARunner, prefixes, trees, *, page_size: int = 4):
         sid = pool.add_sequence()
         runner.prefill(torch.tensor(p), pool.kv_layers, pool.extend([sid], [len(p)]))
         ids.append(sid)
-    tree = tree_from_parents([t[1] for t in trees], [t[0] for t in trees])
+    width = max(len(t[0]) for t in trees)
+    par = torch.tensor([t[1] + [-1] * (width - len(t[1])) for t in trees], device=dev)
+    tok = torch.tensor([t[0] + [-1] * (width - len(t[0])) for t in trees], device=dev)
+    tree = tree_from_parents(par, tok, [len(t[0]) for t in trees])
     slots = pool.reserve_tree(ids, tree.num_nodes_host)
     page_table, kv_lens = pool.verify_inputs(ids)
-    vb = compile_tree(tree, [len(p) for p in prefixes], page_table=page_table, page_size=page_size)
+    vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=dev), page_table=page_table,
+                      page_size=page_size)
     assert torch.equal(vb.kv_slots, slots)
     batch = StepBatch(vb.input_ids, vb.positions, slots, page_table, kv_lens, vb.qo_indptr, vb.tree_mask)
     return runner.forward(batch, pool.kv_layers), pool, ids
@@ -168,3 +175,16 @@ def test_load_model_from_checkpoint_dir(tmp_path):
     a, _, _ = verify_step(MLARunner(model, kernel="reference", cache_dtype=torch.float16), prefixes, trees)
     b, _, _ = verify_step(MLARunner(loaded, kernel="reference", cache_dtype=torch.float16), prefixes, trees)
     assert torch.equal(a, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ["naive", "flash"])
+def test_verify_step_matches_hf_eager_cuda(kernel):
+    """On the GPU: fp32 model, fp16 cache, the real kernels (flash with its own plan)."""
+    model = build_random_model(tiny_config(), seed=0, dtype=torch.float32, device="cuda")
+    runner = MLARunner(model, kernel=kernel, cache_dtype=torch.float16)
+    prefixes, trees = _case(seed=2, prefix_lens=(300, 41, 1), tree_sizes=(33, 9, 1))
+    logits, _, _ = verify_step(runner, prefixes, trees, page_size=16)
+    expected = torch.cat(hf_tree_logits(model, prefixes, trees))
+    res = compare(logits, expected, atol=5e-3, rtol=2e-3)
+    assert res.ok, f"{res} {res.detail}"
