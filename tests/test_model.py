@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.ddtree import compile_tree, tree_from_parents
 from kdtree_engine.kvpool import KVPool
-from kdtree_engine.model import MLARunner, StepBatch, build_random_model, hf_tree_logits, load_model, tiny_config
+from kdtree_engine.model import MLARunner, build_random_model, hf_tree_logits, load_model, tiny_config
+from kdtree_engine.model.speculative import verify_once
 from kdtree_engine.testing import compare
 
 from conftest import requires_cuda
@@ -45,27 +45,9 @@ def _case(seed: int = 1, prefix_lens=(7, 19, 1), tree_sizes=(5, 9, 1)):
 
 
 def verify_step(runner: MLARunner, prefixes, trees, *, page_size: int = 4):
-    """Prefill each prefix into a fresh KV pool, then one verify forward over all trees."""
-    dev = runner.device
-    pool = KVPool(64, page_size, num_layers=runner.num_layers, dtype=runner.cache_dtype, device=dev,
-                  max_seqs=len(prefixes), debug=True)
-    pool.shuffle_free_pages(seed=3)
-    ids = []
-    for p in prefixes:
-        sid = pool.add_sequence()
-        runner.prefill(torch.tensor(p), pool.kv_layers, pool.extend([sid], [len(p)]))
-        ids.append(sid)
-    width = max(len(t[0]) for t in trees)
-    par = torch.tensor([t[1] + [-1] * (width - len(t[1])) for t in trees], device=dev)
-    tok = torch.tensor([t[0] + [-1] * (width - len(t[0])) for t in trees], device=dev)
-    tree = tree_from_parents(par, tok, [len(t[0]) for t in trees])
-    slots = pool.reserve_tree(ids, tree.num_nodes_host)
-    page_table, kv_lens = pool.verify_inputs(ids)
-    vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=dev), page_table=page_table,
-                      page_size=page_size)
-    assert torch.equal(vb.kv_slots, slots)
-    batch = StepBatch(vb.input_ids, vb.positions, slots, page_table, kv_lens, vb.qo_indptr, vb.tree_mask)
-    return runner.forward(batch, pool.kv_layers), pool, ids
+    """Prefill each prefix into a fresh KV pool (scattered pages, NaN-poisoned free slots), then
+    one verify forward over all trees."""
+    return verify_once(runner, prefixes, trees, page_size=page_size, shuffle_seed=3, debug=True)
 
 
 YARN_NO_MSCALE_ALL = dict(rope_parameters={

@@ -156,11 +156,10 @@ def _machine_line(device: str) -> str:
 # stage 2: numerics
 
 
-def numerics_check(runner, device: str, seed: int, prefix_len: int = 200) -> dict:
+def numerics_check(runner, seed: int, prefix_len: int = 200) -> dict:
     """One verify step of ``runner`` vs HF eager with the 4-D tree mask; returns max |diff| etc."""
-    from .ddtree import compile_tree, tree_from_parents
-    from .kvpool import KVPool
-    from .model import StepBatch, hf_tree_logits
+    from .model import hf_tree_logits
+    from .model.speculative import verify_once
 
     model = runner.hf
     V = runner.vocab_size
@@ -170,22 +169,7 @@ def numerics_check(runner, device: str, seed: int, prefix_len: int = 200) -> dic
     for n in (17, 6):
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
         trees.append((torch.randint(0, V, (n,), generator=g).tolist(), parents))
-    pool = KVPool(64, 16, num_layers=runner.num_layers, dtype=runner.cache_dtype, device=device, max_seqs=2)
-    pool.shuffle_free_pages(seed)
-    ids = []
-    for p in prefixes:
-        sid = pool.add_sequence()
-        runner.prefill(torch.tensor(p), pool.kv_layers, pool.extend([sid], [len(p)]))
-        ids.append(sid)
-    width = max(len(t[0]) for t in trees)
-    pad = [(t[0] + [-1] * (width - len(t[0])), t[1] + [-1] * (width - len(t[1]))) for t in trees]
-    tree = tree_from_parents(torch.tensor([p[1] for p in pad], device=device),
-                             torch.tensor([p[0] for p in pad], device=device), [len(t[0]) for t in trees])
-    slots = pool.reserve_tree(ids, tree.num_nodes_host)
-    page_table, kv_lens = pool.verify_inputs(ids)
-    vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=device))
-    logits = runner.forward(StepBatch(vb.input_ids, vb.positions, slots, page_table, kv_lens, vb.qo_indptr,
-                                      vb.tree_mask), pool.kv_layers)
+    logits, _, _ = verify_once(runner, prefixes, trees, shuffle_seed=seed)
     old = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
@@ -430,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     tie_tol = 0.0
     for kernel in kernels:
         runner.kernel = kernel
-        n = numerics_check(runner, device, args.seed, prefix_len=200 if cuda else 20)
+        n = numerics_check(runner, args.seed, prefix_len=200 if cuda else 20)
         ok = n["argmax_agree"] >= 0.9 and n["max_abs"] <= 0.05 * n["logit_std"]
         tie_tol = max(tie_tol, 4 * n["max_abs"])
         print(f"{'PASS' if ok else 'FAIL'} [{kernel}] {n['rows']} tree rows: max |logit diff| {n['max_abs']:.2e} "

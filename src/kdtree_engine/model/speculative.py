@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ddtree import accept_greedy, build_ddtree, compile_tree
+from ..ddtree import accept_greedy, build_ddtree, compile_tree, tree_from_parents
 from ..verify.api import D_QK
 from .drafters import Drafter, as_context
 from .mla import MLARunner, StepBatch, StepTimer
@@ -34,6 +34,7 @@ from .mla import MLARunner, StepBatch, StepTimer
 __all__ = [
     "SpeculativeEngine",
     "GenerateResult",
+    "verify_once",
     "RequestTooLarge",
     "MemoryPlan",
     "memory_plan",
@@ -361,6 +362,40 @@ class SpeculativeEngine:
         if s.length - s.prompt_len >= max_new:
             return True
         return eos is not None and bool((s.buf[s.prompt_len : s.length] == eos).any())
+
+
+def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Sequence[tuple[list[int], list[int]]],
+                *, page_size: int = 16, shuffle_seed: int | None = None, debug: bool = False):
+    """Prefill ``prefixes`` into a fresh KV pool and run ONE verify forward over the given trees.
+
+    ``trees[b] = (tokens, parents)`` in node order, node 0 the root (parent -1); node ``j`` goes to
+    cache position ``P_b + j`` and RoPE position ``P_b + depth_j``. ``shuffle_seed`` scatters the
+    pool's pages first; ``debug`` makes the pool poison free slots with NaN.
+    Returns ``(logits [T, V] float32, pool, seq_ids)``.
+    """
+    from ..kvpool import KVPool
+
+    dev = runner.device
+    need = sum(math.ceil((len(p) + len(t[0])) / page_size) for p, t in zip(prefixes, trees))
+    pool = KVPool(need + 4, page_size, num_layers=runner.num_layers, dtype=runner.cache_dtype, device=dev,
+                  max_seqs=len(prefixes), debug=debug)
+    if shuffle_seed is not None:
+        pool.shuffle_free_pages(shuffle_seed)
+    ids = []
+    for p in prefixes:
+        sid = pool.add_sequence()
+        runner.prefill(torch.tensor(p), pool.kv_layers, pool.extend([sid], [len(p)]))
+        ids.append(sid)
+    width = max(len(t[0]) for t in trees)
+    par = torch.tensor([list(t[1]) + [-1] * (width - len(t[1])) for t in trees], device=dev)
+    tok = torch.tensor([list(t[0]) + [-1] * (width - len(t[0])) for t in trees], device=dev)
+    tree = tree_from_parents(par, tok, [len(t[0]) for t in trees])
+    slots = pool.reserve_tree(ids, tree.num_nodes_host)
+    page_table, kv_lens = pool.verify_inputs(ids)
+    vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=dev), page_table=page_table,
+                      page_size=page_size)
+    batch = StepBatch(vb.input_ids, vb.positions, slots, page_table, kv_lens, vb.qo_indptr, vb.tree_mask)
+    return runner.forward(batch, pool.kv_layers), pool, ids
 
 
 def _flash_plan(runner: MLARunner, kv_lens: list[int], tree_sizes: Sequence[int]):
