@@ -29,6 +29,7 @@ writes the latent KV into the pool; decode steps run the absorbed form over the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -191,7 +192,7 @@ def hf_reference(model, prompts, steps: int, device: str, bars: _Bars):
     On CUDA the SDPA math fallback is excluded (it would materialise a P x P score matrix)."""
     out, t0 = [], time.perf_counter()
     adv = bars.task("HF generate (reference)", len(prompts))
-    ctx = _no_math_sdpa() if device == "cuda" else _null()
+    ctx = _no_math_sdpa() if device == "cuda" else contextlib.nullcontext()
     with ctx, torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=device)
@@ -211,14 +212,6 @@ def _no_math_sdpa():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _row(kernel, drafter, res, plain=None, vs_plain=None, vs_hf=None) -> dict:
@@ -243,6 +236,15 @@ def _print_table(rows: list[dict], title: str) -> None:
               f"{r['speedup']:>6.2f}x")
 
 
+def _warm_up(eng, drafter) -> None:
+    """Two untimed steps plain and two speculative, so JIT compiles (Triton kernels of attention,
+    KV commit) and first-call set-up are not timed."""
+    for d in (None, drafter):
+        eng.drafter = d
+        eng.reset()
+        eng.decode(max_steps=2)
+
+
 def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None, tie_tol: float = 0.0,
                  drafters=("ngram", "synthetic")) -> list[dict]:
     """Prefill once, then per kernel: plain decoding and one speculative run per drafter (all on
@@ -264,6 +266,7 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
     hf_logits = [lg for _, lg in hf] if hf else None
     for kernel in kernels:
         runner.kernel = kernel
+        _warm_up(eng, NGramDrafter(runner.vocab_size))
         # plain greedy decoding: one-node trees, same engine, same kernel
         eng.drafter = None
         eng.reset()
@@ -290,7 +293,7 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
 
 
 def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], bool]:
-    from .model.drafters import SyntheticDrafter
+    from .model.drafters import NGramDrafter, SyntheticDrafter
     from .model.speculative import SpeculativeEngine, check_lossless
 
     rows, ok = [], True
@@ -301,6 +304,7 @@ def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], boo
         _, prefill_s = eng.prefill(prompts, args.steps, progress=adv)
         for kernel in kernels:
             runner.kernel = kernel
+            _warm_up(eng, NGramDrafter(runner.vocab_size))
             eng.drafter = None
             eng.reset()
             plain = eng.decode()
