@@ -76,6 +76,16 @@ def test_lossless_vs_hf_generate(model, prompts, hf_greedy, kind, budget, depth)
         assert res.mean_accepted > 2.5
 
 
+def test_lossless_page_size_one(model, prompts, hf_greedy):
+    """Page size 1: the pool commits by remapping table entries instead of moving rows."""
+    refs = [r for r, _ in hf_greedy]
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    drafter = SyntheticDrafter([p + r for p, r in zip(prompts, refs)], V, agreement=0.6, seed=11)
+    res = SpeculativeEngine(runner, drafter, budget=12, depth=5, page_size=1).generate(prompts, NEW)
+    assert check_lossless(res.tokens, refs).exact
+    assert res.mean_accepted > 1.5
+
+
 def test_lossless_naive_kernel(model, prompts, hf_greedy):
     """The same with the real Triton kernel (interpreter), ragged batch of two."""
     refs = [r[:12] for r, _ in hf_greedy[:2]]
