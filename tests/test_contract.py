@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import DEVICE
 from kdtree_engine import verify_attention
 from kdtree_engine.testing import CaseSpec, build_case, random_tree
 
@@ -11,7 +12,7 @@ from kdtree_engine.testing import CaseSpec, build_case, random_tree
 def case():
     gen = torch.Generator().manual_seed(0)
     spec = CaseSpec("c", 2, [5, 0], [random_tree(3, gen), random_tree(2, gen)], page_size=4)
-    return build_case(spec)
+    return build_case(spec, DEVICE)
 
 
 def call(case, **overrides):
@@ -28,7 +29,7 @@ def call(case, **overrides):
         ("q", lambda c: c["q"][0], ValueError, "q must have 3 dimensions"),
         ("q", lambda c: c["q"][..., :512], ValueError, "q must have last dimension 576"),
         ("q", lambda c: c["q"].new_zeros(0, 2, 576), ValueError, "q has no rows"),
-        ("q", lambda c: torch.zeros(5, 2, 576 * 2, dtype=torch.bfloat16)[..., ::2], ValueError, "contiguous"),
+        ("q", lambda c: c["q"].new_zeros(5, 2, 576 * 2)[..., ::2], ValueError, "contiguous"),
         ("q", lambda c: c["q"].new_zeros(5, 129, 576), ValueError, "129 heads"),
         ("kv_cache", lambda c: c["kv_cache"].half(), TypeError, "kv_cache must be torch.bfloat16"),
         ("kv_cache", lambda c: c["kv_cache"][..., :512], ValueError, "kv_cache must have last dimension 576"),
@@ -54,11 +55,11 @@ def test_bad_options(case):
     with pytest.raises(ValueError, match="sm_scale"):
         call(case, sm_scale=float("nan"))
     with pytest.raises(ValueError, match="out must have shape"):
-        call(case, out=torch.empty(5, 3, 512, dtype=torch.bfloat16))
+        call(case, out=torch.empty(5, 3, 512, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(TypeError, match="out must be torch.bfloat16"):
-        call(case, out=torch.empty(5, 2, 512, dtype=torch.float16))
+        call(case, out=torch.empty(5, 2, 512, dtype=torch.float16, device=DEVICE))
     with pytest.raises(TypeError, match="lse must be torch.float32"):
-        call(case, lse=torch.empty(5, 2, dtype=torch.float64))
+        call(case, lse=torch.empty(5, 2, dtype=torch.float64, device=DEVICE))
 
 
 @pytest.mark.parametrize(
@@ -77,27 +78,37 @@ def test_bad_options(case):
 def test_content_checks(case, edit, match):
     edit(case)
     with pytest.raises(ValueError, match=match):
-        call(case, kernel="naive")
+        call(case, kernel="naive", validate=True)
 
 
 def test_content_checks_can_be_skipped(case):
     """validate=False skips the content checks (the caller vouches for the inputs)."""
     case["tree_mask"][4, 0] |= 1 << 5  # stray bit past n_b: harmless to the kernels
     with pytest.raises(ValueError):
-        call(case, kernel="naive")
+        call(case, kernel="naive", validate=True)
     call(case, kernel="naive", validate=False)
 
 
 def test_mask_too_narrow():
     spec = CaseSpec("n", 1, [0], [list(range(-1, 39))], page_size=1)
-    c = build_case(spec)
+    c = build_case(spec, DEVICE)
     c["tree_mask"] = c["tree_mask"][:, :1].contiguous()
+    # the flash path reads host lengths for its plan anyway, so it checks them without being asked
+    for kernel in ("flash", "auto"):
+        with pytest.raises(ValueError, match="too narrow for a tree of 40 nodes"):
+            verify_attention(**c, kernel=kernel)
     with pytest.raises(ValueError, match="too narrow for a tree of 40 nodes"):
+        verify_attention(**c, kernel="naive", validate=True)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    c = build_case(CaseSpec("cpu", 2, [3], [[-1, 0]]), "cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         verify_attention(**c)
 
 
-def test_cpu_without_interpreter_is_refused(case, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if case["q"].device.type == "cpu":
-        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-            verify_attention(**case)
+@pytest.mark.skipif(DEVICE != "cuda", reason="device mismatch needs a second device")
+def test_device_mismatch(case):
+    with pytest.raises(ValueError, match="kv_lens is on cpu"):
+        call(case, kv_lens=case["kv_lens"].cpu())

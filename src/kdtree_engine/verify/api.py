@@ -220,10 +220,13 @@ def verify_attention(
         plan: optional :class:`kdtree_engine.verify.flash.VerifyPlan` from
             :func:`~kdtree_engine.verify.flash.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
-            be captured in a CUDA graph. Without it the flash kernel builds one (one device sync).
+            be captured in a CUDA graph. Without it one is built here from a host copy of the
+            lengths (one device sync), and the length checks run on that copy.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
-            tensors, the length checks when a ``plan`` carries host lengths. ``True``: all checks,
+            tensors, the length checks (incl. mask width) when the flash path has host lengths.
+            The naive kernel on a GPU without validation never reads past the mask's W words, but
+            a too-narrow mask then hides nodes instead of raising. ``True``: all checks,
             syncing if needed. ``False``: none. Shape, dtype and device checks always run.
 
     Returns:
@@ -243,6 +246,11 @@ def verify_attention(
             "q is on the CPU: the Triton kernels run there only under the interpreter; "
             "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"
         )
+    if kernel != "naive" and plan is None:
+        # the flash kernel plans from host lengths: copy them once (the one sync of an unplanned call)
+        from .flash import plan_verify
+
+        plan = plan_verify(kv_lens.cpu(), qo_indptr.cpu(), info.num_heads, q.device)
     if validate is None:
         validate = q.device.type == "cpu"
         if not validate and plan is not None:

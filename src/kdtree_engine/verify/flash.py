@@ -39,7 +39,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 def _attend_tile(
     b_q, b_qr, b_m, b_l, b_acc,
     kv, p_pages, p_mask_rows, m_rows,
-    start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+    start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -73,7 +73,7 @@ def _attend_tile(
     if MASKED:
         o_j = o_n - prefix  # tree node index of each position (negative: prefix)
         o_jc = tl.maximum(o_j, 0)
-        m_tree = m_n & (o_j >= 0)
+        m_tree = m_n & (o_j >= 0) & (o_jc // 32 < mask_words)
         b_word = tl.load(p_mask_rows[:, None] + (o_jc // 32)[None, :],
                          mask=m_rows[:, None] & m_tree[None, :], other=0)  # [BM, BN]
         b_bit = (b_word >> (o_jc % 32)[None, :]) & 1
@@ -100,7 +100,7 @@ def _verify_flash_kernel(
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
     stride_pt,
-    stride_mt,
+    stride_mt, mask_words,
     stride_ot, stride_oh,
     stride_lt,
     scale_log2,
@@ -146,14 +146,14 @@ def _verify_flash_kernel(
     for start in range(kv_start, clean_end, BLOCK_N):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
-            start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, False, DOT_FP32,
         )
     # the split's ragged end and the tree: bounds and tree mask
     for start in range(clean_end, kv_end, BLOCK_N):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
-            start, kv_end, prefix, stride_kvp, stride_kvs, scale_log2,
+            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, True, DOT_FP32,
         )
 
@@ -364,12 +364,10 @@ def plan_verify(
     )
 
 
-def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
+def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
     """Launch the flash and combine kernels; inputs already validated by ``verify_attention``."""
     T, H, _ = q.shape
-    if plan is None:
-        plan = plan_verify(kv_lens.cpu(), qo_indptr.cpu(), H, q.device)
-    elif (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, kv_lens.shape[0]) or plan.device != q.device:
+    if (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, kv_lens.shape[0]) or plan.device != q.device:
         raise ValueError(
             f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
             f"got H={H}, T={T}, B={kv_lens.shape[0]} on {q.device}"
@@ -383,7 +381,7 @@ def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
-        tree_mask.stride(0),
+        tree_mask.stride(0), tree_mask.shape[1],
         out.stride(0), out.stride(1),
         lse.stride(0),
         sm_scale * LOG2E,

@@ -24,7 +24,7 @@ def _verify_naive_kernel(
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
     stride_pt,
-    stride_mt,
+    stride_mt, mask_words,
     stride_ot, stride_oh,
     stride_lt,
     scale_log2,
@@ -61,7 +61,7 @@ def _verify_naive_kernel(
         b_s = b_s * scale_log2
         # tree positions: node j = position - prefix is visible iff bit j of this row's mask is set
         o_j = tl.maximum(o_n - prefix, 0)
-        m_tree = m_n & (o_n >= prefix)
+        m_tree = m_n & (o_n >= prefix) & (o_j // 32 < mask_words)
         b_word = tl.load(tree_mask + i_t.to(tl.int64) * stride_mt + o_j // 32, mask=m_tree, other=0)
         m_vis = m_n & ((o_n < prefix) | (((b_word >> (o_j % 32)) & 1) != 0))
         b_s = tl.where(m_vis, b_s, float("-inf"))
@@ -96,7 +96,7 @@ def verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
-        tree_mask.stride(0),
+        tree_mask.stride(0), tree_mask.shape[1],
         out.stride(0), out.stride(1),
         lse.stride(0),
         sm_scale * LOG2E,
