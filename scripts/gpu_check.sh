@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree tune (default: all but tune)
-# Results go to $OUT (default ./gpu_out): machine.txt, pytest.log, refs.log, bench JSON/CSV/PNG.
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo tune
+#                                        (default: all but tune; BENCH_ARGS, DEMO_ARGS, ... pass options)
+# Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
+# bench/ (JSON, CSV, PNG).
 # Runs from the source tree (PYTHONPATH=src): nothing is installed.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench ddtree)
+[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench ddtree kvpool demo)
 status=0
 for stage in "${stages[@]}"; do
-  echo "=== $stage ($(date -u +%H:%M:%S))"
+  echo "=== $stage ($(date -u +%H:%M:%S))" | tee -a "$OUT/log.txt"
   case "$stage" in
     machine)
       { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
         git rev-parse HEAD 2>/dev/null || echo "commit ${KDTREE_GIT_COMMIT:-unknown}"; } | tee "$OUT/machine.txt" ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1 ;;
+      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
     refs)
       refs=$(mktemp -d)
       python3 -m kdtree_engine.cli refs generate "$refs" --device cuda > /dev/null &&
       python3 -m kdtree_engine.cli refs generate "$refs" --large --device cuda > /dev/null &&
-      python3 -m kdtree_engine.cli refs check --kernel all --device cuda "$refs"/*.kdtr 2>&1 | tee "$OUT/refs.log" || status=1 ;;
+      python3 -m kdtree_engine.cli refs check --kernel all --device cuda "$refs"/*.kdtr 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     bench)
-      python3 -m kdtree_engine.bench.cli ${BENCH_ARGS:---quick} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1 ;;
+      python3 -m kdtree_engine.bench.cli ${BENCH_ARGS:---quick} --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
     ddtree)
-      python3 -m kdtree_engine.ddtree.bench --json "$OUT/ddtree.json" 2>&1 | tee "$OUT/ddtree.log" | tail -40 || status=1 ;;
+      python3 -m kdtree_engine.ddtree.bench --json "$OUT/ddtree.json" 2>&1 | tee -a "$OUT/log.txt" | tail -40 || status=1 ;;
+    kvpool)
+      python3 -m kdtree_engine.kvpool_bench ${KVPOOL_ARGS:-} --json "$OUT/kvpool.json" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
+    demo)
+      python3 -m kdtree_engine.demo ${DEMO_ARGS:---quick} --json "$OUT/demo.json" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
     tune)
-      python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+      python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
