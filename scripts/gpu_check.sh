@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo tune
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize tune
 #                                        (default: all but tune; BENCH_ARGS, DEMO_ARGS, ... pass options)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -34,6 +34,11 @@ for stage in "${stages[@]}"; do
       python3 -m kdtree_engine.kvpool_bench ${KVPOOL_ARGS:-} --json "$OUT/kvpool.json" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
     demo)
       python3 -m kdtree_engine.demo ${DEMO_ARGS:---quick} --json "$OUT/demo.json" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck initcheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_flash.py 2>&1 \
+          | grep -E "PASS|FAIL|ERROR SUMMARY|RACECHECK SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
+      done ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
