@@ -548,6 +548,22 @@ class _Pending:
     max_acc: int
 
 
+def _canonical_device(device=None) -> torch.device:
+    """The device as tensors on it report it: CUDA with an index (``"cuda"`` means the current
+    device, as for tensor creation), the CPU without one. ``None``: CUDA if available, else CPU.
+
+    A tensor made with ``device="cuda"`` reports ``cuda:0`` (say), and ``torch.device("cuda") !=
+    torch.device("cuda:0")``: the pool keeps this form so ``t.device == pool.device`` is exact."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "cpu" and device.index is not None:
+        device = torch.device("cpu")  # CPU tensors report plain "cpu"
+    return device
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -565,7 +581,8 @@ class KVPool:
         page_size: tokens per page (any positive integer).
         num_layers: caches that share the page tables (every copy moves all layers at once).
         dtype: ``torch.bfloat16`` or ``torch.float16``.
-        device: default CUDA if available, else CPU.
+        device: default CUDA if available, else CPU. Kept as tensors report it (``"cuda"``
+            becomes ``cuda:<current device>``), so inputs are checked with ``t.device == pool.device``.
         max_seqs: sequence rows of the page table.
         max_seq_len: tokens a sequence may hold (its table row has ``ceil(max_seq_len/page_size)``
             entries); default ``num_pages * page_size``. The table costs
@@ -589,7 +606,7 @@ class KVPool:
             raise ValueError("num_pages must fit int32")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be bf16 or fp16, got {dtype}")
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _canonical_device(device)
         if max_seq_len is None:
             max_seq_len = num_pages * page_size
         if max_seq_len < 1:
@@ -700,6 +717,11 @@ class KVPool:
     def _require_idle(self, what: str) -> None:
         if self._pending is not None:
             raise RuntimeError(f"{what}: a commit is pending; call finalize_commit() first")
+
+    def _check_device(self, name: str, t: torch.Tensor) -> None:
+        """Raise unless tensor ``t`` is on the pool's device (both in canonical form)."""
+        if _canonical_device(t.device) != self.device:
+            raise ValueError(f"{name} is on {t.device}, the pool on {self.device}: must be on the pool's device")
 
     def _to_device(self, *arrays, dtype=np.int64) -> list:
         """Host int arrays -> device tensors with one (pinned, asynchronous) copy."""
@@ -873,8 +895,8 @@ class KVPool:
     def write(self, slots: torch.Tensor, rows: torch.Tensor, layer: int | None = 0) -> None:
         """Scatter KV rows to slots in one op: ``rows [T, 576]`` into ``layer``, or
         ``rows [num_layers, T, 576]`` into every layer with ``layer=None``."""
-        if slots.device != self.device or rows.device != self.device:
-            raise ValueError("slots and rows must be on the pool's device")
+        for name, t in (("slots", slots), ("rows", rows)):
+            self._check_device(name, t)
         if rows.dtype != self.dtype:
             raise TypeError(f"rows must be {self.dtype}, got {rows.dtype}")
         if slots.dim() != 1:
@@ -959,8 +981,7 @@ class KVPool:
         for name, t, dim in (("accepted", accepted, 2), ("num_accepted", num_accepted, 1)):
             if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{name} must be a {dim}-D int32/int64 tensor")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, the pool on {self.device}")
+            self._check_device(name, t)
             if t.shape[0] != B:
                 raise ValueError(f"{name} has {t.shape[0]} rows for {B} sequences")
         A = accepted.shape[1]

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kvpool import KVPool
+from .kvpool import KVPool, _canonical_device
 from .masks import tree_mask_from_parents
 from .testing import random_tree
 from .verify.api import D_QK, D_V, verify_attention
@@ -477,7 +477,7 @@ def run_benchmark(device="cuda", quick: bool = False, *, prefixes=None, shapes=N
                   commit_batch: int = 16, commit_nodes: int = 65, commit_steps: int | None = None,
                   copy_gib: float | None = None) -> list:
     """All measurements as a list of dicts (``section`` says which table). See the module doc."""
-    dev = torch.device(device)
+    dev = _canonical_device(device)  # "cuda" -> "cuda:N", as tensors and the pool report it
     cpu = dev.type == "cpu"
     prefixes = prefixes or ((16384,) if quick else PREFIXES)
     shapes = shapes or SHAPES
