@@ -326,6 +326,20 @@ def test_cli_dry_run(capsys):
     assert "135 shapes" in out and "estimated total" in out
 
 
+def test_git_commit_without_git(monkeypatch):
+    """A copy without .git (e.g. on a GPU machine): $KDTREE_GIT_COMMIT if set and non-empty, else
+    "unknown"; never an empty string."""
+    from kdtree_engine.bench import report
+
+    monkeypatch.setattr(report, "_run", lambda cmd: None)
+    monkeypatch.setenv("KDTREE_GIT_COMMIT", "")
+    assert report.git_commit() == "unknown"
+    monkeypatch.setenv("KDTREE_GIT_COMMIT", "abc123")
+    assert report.git_commit() == "abc123"
+    monkeypatch.delenv("KDTREE_GIT_COMMIT")
+    assert report.git_commit() == "unknown"
+
+
 def test_cli_tiny_functional_run(tmp_path, capsys):
     """The whole pipeline on the tiny preset: table, JSON, CSV and PNG; every kernel passes the
     gate. On the CPU it must say loudly that the numbers are not performance figures."""
@@ -435,14 +449,17 @@ def test_measure_ceilings_arithmetic(fake_cuda):
 
 def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
     """The sweep's CUDA code path (memory checks, set rotation, graph timing, ceilings, figures)
-    with CUDA stubbed: kernels really run (on CPU tensors), the fake clock charges 7 us a call."""
+    with CUDA's clock, streams and graphs stubbed: kernels really run (on the test device's tensors),
+    the fake clock charges 7 us a call."""
     from kdtree_engine.bench import runner
 
     dev = fake_cuda(7.0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     real_build = runner.build_case
-    monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, "cpu", **kw))
+    # inputs on the test device: CPU tensors under the interpreter without CUDA; on a CUDA machine the
+    # kernels run for real on CUDA tensors (Triton refuses CPU tensors there), the clock stays fake
+    monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, DEVICE, **kw))
     real_time_cuda = runner.time_cuda
 
     def time_cuda(run, n_sets, **kw):

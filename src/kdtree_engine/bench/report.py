@@ -54,7 +54,7 @@ def git_commit() -> str:
     git or .git, ``$KDTREE_GIT_COMMIT`` if set, else "unknown"."""
     sha = _run(["git", "rev-parse", "--short=12", "HEAD"])
     if not sha:
-        return os.environ.get("KDTREE_GIT_COMMIT", "unknown")
+        return os.environ.get("KDTREE_GIT_COMMIT") or "unknown"  # set but empty counts as unset
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return sha + ("-dirty" if dirty else "")
 
@@ -67,6 +67,7 @@ def machine_info(device: str) -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - report, do not fail
         triton_version = "not importable"
+    device = torch.device(device).type  # "cuda:N" -> "cuda", so the checks below (and machine_line) match
     info = {
         "device": device,
         "torch": torch.__version__,

@@ -312,7 +312,7 @@ def _fill_figures(row: Row, ceilings: Ceilings | None) -> None:
 def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions, n_sets: int) -> Row:
     """Check, then time, one implementation on one case."""
     sh = case.shape
-    cuda = opts.device == "cuda"
+    cuda = torch.device(opts.device).type == "cuda"  # "cuda" and "cuda:N" alike
     row = Row(shape=sh, kernel=impl.name, status="ok", n_sets=n_sets)
     if cuda and is_slow_kind(impl):
         est_ms = estimate_call_s(sh, impl) * 1e3
@@ -399,7 +399,7 @@ def run_sweep(
     Implementations run in the order given (put naive first: the others' speedups refer to it).
     """
     rows: list[Row] = []
-    cuda = opts.device == "cuda"
+    cuda = torch.device(opts.device).type == "cuda"  # "cuda" and "cuda:N" alike
     for shape in shapes:
         shape_rows: list[Row] = []
 
