@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 
-from kdtree_engine.demo import main
+import pytest
+import torch
+
+from kdtree_engine.demo import main, near_tie_tolerance, numerics_check, numerics_tolerance
+from kdtree_engine.model import MLARunner, build_random_model, tiny_config
 
 
 def _device_args(device: str) -> list[str]:
@@ -26,6 +30,11 @@ def test_demo_small(tmp_path, capsys, device):
     assert rc == 0, text
     assert "PASS [naive]" in text and "demo: all checks PASS" in text
     report = json.loads(out.read_text())
+    (num,) = report["numerics"]
+    assert num["ok"] and num["engine_err"] <= num["tol"] == pytest.approx(num["factor"] * num["hf_err"] + num["floor"])
+    if device == "cpu":  # fp32 weights: HF's forward is the truth, the fp16 cache's rounding the only tolerance
+        assert num["hf_err"] == 0 and num["tol"] == num["floor"] < 1e-2 * num["logit_std"]
+    assert report["tie_tol"] == pytest.approx(near_tie_tolerance(num["engine_err"], num["hf_err"]))
     runs = report["runs"]
     assert [r["drafter"].split()[0] for r in runs] == ["plain", "ngram", "SYNTHETIC"]
     assert all(r["ok"] for r in runs)
@@ -41,3 +50,30 @@ def test_demo_sweep(capsys, device):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert text.count("prefix ") >= 2 and "speedup" in text
+
+
+def test_numerics_tolerance():
+    # bf16 weights and cache: 2 x HF's error, floor one fp32 unit (negligible)
+    tol, floor = numerics_tolerance(0.1, 4.0, torch.bfloat16, torch.bfloat16)
+    assert floor == pytest.approx(4.0 * 2**-23) and tol == pytest.approx(0.2 + floor)
+    # fp32 weights, fp16 cache: HF is the truth; only the cache's rounding is allowed
+    tol, floor = numerics_tolerance(0.0, 4.0, torch.float32, torch.float16)
+    assert tol == floor == pytest.approx(4.0 * 2**-10)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,bad_scale", [
+    (torch.float32, torch.float16, 1.02),
+    (torch.bfloat16, torch.bfloat16, 1.15),
+], ids=["fp32-fp16-cache", "bf16"])
+def test_numerics_check_passes_engine_fails_perturbed_engine(dtype, cache_dtype, bad_scale, device):
+    """Stage 2's criterion accepts the engine and rejects it with a slightly wrong softmax scale."""
+    model = build_random_model(tiny_config(num_hidden_layers=2, first_k_dense_replace=1), seed=0, dtype=dtype,
+                               device=device)
+    runner = MLARunner(model, kernel="naive", cache_dtype=cache_dtype)
+    good = numerics_check(runner, seed=0, prefix_len=20)
+    assert good["ok"], good
+    assert (good["hf_err"] == 0) == (dtype == torch.float32)
+    assert good["model_dtype"] == str(dtype).removeprefix("torch.")
+    runner.sm_scale *= bad_scale
+    bad = numerics_check(runner, seed=0, prefix_len=20)
+    assert not bad["ok"] and bad["engine_err"] > bad["tol"] == pytest.approx(good["tol"]), bad
