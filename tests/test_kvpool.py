@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.utils._python_dispatch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -780,6 +781,85 @@ TritonPoolMachine.TestCase.settings = settings(
     max_examples=10, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_pool_state_machine_triton = needs_triton(TritonPoolMachine.TestCase)
+
+
+# ----------------------------------------------------------------------------------------------
+# On the CPU: the no-sync paths use no op that synchronizes on CUDA (the GPU test below proves it
+# on a device; this catches the usual culprits everywhere)
+
+
+class _SyncingOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ops that make a host sync on CUDA: ``.item()``, ``nonzero`` (boolean indexing),
+    ``masked_select``, and ``index_put_`` of a 0-dim value -- ``x[idx] = 0`` on a CUDA tensor
+    turns the Python scalar into a CPU tensor that index_put_ copies over with a blocking copy
+    (a stream sync; under ``set_sync_debug_mode("error")`` it raises half-way through a pool
+    mutation, and a CUDA-graph capture fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+        self._made = set()  # storages of op outputs (a Python scalar's tensor is made by none)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_local_scalar_dense", "nonzero", "masked_select"):
+            self.found.append(name)
+        elif name in ("index_put_", "index_put", "_index_put_impl_"):
+            v = args[2] if len(args) > 2 else kwargs.get("values")
+            # a tensor value shows up as a view (setitem strips its leading 1s); a Python scalar
+            # as a fresh 0-dim tensor that no op made (on CUDA: a CPU tensor, copied blocking)
+            if (isinstance(v, torch.Tensor) and v.dim() == 0 and not v._is_view()
+                    and v.untyped_storage().data_ptr() not in self._made):
+                self.found.append(f"{name} of a Python scalar (x[idx] = scalar)")
+        elif name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.found.append("boolean-mask index")
+        out = func(*args, **kwargs)
+        if name.startswith("lift_fresh"):  # a constant entering (the Python scalar too)
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def test_sync_audit_flags_scalar_index_assignment():
+    x, idx = torch.zeros(4, dtype=torch.int32), torch.tensor([1, 2])
+    with _SyncingOps() as mode:
+        x[idx] = 0
+    assert mode.found and "Python scalar" in mode.found[0]
+    with _SyncingOps() as mode:
+        x.index_fill_(0, idx, 0)
+        x[idx] = torch.ones(2, dtype=torch.int32)
+        x[idx[:1]] = torch.ones(1, dtype=torch.int32)
+        x[idx] = x.sum(dtype=torch.int32)  # a 0-dim value some op made: no copy
+    assert mode.found == []
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_torch_commit_path_has_no_syncing_op(page_size):
+    gen = torch.Generator().manual_seed(15)
+    pool = new_pool(1024 // page_size + 32, page_size, debug=False, use_triton=False, seed=15)
+    model = fill(pool, gen, [100, 300])
+    ids = sorted(model)
+    step(pool, model, gen, ids, [9, 9], [[0, 2, 5], [0, 1]])  # warm the row cache
+    acc = torch.tensor([[0, 2, 5], [0, 1, -1]], device=DEVICE)
+    na = torch.tensor([3, 2], device=DEVICE)
+    rows = rand_rows(gen, 1, 18)
+    with _SyncingOps() as mode:
+        slots = pool.reserve_tree(ids, [9, 9])
+        pool.write(slots, rows, layer=None)
+        pool.verify_inputs(ids)
+        pool.commit(ids, acc, na)
+    assert mode.found == []
+    pool.finalize_commit([3, 2])
+    model[ids[0]] = torch.cat([model[ids[0]], rows[:, [0, 2, 5]].cpu()], 1)
+    model[ids[1]] = torch.cat([model[ids[1]], rows[:, [9, 10]].cpu()], 1)
+    with _SyncingOps() as mode:
+        pool.truncate(ids[1], 200)  # frees pages and resets the tree size the same way
+    assert mode.found == []
+    model[ids[1]] = model[ids[1]][:, :200]
+    assert_consistent(pool, model)
 
 
 # ----------------------------------------------------------------------------------------------

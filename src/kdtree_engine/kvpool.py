@@ -825,7 +825,7 @@ class KVPool:
             self._top.add_(total)
             self._poison(pages)
         self._lens_d[rows_d] = lens_d.to(torch.int32)
-        self._tree_d[rows_d] = 0
+        self._tree_d.index_fill_(0, rows_d, 0)  # not `[rows_d] = 0`: see _commit_torch
         self._len[ids] = new_lens
         self._tree[ids] = 0
         self._num_free = nf + total
@@ -1124,7 +1124,11 @@ class KVPool:
             self._stack[torch.where(fr, self._top.long() + rank, self.num_pages)] = pages
             freed = (c_hi - c_lo).sum()
         self._lens_d[rows] = (P + a).to(torch.int32)
-        self._tree_d[rows] = 0
+        # Not `self._tree_d[rows] = 0`: on CUDA, a Python scalar assigned through a tensor index
+        # becomes a CPU 0-dim tensor that index_put_ copies to the device with a blocking copy (a
+        # stream sync: an error under sync_debug_mode("error"), illegal in a CUDA-graph capture).
+        # index_fill_ takes the scalar as a kernel argument.
+        self._tree_d.index_fill_(0, rows, 0)
         self._top.add_(freed.to(torch.int32))
 
     # ------------------------------------------------------------------ inspection
@@ -1386,7 +1390,7 @@ class KVPool:
         n = self.num_pages
         seg, j = self._segments(lcnt_d, int(plan.live_pages.sum()))
         used = torch.zeros(n + 1, dtype=torch.bool, device=self.device)
-        used[tflat[lrow_d.long()[seg] * self._cols + j].long()] = True
+        used.index_fill_(0, tflat[lrow_d.long()[seg] * self._cols + j].long(), True)  # no H2D sync
         free = ~used[:n]
         rank = torch.cumsum(free, 0) - 1
         nf = self._num_free
