@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
@@ -131,8 +132,6 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
 
 def load_bundle(path: str | Path) -> Bundle:
     """Read a ``.kdtr`` file; raises ``ValueError`` if it is not a bundle of a known version."""
-    from safetensors import safe_open
-
     path = Path(path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}

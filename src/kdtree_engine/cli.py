@@ -65,8 +65,9 @@ def refs_check(args) -> int:
     device = select_device(args.device)
     from .bundles import check_bundle, load_bundle
 
-    kernels = available_kernels() if args.kernel == "all" else [args.kernel]
-    if args.kernel not in ("all",) and args.kernel not in available_kernels():
+    available = available_kernels()
+    kernels = available if args.kernel == "all" else [args.kernel]
+    if args.kernel != "all" and args.kernel not in available:
         raise SystemExit(f"kdtree refs check: kernel {args.kernel!r} is not available in this build")
     failures = 0
     for file in args.files:

@@ -121,6 +121,12 @@ def _copy_pages_kernel(
 
 
 @triton.jit
+def _kept_count(a, n, max_acc):
+    """Accepted nodes a commit keeps: at least the root, at most the tree and the path width."""
+    return tl.minimum(tl.maximum(a, 1), tl.minimum(n, max_acc))
+
+
+@triton.jit
 def _freed_count(kv_len, n, a, PAGE_SIZE: tl.constexpr):
     """Pages (page size 1: slots) a sequence frees when ``a`` of its ``n`` tree nodes are kept."""
     if PAGE_SIZE == 1:
@@ -157,7 +163,7 @@ def _commit_kernel(
     kv_len = tl.load(lens + r)
     n = tl.load(tree + r)
     prefix = kv_len - n
-    a = tl.minimum(tl.maximum(tl.load(num_accepted + i_b).to(tl.int32), 1), tl.minimum(n, max_acc))
+    a = _kept_count(tl.load(num_accepted + i_b).to(tl.int32), n, max_acc)
     o_a = tl.arange(0, BLOCK_A)
     m_a = o_a < a
     b_acc = tl.load(accepted + i_b.to(tl.int64) * stride_acc + o_a, mask=m_a, other=0).to(tl.int32)
@@ -171,7 +177,7 @@ def _commit_kernel(
     len_bb = tl.load(lens + r_bb, mask=m_bb, other=0)
     n_bb = tl.load(tree + r_bb, mask=m_bb, other=0)
     a_bb = tl.load(num_accepted + o_bb, mask=m_bb, other=1).to(tl.int32)
-    a_bb = tl.minimum(tl.maximum(a_bb, 1), tl.minimum(n_bb, max_acc))
+    a_bb = _kept_count(a_bb, n_bb, max_acc)
     f_bb = tl.where(m_bb, _freed_count(len_bb, n_bb, a_bb, PAGE_SIZE), 0)
     base = tl.load(top) + tl.sum(f_bb, 0)
 
@@ -221,7 +227,7 @@ def _commit_kernel(
         len_b = tl.load(lens + r_b, mask=m_b, other=0)
         n_b = tl.load(tree + r_b, mask=m_b, other=0)
         a_b = tl.load(num_accepted + o_b, mask=m_b, other=1).to(tl.int32)
-        a_b = tl.minimum(tl.maximum(a_b, 1), tl.minimum(n_b, max_acc))
+        a_b = _kept_count(a_b, n_b, max_acc)
         total = tl.sum(tl.where(m_b, _freed_count(len_b, n_b, a_b, PAGE_SIZE), 0), 0)
         tl.store(lens + r_b, len_b - n_b + a_b, mask=m_b)
         tl.store(tree + r_b, n_b * 0, mask=m_b)
