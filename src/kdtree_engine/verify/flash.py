@@ -149,8 +149,9 @@ def _verify_flash_kernel(
             start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, False, DOT_FP32,
         )
-    # the split's ragged end and the tree: bounds and tree mask
-    for start in range(clean_end, kv_end, BLOCK_N):
+    # the split's ragged end and the tree: bounds and tree mask. One or two tiles: not pipelined,
+    # so its buffers (K tiles, mask words) do not add to the prefix loop's shared memory.
+    for start in tl.range(clean_end, kv_end, BLOCK_N, num_stages=1):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
             start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
