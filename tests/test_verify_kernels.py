@@ -11,7 +11,8 @@ import torch
 from conftest import DEVICE, HAS_CUDA, requires_cuda
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
-from kdtree_engine.verify.flash import plan_verify
+from kdtree_engine.verify import flash
+from kdtree_engine.verify.flash import CONFIGS, plan_verify
 
 KERNELS = ["naive", "flash"]
 G = torch.Generator().manual_seed(1234)
@@ -81,6 +82,21 @@ def test_flash_split_counts(num_splits):
     run_checked(c, "flash", "bf16", plan=plan)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}")
+def test_flash_every_tile_config(cfg):
+    if HAS_CUDA and cfg.shared_bytes() > torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
+        pytest.skip("does not fit this GPU's shared memory")
+    spec = CaseSpec("cfg", 3, [2 * cfg.block_n + 5, 0], [random_tree(11, G), [-1, 0, 1]], page_size=1)
+    c = build_case(spec, DEVICE)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 3, DEVICE, config=cfg, num_splits=2)
+    run_checked(c, "flash", "bf16", plan=plan)
+
+
+def test_smallest_config_fits_99_kb():
+    """sm_120 and other consumer parts give a block 99 KB of shared memory."""
+    assert CONFIGS[-1].shared_bytes() <= 99 * 1024
+
+
 def test_flash_split_ending_inside_the_tree():
     """A split whose KV range holds only tree nodes a row cannot see gives that row lse=-inf partials."""
     spec = CaseSpec("tail", 2, [0], [chain_tree(64)], page_size=1)
@@ -138,6 +154,22 @@ def test_row_with_no_visible_key(kernel):
 def test_flash_long_prefix_many_heads_gpu():
     spec = CaseSpec("long", 64, [20000, 4097], [random_tree(33, G), random_tree(33, G)], page_size=1)
     run_checked(build_case(spec, "cuda"), "flash", "bf16")
+
+
+@requires_cuda
+def test_flash_no_recompile_when_page_table_width_or_mask_words_change():
+    """Page-table width and mask words change step to step in a decode loop: one compiled kernel."""
+    cache = flash._verify_flash_kernel.device_caches[torch.cuda.current_device()][0]
+    for width, nodes in ((40, 5), (48, 5), (64, 40), (65, 33)):
+        spec = CaseSpec("widths", 4, [300], [random_tree(nodes, G)], page_size=16)
+        c = build_case(spec, "cuda")
+        pt = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+        pt[:, : c["page_table"].shape[1]] = c["page_table"]
+        c["page_table"] = pt
+        run_checked(c, "flash", "bf16")
+        if width == 40:
+            compiled = len(cache)
+    assert len(cache) == compiled
 
 
 @requires_cuda

@@ -92,7 +92,9 @@ def _attend_tile(
     return b_m_new, b_l, b_acc
 
 
-@triton.jit
+# Arguments that vary call to call (page-table width, mask words) are not specialised: a new
+# value must never trigger a multi-second recompile in the middle of a decode loop.
+@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
 def _verify_flash_kernel(
     q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
     work_seq, work_row0, work_kv_start, work_kv_end, work_partial,
@@ -220,18 +222,21 @@ class FlashConfig:
     num_stages: int
 
     def shared_bytes(self, elem: int = 2) -> int:
-        """Upper estimate of the shared memory: q block, pipelined K tiles, P tile, and 12 KB of
-        compiler scratch (layout conversions)."""
-        tiles = self.block_m * D_QK + self.num_stages * self.block_n * D_QK + self.block_m * self.block_n
-        return elem * tiles + 12 * 1024
+        """Upper estimate of the shared memory: q block, two K tiles (what Triton 3.6 allocates for
+        2 and 3 stages), the P tile. Compiler reports for sm_90: 64x64x8x2 221,184 B (estimate
+        229,376), 64x32x8x3 147,712 (151,552), 32x16x4x2 69,632 (74,752)."""
+        k_buffers = 1 if self.num_stages == 1 else 2
+        return elem * (self.block_m * D_QK + k_buffers * self.block_n * D_QK + self.block_m * self.block_n)
 
 
-# Ordered by preference; the first that fits the device's shared memory is used. The last fits
-# 99 KB (sm_120 / consumer parts). Measured on the H200: see docs/perf_log.md.
+# Ordered by preference; the first that fits the device's shared memory is used: 64x64x8x2 on
+# Hopper (227 KB), 64x32x8x3 on A100-class parts (163 KB), 32x16x4x2 within 99 KB (sm_120 and
+# other consumer parts). BLOCK_N=64 gives the QK wgmma N=32 instead of 16: measured on the H200 in
+# docs/perf_log.md (run 7).
 CONFIGS = (
     FlashConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
     FlashConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
-    FlashConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
+    FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=2),
 )
 INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 MIN_SPLIT_TILES = 4  # a KV split covers at least this many BLOCK_N tiles

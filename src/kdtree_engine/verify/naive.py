@@ -18,7 +18,7 @@ LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])  # vary call to call: no recompiles
 def _verify_naive_kernel(
     q, kv, page_table, kv_lens, qo_indptr, row_seq, tree_mask, out, lse,
     stride_qt, stride_qh,
