@@ -129,11 +129,11 @@ def main() -> None:
                 continue
             row = dict(shape=shape_text, config=cfg_text, us=t * 1e6, tflops=flops / t / 1e12,
                        tbps=nbytes / t / 1e12, pct_floor=100 * floor / t, floor_us=floor * 1e6,
-                       items=plan.num_items, groups=plan.num_groups, ok=ok, **rep)
+                       programs=plan.num_programs, segments=plan.num_segments, groups=plan.num_groups, ok=ok, **rep)
             rows.append(row)
             print(f"{shape_text:>22} {cfg_text:>12} {'PASS' if ok else 'FAIL'} {row['us']:9.1f} us "
                   f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
-                  f"({row['floor_us']:.1f} us) items={plan.num_items} regs={rep['regs']} spills={rep['spills']} "
+                  f"({row['floor_us']:.1f} us) programs={plan.num_programs} segments={plan.num_segments} regs={rep['regs']} spills={rep['spills']} "
                   f"smem={rep['smem']} wgmma={rep['wgmma']}", flush=True)
         del c
         torch.cuda.empty_cache()

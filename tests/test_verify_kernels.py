@@ -74,12 +74,34 @@ def test_non_contiguous_q_and_out(kernel):
     assert bool(out_buf[..., :256].isnan().all()) and bool(out_buf[..., 768:].isnan().all())
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7])
-def test_flash_split_counts(num_splits):
+@pytest.mark.parametrize("num_programs", [1, 3, 64])
+def test_flash_program_counts(num_programs):
+    """One program running every segment in turn, a few with KV ranges cut mid-pair, many splits."""
     spec = CaseSpec("splits", 4, [3 * P, 10], [random_tree(9, G), random_tree(20, G)], page_size=1)
     c = build_case(spec, DEVICE)
-    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 4, DEVICE, num_splits=num_splits)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 4, DEVICE, num_programs=num_programs)
+    assert plan.num_programs <= num_programs
     run_checked(c, "flash", "bf16", plan=plan)
+
+
+@pytest.mark.parametrize("row_blocks, tiles, programs", [
+    ([3], [2049], 132), ([17, 17, 17, 17], [2049, 1537, 1025, 513], 132), ([1], [5], 132),
+    ([130] * 4, [2049] * 4, 132), ([2, 9, 1], [7, 300, 1], 5), ([4], [4], 16), ([1, 1], [1, 1], 1),
+])
+def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, programs):
+    plan = flash.schedule(row_blocks, tiles, programs)
+    total = sum(r * t for r, t in zip(row_blocks, tiles))
+    assert 1 <= len(plan) <= programs
+    seen = {}
+    for prog in plan:
+        for b, r, t0, t1 in prog:
+            assert 0 <= t0 < t1 <= tiles[b] and 0 <= r < row_blocks[b]
+            for t in range(t0, t1):
+                seen[b, r, t] = seen.get((b, r, t), 0) + 1
+    assert len(seen) == total and set(seen.values()) == {1}
+    chunk = math.ceil(total / min(programs, total))
+    loads = [sum(t1 - t0 for _, _, t0, t1 in prog) for prog in plan]
+    assert max(loads) <= chunk + 2 * flash.MIN_SPLIT_TILES
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}")
@@ -88,7 +110,7 @@ def test_flash_every_tile_config(cfg):
         pytest.skip("does not fit this GPU's shared memory")
     spec = CaseSpec("cfg", 3, [2 * cfg.block_n + 5, 0], [random_tree(11, G), [-1, 0, 1]], page_size=1)
     c = build_case(spec, DEVICE)
-    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 3, DEVICE, config=cfg, num_splits=2)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 3, DEVICE, config=cfg, num_programs=5)
     run_checked(c, "flash", "bf16", plan=plan)
 
 
@@ -101,7 +123,7 @@ def test_flash_split_ending_inside_the_tree():
     """A split whose KV range holds only tree nodes a row cannot see gives that row lse=-inf partials."""
     spec = CaseSpec("tail", 2, [0], [chain_tree(64)], page_size=1)
     c = build_case(spec, DEVICE)
-    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 2, DEVICE, num_splits=4)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 2, DEVICE, num_programs=32)
     run_checked(c, "flash", "bf16", plan=plan)
 
 

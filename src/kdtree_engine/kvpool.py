@@ -88,7 +88,8 @@ PLAN_LAUNCH_S = 6e-6
 # Triton kernels
 
 
-@triton.jit
+# Integer arguments that change call to call are not specialised (no recompile mid-decode).
+@triton.jit(do_not_specialize=["num_moves"])
 def _copy_pages_kernel(
     src, dst, src_idx, dst_idx, num_moves,
     stride_src_l, stride_dst_l,
@@ -135,7 +136,7 @@ def _freed_count(kv_len, n, a, PAGE_SIZE: tl.constexpr):
         return (kv_len + PAGE_SIZE - 1) // PAGE_SIZE - (kv_len - n + a + PAGE_SIZE - 1) // PAGE_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_acc", "stride_t", "num_seqs", "max_acc", "num_programs"])
 def _commit_kernel(
     rows, accepted, num_accepted, table, lens, tree, stack, top, done, marks, kv,
     stride_acc, stride_t, stride_kv_l,

@@ -2,8 +2,10 @@
 
 MLA in absorbed form has one latent KV head, so the ``n_b x H`` query rows of a sequence form one
 matrix problem ``[n_b*H, 576] x [576, kv_len]``. Rows are packed (row ``r`` = node ``r // H``, head
-``r % H``) into blocks of ``BLOCK_M``; the KV range is cut into splits so that even one sequence
-fills the GPU. One program = one (sequence, row block, KV split) work item:
+``r % H``) into blocks of ``BLOCK_M``. The kernel is persistent: the plan cuts all (sequence, row
+block, KV tile) work into as many near-equal shares as the GPU runs programs at once, so even one
+sequence fills the GPU and no wave runs part-empty. A share is a list of segments, each a row
+block of a sequence against a KV range:
 
 - for each ``BLOCK_N``-position KV tile (rows gathered through the page table, each 1152-byte
   cache row contiguous): ``S = Q_lat K_lat^T + Q_rope K_rope^T`` on tensor cores, fp32 online
@@ -11,8 +13,8 @@ fills the GPU. One program = one (sequence, row block, KV split) work item:
   the SAME tile (never loaded twice);
 - only tiles that reach the last ``n_b`` positions (the tree) or the end of the split apply a mask;
   prefix tiles run unmasked;
-- a work item that covers its whole sequence writes the final ``out``/``lse``; otherwise it writes
-  a normalised partial and its log2-sum-exp, merged by :func:`_combine_kernel`.
+- a segment that covers its row block's whole KV writes the final ``out``/``lse``; otherwise it
+  writes a normalised partial and its log2-sum-exp, merged by :func:`_combine_kernel`.
 
 The work list comes from :func:`plan_verify`, computed on the host from host lengths and reusable
 across the layers of a model step; with a plan, a launch does no host sync and can be captured
@@ -92,34 +94,16 @@ def _attend_tile(
     return b_m_new, b_l, b_acc
 
 
-# Arguments that vary call to call (page-table width, mask words) are not specialised: a new
-# value must never trigger a multi-second recompile in the middle of a decode loop.
-@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
-def _verify_flash_kernel(
-    q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
-    work_seq, work_row0, work_kv_start, work_kv_end, work_partial,
-    partial_out, partial_lse,
-    stride_qt, stride_qh,
-    stride_kvp, stride_kvs,
-    stride_pt,
-    stride_mt, mask_words,
-    stride_ot, stride_oh,
-    stride_lt,
-    scale_log2,
-    H: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D_LATENT: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+@triton.jit
+def _attend_segment(
+    q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse, partial_out, partial_lse,
+    i_b, row0, kv_start, kv_end, i_part,
+    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_mt, mask_words,
+    stride_ot, stride_oh, stride_lt, scale_log2,
+    H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    i_w = tl.program_id(0)
-    i_b = tl.load(work_seq + i_w)
-    row0 = tl.load(work_row0 + i_w)
-    kv_start = tl.load(work_kv_start + i_w)
-    kv_end = tl.load(work_kv_end + i_w)
-    i_part = tl.load(work_partial + i_w)
+    """Rows ``row0 : row0 + BLOCK_M`` of sequence ``i_b`` against KV positions ``[kv_start, kv_end)``."""
     qo_start = tl.load(qo_indptr + i_b)
     n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
     prefix = tl.load(kv_lens + i_b) - n_nodes
@@ -151,7 +135,7 @@ def _verify_flash_kernel(
             start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, False, DOT_FP32,
         )
-    # the split's ragged end and the tree: bounds and tree mask. One or two tiles: not pipelined,
+    # the segment's ragged end and the tree: bounds and tree mask. One or two tiles: not pipelined,
     # so its buffers (K tiles, mask words) do not add to the prefix loop's shared memory.
     for start in tl.range(clean_end, kv_end, BLOCK_N, num_stages=1):
         b_m, b_l, b_acc = _attend_tile(
@@ -172,6 +156,41 @@ def _verify_flash_kernel(
         o_p = i_part.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(partial_out + o_p[:, None] * D_LATENT + o_d[None, :], b_out, mask=m_rows[:, None])
         tl.store(partial_lse + o_p, b_lse2, mask=m_rows)
+
+
+# Arguments that vary call to call (page-table width, mask words) are not specialised: a new
+# value must never trigger a multi-second recompile in the middle of a decode loop.
+@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
+def _verify_flash_kernel(
+    q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
+    prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
+    partial_out, partial_lse,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_pt,
+    stride_mt, mask_words,
+    stride_ot, stride_oh,
+    stride_lt,
+    scale_log2,
+    H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``."""
+    i_p = tl.program_id(0)
+    for i_s in range(tl.load(prog_first_seg + i_p), tl.load(prog_first_seg + i_p + 1)):
+        _attend_segment(
+            q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse, partial_out, partial_lse,
+            tl.load(seg_seq + i_s), tl.load(seg_row0 + i_s), tl.load(seg_kv_start + i_s),
+            tl.load(seg_kv_end + i_s), tl.load(seg_partial + i_s),
+            stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_mt, mask_words,
+            stride_ot, stride_oh, stride_lt, scale_log2,
+            H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LATENT, D_ROPE, DOT_FP32,
+        )
 
 
 @triton.jit
@@ -239,7 +258,7 @@ CONFIGS = (
     FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=2),
 )
 INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-MIN_SPLIT_TILES = 4  # a KV split covers at least this many BLOCK_N tiles
+MIN_SPLIT_TILES = 4  # a KV split is not cut into pieces shorter than this many BLOCK_N tiles
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -260,6 +279,13 @@ def pick_config(device: torch.device) -> FlashConfig:
     return CONFIGS[-1]
 
 
+def resident_programs(cfg: FlashConfig, device: torch.device) -> int:
+    """Programs of ``cfg`` the device runs at once: SMs x blocks per SM (shared memory, and the
+    register file at 255 registers per thread)."""
+    num_sms, smem = _device_limits(device)
+    return num_sms * max(1, min(smem // cfg.shared_bytes(), 8 // cfg.num_warps))
+
+
 @dataclass
 class VerifyPlan:
     """Work list of the flash kernel for one set of lengths and head count (see :func:`plan_verify`).
@@ -275,18 +301,69 @@ class VerifyPlan:
     qo_indptr_host: list[int]
     config: FlashConfig
     device: torch.device
-    work: torch.Tensor  # [5, num_items] int32: seq, row0, kv_start, kv_end, partial slot (-1: final)
+    prog_first_seg: torch.Tensor  # [num_programs + 1] int32: program p runs segments [first[p], first[p+1])
+    segments: torch.Tensor  # [5, num_segments] int32: seq, row0, kv_start, kv_end, partial slot (-1: final)
     groups: torch.Tensor  # [4, num_groups] int32: seq, row0, first partial slot, split count
     partial_out: torch.Tensor  # [num_partials, BLOCK_M, 512] float32
     partial_lse: torch.Tensor  # [num_partials, BLOCK_M] float32 (log2 units)
 
     @property
-    def num_items(self) -> int:
-        return self.work.shape[1]
+    def num_programs(self) -> int:
+        return self.prog_first_seg.shape[0] - 1
+
+    @property
+    def num_segments(self) -> int:
+        return self.segments.shape[1]
 
     @property
     def num_groups(self) -> int:
         return self.groups.shape[1]
+
+
+def schedule(row_blocks: Sequence[int], tiles: Sequence[int], num_programs: int,
+             min_tiles: int = MIN_SPLIT_TILES) -> list[list[tuple[int, int, int, int]]]:
+    """Cut the work (sequence b, row block r, KV tiles) into at most ``num_programs`` programs of
+    near-equal tile counts; returns each program's pieces ``(b, r, first tile, end tile)``.
+
+    The work is laid out on a line: per sequence, its KV in columns of about one program's share,
+    and within a column the sequence's row blocks one after another (so programs that run side by
+    side read the same KV columns, which L2 then serves once). Program p takes the line from
+    ``p * total / P`` to ``(p + 1) * total / P``, cut at tile granularity; a cut that would leave a
+    piece shorter than ``min_tiles`` (when programs are long enough) moves to the segment's edge.
+    """
+    total = sum(r * t for r, t in zip(row_blocks, tiles))
+    if total == 0:
+        return []
+    P = max(1, min(num_programs, total))
+    chunk = math.ceil(total / P)
+    snap = min(min_tiles, chunk // 4)
+
+    def end_of(p: int) -> int:  # first line position past program p
+        return (p + 1) * total // P
+
+    programs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(P)]
+    pos, p = 0, 0
+    for b, (R, T) in enumerate(zip(row_blocks, tiles)):
+        if T == 0:
+            continue
+        width = math.ceil(T / math.ceil(T / chunk))
+        for c0 in range(0, T, width):
+            c1 = min(c0 + width, T)
+            for r in range(R):
+                x, e = pos, pos + c1 - c0
+                while x < e:
+                    while p + 1 < P and x >= end_of(p):
+                        p += 1
+                    y = min(e, end_of(p))
+                    if y < e and y - x < snap and p + 1 < P:  # a sliver for p: start p + 1 here
+                        p += 1
+                        y = min(e, end_of(p))
+                    if y < e and e - y < snap:  # a sliver left for p + 1: p takes it
+                        y = e
+                    programs[p].append((b, r, c0 + x - pos, c0 + y - pos))
+                    x = y
+                pos = e
+    return [prog for prog in programs if prog]
 
 
 def plan_verify(
@@ -296,9 +373,14 @@ def plan_verify(
     device: str | torch.device = "cuda",
     *,
     config: FlashConfig | None = None,
-    num_splits: int | None = None,
+    num_programs: int | None = None,
 ) -> VerifyPlan:
     """Build the flash kernel's work list from HOST lengths (no device sync if they are host data).
+
+    The kernel is persistent: at most as many programs as the device runs at once, each a list of
+    segments (a row block of a sequence against a KV range) of near-equal total work (see
+    :func:`schedule`), so no wave runs part-empty. A (sequence, row block) whose KV is cut into
+    several segments writes partials, merged by the combine kernel.
 
     Args:
         kv_lens: ``[B]`` KV length per sequence (host list / CPU tensor; a CUDA tensor is copied,
@@ -307,9 +389,9 @@ def plan_verify(
         num_heads: H.
         device: where the kernel runs.
         config: kernel tile config (default: the best that fits the device).
-        num_splits: force every (sequence, row block) to this many KV splits (tuning / tests);
-            default: enough splits to give every multiprocessor work, each at least
-            ``MIN_SPLIT_TILES`` tiles long.
+        num_programs: number of programs (tuning / tests); default: the device's resident
+            programs, fewer when that would cut KV ranges below ``MIN_SPLIT_TILES`` tiles (but
+            never fewer than the (sequence, row block) pairs).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -320,41 +402,38 @@ def plan_verify(
         raise ValueError(f"qo_indptr must have {len(kv) + 1} entries, got {len(qo)}")
     if not 1 <= num_heads <= 128:
         raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     cfg = config or pick_config(device)
     bm, bn = cfg.block_m, cfg.block_n
-    num_sms, _ = _device_limits(device)
 
-    n = [qo[b + 1] - qo[b] for b in range(len(kv))]
-    row_blocks = [math.ceil(n_b * num_heads / bm) for n_b in n]
+    row_blocks = [math.ceil((qo[b + 1] - qo[b]) * num_heads / bm) for b in range(len(kv))]
     tiles = [math.ceil(L / bn) for L in kv]
-    if num_splits is None:
-        # ~one work item per multiprocessor: a split covers `chunk` tiles for each of its row blocks
-        total = sum(rb * t for rb, t in zip(row_blocks, tiles))
-        chunk = max(math.ceil(total / num_sms), MIN_SPLIT_TILES)
-        splits = [min(t, max(1, math.ceil(t / chunk))) for t in tiles]
-    else:
-        splits = [min(num_splits, t) for t in tiles]
+    if num_programs is None:
+        pairs = sum(r for r, t in zip(row_blocks, tiles) if t)
+        total = sum(r * t for r, t in zip(row_blocks, tiles))
+        num_programs = min(resident_programs(cfg, device), max(pairs, total // MIN_SPLIT_TILES))
+    programs = schedule(row_blocks, tiles, num_programs)
 
-    work, groups = [], []
+    pieces: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (b, r) -> [(program, index)]
+    for p, prog in enumerate(programs):
+        for i, (b, r, _, _) in enumerate(prog):
+            pieces.setdefault((b, r), []).append((p, i))
+    slot = {}
+    groups = []
     num_partials = 0
-    for b in range(len(kv)):
-        per = math.ceil(tiles[b] / splits[b]) * bn
-        bounds = [(a, min(a + per, kv[b])) for a in range(0, kv[b], per)]
-        multi = len(bounds) > 1
-        # split-major order: the row blocks of one KV split run side by side and share it in L2
-        for s, (a, e) in enumerate(bounds):
-            for rb in range(row_blocks[b]):
-                slot = num_partials + rb * len(bounds) + s if multi else -1
-                work.append([b, rb * bm, a, e, slot])
-        if multi:
-            for rb in range(row_blocks[b]):
-                groups.append([b, rb * bm, num_partials + rb * len(bounds), len(bounds)])
-            num_partials += row_blocks[b] * len(bounds)
+    for (b, r), where in pieces.items():
+        if len(where) > 1:
+            groups.append([b, r * bm, num_partials, len(where)])
+            for k, w in enumerate(where):
+                slot[w] = num_partials + k
+            num_partials += len(where)
+    first, segments = [0], []
+    for p, prog in enumerate(programs):
+        for i, (b, r, t0, t1) in enumerate(prog):
+            segments.append([b, r * bm, t0 * bn, min(t1 * bn, kv[b]), slot.get((p, i), -1)])
+        first.append(len(segments))
 
-    work_t = torch.tensor(work, dtype=torch.int32).T.contiguous().to(device)
-    groups_t = torch.tensor(groups, dtype=torch.int32).reshape(-1, 4).T.contiguous().to(device)
     return VerifyPlan(
         num_heads=num_heads,
         num_rows=qo[-1],
@@ -363,8 +442,9 @@ def plan_verify(
         qo_indptr_host=qo,
         config=cfg,
         device=device,
-        work=work_t,
-        groups=groups_t,
+        prog_first_seg=torch.tensor(first, dtype=torch.int32).to(device),
+        segments=torch.tensor(segments, dtype=torch.int32).reshape(-1, 5).T.contiguous().to(device),
+        groups=torch.tensor(groups, dtype=torch.int32).reshape(-1, 4).T.contiguous().to(device),
         partial_out=torch.empty(num_partials, bm, D_V, dtype=torch.float32, device=device),
         partial_lse=torch.empty(num_partials, bm, dtype=torch.float32, device=device),
     )
@@ -379,10 +459,12 @@ def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
             f"got H={H}, T={T}, B={kv_lens.shape[0]} on {q.device}"
         )
     cfg = plan.config
-    w = plan.work
-    _verify_flash_kernel[(plan.num_items,)](
+    if plan.num_programs == 0:  # every sequence has an empty KV (and so no rows)
+        return
+    sg = plan.segments
+    _verify_flash_kernel[(plan.num_programs,)](
         q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
-        w[0], w[1], w[2], w[3], w[4],
+        plan.prog_first_seg, sg[0], sg[1], sg[2], sg[3], sg[4],
         plan.partial_out, plan.partial_lse,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
