@@ -100,8 +100,9 @@ def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, program
                 seen[b, r, t] = seen.get((b, r, t), 0) + 1
     assert len(seen) == total and set(seen.values()) == {1}
     chunk = math.ceil(total / min(programs, total))
-    loads = [sum(t1 - t0 for _, _, t0, t1 in prog) for prog in plan]
-    assert max(loads) <= chunk + 2 * flash.MIN_SPLIT_TILES
+    line = flash._line_schedule(row_blocks, tiles, min(programs, total), chunk, min(4, chunk // 4))
+    assert flash.schedule_cost(plan) <= flash.schedule_cost(line)
+    assert max(sum(t1 - t0 for *_, t0, t1 in prog) for prog in line) <= chunk + 2 * flash.MIN_SPLIT_TILES
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}")

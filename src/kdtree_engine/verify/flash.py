@@ -23,6 +23,7 @@ in a CUDA graph. No atomics: results are bitwise deterministic.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -320,28 +321,74 @@ class VerifyPlan:
         return self.groups.shape[1]
 
 
-def schedule(row_blocks: Sequence[int], tiles: Sequence[int], num_programs: int,
-             min_tiles: int = MIN_SPLIT_TILES) -> list[list[tuple[int, int, int, int]]]:
-    """Cut the work (sequence b, row block r, KV tiles) into at most ``num_programs`` programs of
-    near-equal tile counts; returns each program's pieces ``(b, r, first tile, end tile)``.
+Program = list[tuple[int, int, int, int]]  # pieces (sequence, row block, first tile, end tile)
 
-    The work is laid out on a line: per sequence, its KV in columns of about one program's share,
-    and within a column the sequence's row blocks one after another (so programs that run side by
-    side read the same KV columns, which L2 then serves once). Program p takes the line from
-    ``p * total / P`` to ``(p + 1) * total / P``, cut at tile granularity; a cut that would leave a
-    piece shorter than ``min_tiles`` (when programs are long enough) moves to the segment's edge.
+# A segment's fixed cost in KV tiles: q block load, pipeline fill, epilogue (a partial: 128 KB of
+# fp32 written per program at ~32 GB/s per SM). Measured on the H200 (docs/perf_log.md, run 9):
+# ~16 us per extra segment against ~4.4 us per 64 x 64 tile.
+SEGMENT_COST_TILES = 3
+
+
+def schedule_cost(programs: Sequence[Program]) -> int:
+    """Estimated time of a schedule in tiles: its longest program, a segment costing extra."""
+    return max((sum(t1 - t0 + SEGMENT_COST_TILES for *_, t0, t1 in prog) for prog in programs), default=0)
+
+
+def schedule(row_blocks: Sequence[int], tiles: Sequence[int], num_programs: int,
+             min_tiles: int = MIN_SPLIT_TILES) -> list[Program]:
+    """Cut the work (sequence b, row block r, KV tiles) into at most ``num_programs`` programs;
+    returns each program's pieces ``(b, r, first tile, end tile)``: the cheapest (by
+    :func:`schedule_cost`) of
+
+    - whole segments (KV columns of a width W, each with every row block of its sequence) dealt
+      to the least-loaded program, longest first, for W = the smallest width that gives at most
+      one segment per program, W = one program's share, and W = whole sequences;
+    - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall.
     """
     total = sum(r * t for r, t in zip(row_blocks, tiles))
     if total == 0:
         return []
     P = max(1, min(num_programs, total))
     chunk = math.ceil(total / P)
-    snap = min(min_tiles, chunk // 4)
+    widths = {chunk, max(tiles)}
+    lo, hi = 1, max(tiles)  # smallest W with sum_b R_b * ceil(T_b / W) <= P, if any
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(r * math.ceil(t / mid) for r, t in zip(row_blocks, tiles)) <= P:
+            hi = mid
+        else:
+            lo = mid + 1
+    widths.add(lo)
+    candidates = [_line_schedule(row_blocks, tiles, P, chunk, min(min_tiles, chunk // 4))]
+    candidates += [_whole_segments(row_blocks, tiles, P, w) for w in sorted(widths)]
+    return min(candidates, key=schedule_cost)
+
+
+def _whole_segments(row_blocks, tiles, P: int, width: int) -> list[Program]:
+    """KV columns of ``width`` tiles x row blocks, dealt longest first to the least-loaded program."""
+    segs = [(b, r, c0, min(c0 + width, T)) for b, (R, T) in enumerate(zip(row_blocks, tiles))
+            for c0 in range(0, T, width) for r in range(R)]
+    segs.sort(key=lambda s: s[2] - s[3])  # longest first (stable: keeps sequence order on ties)
+    heap = [(0, p) for p in range(min(P, len(segs)))]
+    programs: list[Program] = [[] for _ in heap]
+    for seg in segs:
+        load, p = heapq.heappop(heap)
+        programs[p].append(seg)
+        heapq.heappush(heap, (load + seg[3] - seg[2] + SEGMENT_COST_TILES, p))
+    return programs
+
+
+def _line_schedule(row_blocks, tiles, P: int, chunk: int, snap: int) -> list[Program]:
+    """The work on a line (per sequence, KV columns of about ``chunk`` tiles; within a column the
+    sequence's row blocks one after another, so programs side by side read the same KV); program
+    p takes ``[p * total / P, (p + 1) * total / P)``, cut at tile granularity; a cut that would
+    leave a piece shorter than ``snap`` tiles moves to the segment's edge."""
+    total = sum(r * t for r, t in zip(row_blocks, tiles))
 
     def end_of(p: int) -> int:  # first line position past program p
         return (p + 1) * total // P
 
-    programs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(P)]
+    programs: list[Program] = [[] for _ in range(P)]
     pos, p = 0, 0
     for b, (R, T) in enumerate(zip(row_blocks, tiles)):
         if T == 0:
