@@ -303,8 +303,12 @@ class VerifyPlan:
     config: FlashConfig
     device: torch.device
     prog_first_seg: torch.Tensor  # [num_programs + 1] int32: program p runs segments [first[p], first[p+1])
-    segments: torch.Tensor  # [5, num_segments] int32: seq, row0, kv_start, kv_end, partial slot (-1: final)
-    groups: torch.Tensor  # [4, num_groups] int32: seq, row0, first partial slot, split count
+    num_segments: int
+    num_groups: int
+    # int32 tables, one field per row, columns padded to a multiple of 4 so that every row starts
+    # 16-byte aligned (Triton specialises pointers on alignment: a ragged count must not recompile)
+    segments: torch.Tensor  # [5, >= num_segments]: seq, row0, kv_start, kv_end, partial slot (-1: final)
+    groups: torch.Tensor  # [4, >= num_groups]: seq, row0, first partial slot, split count
     partial_out: torch.Tensor  # [num_partials, BLOCK_M, 512] float32
     partial_lse: torch.Tensor  # [num_partials, BLOCK_M] float32 (log2 units)
 
@@ -312,13 +316,6 @@ class VerifyPlan:
     def num_programs(self) -> int:
         return self.prog_first_seg.shape[0] - 1
 
-    @property
-    def num_segments(self) -> int:
-        return self.segments.shape[1]
-
-    @property
-    def num_groups(self) -> int:
-        return self.groups.shape[1]
 
 
 Program = list[tuple[int, int, int, int]]  # pieces (sequence, row block, first tile, end tile)
@@ -490,11 +487,21 @@ def plan_verify(
         config=cfg,
         device=device,
         prog_first_seg=torch.tensor(first, dtype=torch.int32).to(device),
-        segments=torch.tensor(segments, dtype=torch.int32).reshape(-1, 5).T.contiguous().to(device),
-        groups=torch.tensor(groups, dtype=torch.int32).reshape(-1, 4).T.contiguous().to(device),
+        num_segments=len(segments),
+        num_groups=len(groups),
+        segments=_aligned_rows(segments, 5, device),
+        groups=_aligned_rows(groups, 4, device),
         partial_out=torch.empty(num_partials, bm, D_V, dtype=torch.float32, device=device),
         partial_lse=torch.empty(num_partials, bm, dtype=torch.float32, device=device),
     )
+
+
+def _aligned_rows(records: list[list[int]], fields: int, device: torch.device) -> torch.Tensor:
+    """``records`` as an int32 ``[fields, n]`` table whose rows start 16-byte aligned (n padded to 4)."""
+    table = torch.zeros(fields, max(4, -(-len(records) // 4) * 4), dtype=torch.int32)
+    if records:
+        table[:, : len(records)] = torch.tensor(records, dtype=torch.int32).T
+    return table.to(device)
 
 
 def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
