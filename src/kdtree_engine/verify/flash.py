@@ -242,11 +242,11 @@ class FlashConfig:
     num_stages: int
 
     def shared_bytes(self, elem: int = 2) -> int:
-        """Upper estimate of the shared memory: q block, two K tiles (what Triton 3.6 allocates for
-        2 and 3 stages), the P tile. Compiler reports for sm_90: 64x64x8x2 221,184 B (estimate
-        229,376), 64x32x8x3 147,712 (151,552), 32x16x4x2 69,632 (74,752)."""
-        k_buffers = 1 if self.num_stages == 1 else 2
-        return elem * (self.block_m * D_QK + k_buffers * self.block_n * D_QK + self.block_m * self.block_n)
+        """Upper estimate of the shared memory: q block, two K tiles (Triton 3.6 allocates two for
+        1-3 stages), the P tile. Compiler reports (``scripts/compile_report.py``, sm_90 and
+        sm_120): 64x64x8x2 221,184 B (estimate 229,376), 64x32x8x3 147,712 (151,552), 32x16x4x2
+        69,632 (74,752), 32x32x4x1 102,400 (112,640)."""
+        return elem * (self.block_m * D_QK + 2 * self.block_n * D_QK + self.block_m * self.block_n)
 
 
 # Ordered by preference; the first that fits the device's shared memory is used: 64x64x8x2 on
@@ -433,9 +433,9 @@ def plan_verify(
         num_heads: H.
         device: where the kernel runs.
         config: kernel tile config (default: the best that fits the device).
-        num_programs: number of programs (tuning / tests); default: the device's resident
-            programs, fewer when that would cut KV ranges below ``MIN_SPLIT_TILES`` tiles (but
-            never fewer than the (sequence, row block) pairs).
+        num_programs: most programs (tuning / tests); default: the programs the device runs at
+            once. Small work is spread too: at prefix 1k-4k, 12-48 programs of 4+ tiles took
+            39-42 us where one tile per program took 29-33 us (H200, docs/perf_log.md run 11).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -453,11 +453,7 @@ def plan_verify(
 
     row_blocks = [math.ceil((qo[b + 1] - qo[b]) * num_heads / bm) for b in range(len(kv))]
     tiles = [math.ceil(L / bn) for L in kv]
-    if num_programs is None:
-        pairs = sum(r for r, t in zip(row_blocks, tiles) if t)
-        total = sum(r * t for r, t in zip(row_blocks, tiles))
-        num_programs = min(resident_programs(cfg, device), max(pairs, total // MIN_SPLIT_TILES))
-    programs = schedule(row_blocks, tiles, num_programs)
+    programs = schedule(row_blocks, tiles, num_programs or resident_programs(cfg, device))
 
     pieces: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (b, r) -> [(program, index)]
     for p, prog in enumerate(programs):
