@@ -17,21 +17,11 @@ import math
 import torch
 
 from kdtree_engine import reference, verify_attention
+from kdtree_engine.bench.timing import measure_ceilings
 from kdtree_engine.testing import TOLERANCES, compare, random_tree
 from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from kdtree_engine.verify import flash
 from kdtree_engine.verify.flash import FlashConfig, plan_verify
-
-
-def measure_ceilings() -> tuple[float, float]:
-    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of CUDA-event timings."""
-    x = torch.randn(1 << 29, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    t_copy = time_graph(lambda: y.copy_(x), reps=50)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_mm = time_graph(lambda: a @ b, reps=30)
-    return 2 * x.numel() * x.element_size() / t_copy, 2 * 8192**3 / t_mm
 
 
 def time_graph(fn, reps: int = 50) -> float:
@@ -100,7 +90,8 @@ def main() -> None:
                         "16x9x16x4096x1,64x65x16x1024x1,64x33x1x16384x64,8x9x1x1024x1")
     parser.add_argument("--json")
     args = parser.parse_args()
-    copy_bps, mm_fps = measure_ceilings()
+    ceilings = measure_ceilings()  # the benchmark's own ceilings: one definition of the floor
+    copy_bps, mm_fps = ceilings.copy_bps(), ceilings.matmul_fps("bf16")
     print(f"ceilings: copy {copy_bps / 1e12:.2f} TB/s, bf16 matmul {mm_fps / 1e12:.0f} TFLOP/s")
     rows = []
     for shape_text in args.shapes.split(","):
