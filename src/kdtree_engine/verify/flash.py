@@ -259,7 +259,7 @@ CONFIGS = (
     FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=2),
 )
 INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-MIN_SPLIT_TILES = 4  # a KV split is not cut into pieces shorter than this many BLOCK_N tiles
+MIN_SPLIT_TILES = 4  # the line schedule does not cut a segment into pieces shorter than this (tiles)
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -315,7 +315,6 @@ class VerifyPlan:
     @property
     def num_programs(self) -> int:
         return self.prog_first_seg.shape[0] - 1
-
 
 
 Program = list[tuple[int, int, int, int]]  # pieces (sequence, row block, first tile, end tile)
