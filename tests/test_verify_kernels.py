@@ -84,6 +84,22 @@ def test_flash_program_counts(num_programs):
     run_checked(c, "flash", "bf16", plan=plan)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_flash_random_batches_and_program_counts(seed):
+    """Random ragged batches (prefix 0 included) under random program counts: pairs cut across
+    programs, several pieces of one pair in one program, whole pairs merged into one program."""
+    rng = torch.Generator().manual_seed(100 + seed)
+    B = int(torch.randint(1, 5, (1,), generator=rng))
+    H = int(torch.randint(1, 7, (1,), generator=rng))
+    prefixes = [int(x) for x in torch.randint(0, 90, (B,), generator=rng)]
+    trees = [random_tree(int(torch.randint(1, 20, (1,), generator=rng)), rng) for _ in range(B)]
+    spec = CaseSpec(f"rand{seed}", H, prefixes, trees, page_size=[1, 16][seed % 2], seed=seed)
+    c = build_case(spec, DEVICE)
+    programs = int(torch.randint(1, 4 if seed < 3 else 24, (1,), generator=rng))
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), H, DEVICE, num_programs=programs)
+    run_checked(c, "flash", "bf16", plan=plan)
+
+
 @pytest.mark.parametrize("row_blocks, tiles, programs", [
     ([3], [2049], 132), ([17, 17, 17, 17], [2049, 1537, 1025, 513], 132), ([1], [5], 132),
     ([130] * 4, [2049] * 4, 132), ([2, 9, 1], [7, 300, 1], 5), ([4], [4], 16), ([1, 1], [1, 1], 1),
