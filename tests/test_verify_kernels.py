@@ -86,8 +86,8 @@ def test_flash_program_counts(num_programs):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_flash_random_batches_and_program_counts(seed):
-    """Random ragged batches (prefix 0 included) under random program counts: pairs cut across
-    programs, several pieces of one pair in one program, whole pairs merged into one program."""
+    """Random ragged batches (prefix 0 included) under random program counts: (sequence, row
+    block) pairs cut across programs, several segments run in turn by one program."""
     rng = torch.Generator().manual_seed(100 + seed)
     B = int(torch.randint(1, 5, (1,), generator=rng))
     H = int(torch.randint(1, 7, (1,), generator=rng))
@@ -116,7 +116,7 @@ def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, program
                 seen[b, r, t] = seen.get((b, r, t), 0) + 1
     assert len(seen) == total and set(seen.values()) == {1}
     chunk = math.ceil(total / min(programs, total))
-    line = flash._line_schedule(row_blocks, tiles, min(programs, total), chunk, min(4, chunk // 4))
+    line = flash._line_schedule(row_blocks, tiles, min(programs, total), chunk, min(flash.MIN_SPLIT_TILES, chunk // 4))
     assert flash.schedule_cost(plan) <= flash.schedule_cost(line)
     assert max(sum(t1 - t0 for *_, t0, t1 in prog) for prog in line) <= chunk + 2 * flash.MIN_SPLIT_TILES
 
