@@ -12,26 +12,19 @@ here before Triton is imported).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
+from . import backend
+from .backend import BackendError
 
 
 def select_device(requested: str | None = None) -> str:
-    """``"cuda"`` when available (or asked), else ``"cpu"`` with Triton's interpreter switched on.
-
-    Must run before the first kernel import: the interpreter is chosen when Triton loads.
-    """
-    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kdtree: --device cuda asked for, but no CUDA device is available")
-    if device == "cpu":
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise SystemExit("kdtree: triton was imported before TRITON_INTERPRET could be set")
-        os.environ["TRITON_INTERPRET"] = "1"
-    return device
+    """:func:`kdtree_engine.backend.select_device`, its errors as one line and exit status 1."""
+    try:
+        return backend.select_device(requested)
+    except BackendError as e:
+        raise SystemExit(f"kdtree: error: {e}") from None
 
 
 def available_kernels() -> list[str]:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreting
 from .verify.api import D_QK
 
 __all__ = [
@@ -274,10 +274,6 @@ def _copy_pages(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst
         src.stride(0), dst.stride(0),
         ROW=row, BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=row % block_d == 0, num_warps=4,
     )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,7 +616,7 @@ class KVPool:
             raise ValueError("max_seq_len must be positive")
         if use_triton is None:
             use_triton = device.type == "cuda"
-        if use_triton and device.type == "cpu" and not _interpreting():
+        if use_triton and device.type == "cpu" and not interpreting():
             raise ValueError("use_triton on the CPU needs TRITON_INTERPRET=1 set before triton is imported")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)

@@ -15,11 +15,12 @@ times are not performance figures and say so.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from ..backend import BackendError, select_device
 
 __all__ = ["main", "build_parser"]
 
@@ -110,20 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _select_device(requested: str | None) -> str:
-    """cuda when available; else the CPU with Triton's interpreter (set before Triton loads)."""
-    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kdtree bench: --device cuda asked for, but no CUDA device is available")
-    if device == "cpu":
-        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        if "triton" in sys.modules and not interp:
-            raise SystemExit("kdtree bench: triton was imported before TRITON_INTERPRET=1 could be set; "
-                             "run the CPU benchmark in a fresh process")
-        os.environ["TRITON_INTERPRET"] = "1"
-    return device
-
-
 def _axes_given(a) -> bool:
     return any(v is not None for v in (a.batch, a.q_len, a.heads, a.prefix, a.page_size))
 
@@ -152,7 +139,10 @@ def _shapes(a, device: str) -> tuple[list, str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    device = _select_device(a.device)
+    try:
+        device = select_device(a.device)
+    except BackendError as e:
+        raise SystemExit(f"kdtree: error: {e}") from None
     # Triton may load from here on (the interpreter choice is settled)
     from . import report
     from .peers import detect_peers

@@ -13,11 +13,11 @@ oracle), ``flash.py`` (split-KV, heads and tree nodes packed against one read of
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..backend import interpreting
 from ..masks import MAX_TREE_NODES
 
 D_QK = 576  # 512 latent (c_kv) + 64 rope (k_pe)
@@ -60,9 +60,36 @@ def _check_tensor(name, t, *, dim, dtype=None, dtypes=None, device=None, last=No
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
 
 
-def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
-    """Check ranks, sizes, dtypes and devices of the contract's tensors. No device sync.
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[first, last)`` that a tensor's elements occupy."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
+
+def _check_writable(name, t, inputs):
+    """An output must not write one element twice (zero or interleaved strides) nor into an input."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    reach = 1  # elements covered by the inner dims so far
+    for st, n in dims:
+        if st < reach:
+            raise ValueError(
+                f"{name} has overlapping strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
+                f"an output must give every element its own memory"
+            )
+        reach = st * (n - 1) + reach
+    lo, hi = _span(t)
+    for other_name, other in inputs:
+        if other is not None and other.numel() > 0:
+            o_lo, o_hi = _span(other)
+            if lo < o_hi and o_lo < hi:
+                raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
+
+
+def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
+    """Check ranks, sizes, dtypes, devices and layouts of the contract's tensors. No device sync.
+
+    Layouts: every stride of every argument is honoured, except that q, kv_cache and out need
+    their last dimension contiguous, and out / lse must not overlap themselves or an input.
     Returns the sizes as a :class:`VerifyInputs`. Raises ``TypeError`` / ``ValueError`` naming
     the offending argument.
     """
@@ -93,14 +120,18 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         raise ValueError("tree_mask must have at least one word per row")
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         raise ValueError(f"kv_cache must hold at least one page and one slot, got {tuple(kv_cache.shape)}")
+    inputs = [("q", q), ("kv_cache", kv_cache), ("page_table", page_table), ("kv_lens", kv_lens),
+              ("qo_indptr", qo_indptr), ("tree_mask", tree_mask)]
     if out is not None:
         _check_tensor("out", out, dim=3, dtype=q.dtype, device=dev, last=D_V)
         if tuple(out.shape[:2]) != (T, H):
             raise ValueError(f"out must have shape {(T, H, D_V)}, got {tuple(out.shape)}")
+        _check_writable("out", out, inputs)
     if lse is not None:
         _check_tensor("lse", lse, dim=2, dtype=torch.float32, device=dev)
         if tuple(lse.shape) != (T, H):
             raise ValueError(f"lse must have shape {(T, H)}, got {tuple(lse.shape)}")
+        _check_writable("lse", lse, inputs + [("out", out)])
     return VerifyInputs(
         num_rows=T,
         num_heads=H,
@@ -175,10 +206,6 @@ def check_content(page_table, kv_lens, qo_indptr, tree_mask, info: VerifyInputs)
         raise ValueError(f"tree_mask row {t} sets a bit at or past its tree size n_b={int(n[seq[t]])}")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def verify_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -215,8 +242,12 @@ def verify_attention(
             Build it with :mod:`kdtree_engine.masks`.
         sm_scale: softmax scale; default ``1/sqrt(576)``.
         kernel: ``"naive"`` (the oracle), ``"flash"`` or ``"auto"`` (flash).
-        out: optional ``[T, H, 512]`` output buffer in q's dtype (last dim contiguous).
-        lse: optional ``[T, H]`` float32 buffer.
+        out: optional ``[T, H, 512]`` output buffer in q's dtype (last dim contiguous), written
+            through its strides; it must not overlap itself or an input.
+        lse: optional ``[T, H]`` float32 buffer, any non-overlapping strides.
+
+    Every stride of page_table, kv_lens, qo_indptr and tree_mask is honoured (slices, transposes,
+    broadcasts); q and kv_cache need only their last dimension contiguous.
         plan: optional :class:`kdtree_engine.verify.flash.VerifyPlan` from
             :func:`~kdtree_engine.verify.flash.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
@@ -241,7 +272,7 @@ def verify_attention(
         sm_scale = 1.0 / math.sqrt(D_QK)
     elif not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    if q.device.type == "cpu" and not _interpreting():
+    if q.device.type == "cpu" and not interpreting():
         raise ValueError(
             "q is on the CPU: the Triton kernels run there only under the interpreter; "
             "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .api import D_QK, D_V, _interpreting
+from ..backend import interpreting
+from .api import D_QK, D_V
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -42,7 +43,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 def _attend_tile(
     b_q, b_qr, b_m, b_l, b_acc,
     kv, p_pages, p_mask_rows, m_rows,
-    start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
+    start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, stride_pp, stride_mw, scale_log2,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -52,13 +53,13 @@ def _attend_tile(
     o_r = tl.arange(0, D_ROPE)
     if PAGE_SIZE % BLOCK_N == 0:
         # the tile lies inside one page: one page id, contiguous rows
-        b_page = tl.load(p_pages + start // PAGE_SIZE).to(tl.int64)
+        b_page = tl.load(p_pages + (start // PAGE_SIZE) * stride_pp).to(tl.int64)
         p_row = kv + b_page * stride_kvp + (o_n % PAGE_SIZE) * stride_kvs  # [BN]
     else:
         if MASKED:
-            b_pages = tl.load(p_pages + o_n // PAGE_SIZE, mask=o_n < kv_end, other=0)
+            b_pages = tl.load(p_pages + (o_n // PAGE_SIZE) * stride_pp, mask=o_n < kv_end, other=0)
         else:
-            b_pages = tl.load(p_pages + o_n // PAGE_SIZE)
+            b_pages = tl.load(p_pages + (o_n // PAGE_SIZE) * stride_pp)
         p_row = kv + b_pages.to(tl.int64) * stride_kvp + (o_n % PAGE_SIZE) * stride_kvs  # [BN]
     if MASKED:
         m_n = o_n < kv_end
@@ -77,7 +78,7 @@ def _attend_tile(
         o_j = o_n - prefix  # tree node index of each position (negative: prefix)
         o_jc = tl.maximum(o_j, 0)
         m_tree = m_n & (o_j >= 0) & (o_jc // 32 < mask_words)
-        b_word = tl.load(p_mask_rows[:, None] + (o_jc // 32)[None, :],
+        b_word = tl.load(p_mask_rows[:, None] + (o_jc // 32)[None, :] * stride_mw,
                          mask=m_rows[:, None] & m_tree[None, :], other=0)  # [BM, BN]
         b_bit = (b_word >> (o_jc % 32)[None, :]) & 1
         m_vis = m_n[None, :] & ((o_j < 0)[None, :] | (b_bit != 0))
@@ -99,15 +100,15 @@ def _attend_tile(
 def _attend_segment(
     q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse, partial_out, partial_lse,
     i_b, row0, kv_start, kv_end, i_part,
-    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_mt, mask_words,
-    stride_ot, stride_oh, stride_lt, scale_log2,
+    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
+    stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
     H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Rows ``row0 : row0 + BLOCK_M`` of sequence ``i_b`` against KV positions ``[kv_start, kv_end)``."""
-    qo_start = tl.load(qo_indptr + i_b)
-    n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
-    prefix = tl.load(kv_lens + i_b) - n_nodes
+    qo_start = tl.load(qo_indptr + i_b * stride_qo)
+    n_nodes = tl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+    prefix = tl.load(kv_lens + i_b * stride_kl) - n_nodes
 
     o_m = row0 + tl.arange(0, BLOCK_M)  # packed rows of this sequence: node = r // H, head = r % H
     m_rows = o_m < n_nodes * H
@@ -133,7 +134,7 @@ def _attend_segment(
     for start in range(kv_start, clean_end, BLOCK_N):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
-            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
+            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, stride_pp, stride_mw, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, False, DOT_FP32,
         )
     # the segment's ragged end and the tree: bounds and tree mask. One or two tiles: not pipelined,
@@ -141,7 +142,7 @@ def _attend_segment(
     for start in tl.range(clean_end, kv_end, BLOCK_N, num_stages=1):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_qr, b_m, b_l, b_acc, kv, p_pages, p_mask_rows, m_rows,
-            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, scale_log2,
+            start, kv_end, prefix, mask_words, stride_kvp, stride_kvs, stride_pp, stride_mw, scale_log2,
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, True, DOT_FP32,
         )
 
@@ -152,7 +153,7 @@ def _attend_segment(
     if i_part < 0:
         p_out = out + o_t[:, None] * stride_ot + o_head[:, None] * stride_oh + o_d[None, :]
         tl.store(p_out, b_out.to(out.dtype.element_ty), mask=m_rows[:, None])
-        tl.store(lse + o_t * stride_lt + o_head, b_lse2 * LN2, mask=m_rows)
+        tl.store(lse + o_t * stride_lt + o_head * stride_lh, b_lse2 * LN2, mask=m_rows)
     else:
         o_p = i_part.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(partial_out + o_p[:, None] * D_LATENT + o_d[None, :], b_out, mask=m_rows[:, None])
@@ -168,10 +169,11 @@ def _verify_flash_kernel(
     partial_out, partial_lse,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
-    stride_pt,
-    stride_mt, mask_words,
+    stride_pt, stride_pp,
+    stride_kl, stride_qo,
+    stride_mt, stride_mw, mask_words,
     stride_ot, stride_oh,
-    stride_lt,
+    stride_lt, stride_lh,
     scale_log2,
     H: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -188,8 +190,8 @@ def _verify_flash_kernel(
             q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse, partial_out, partial_lse,
             tl.load(seg_seq + i_s), tl.load(seg_row0 + i_s), tl.load(seg_kv_start + i_s),
             tl.load(seg_kv_end + i_s), tl.load(seg_partial + i_s),
-            stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_mt, mask_words,
-            stride_ot, stride_oh, stride_lt, scale_log2,
+            stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
+            stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
             H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LATENT, D_ROPE, DOT_FP32,
         )
 
@@ -198,7 +200,7 @@ def _verify_flash_kernel(
 def _combine_kernel(
     partial_out, partial_lse, out, lse, qo_indptr,
     group_seq, group_row0, group_first, group_count,
-    stride_ot, stride_oh, stride_lt,
+    stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
     H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr,
 ):
     """Merge the KV splits of one packed row: one program per (split group, row of the block)."""
@@ -206,8 +208,8 @@ def _combine_kernel(
     i_r = tl.program_id(1)
     i_b = tl.load(group_seq + i_g)
     row = tl.load(group_row0 + i_g) + i_r
-    qo_start = tl.load(qo_indptr + i_b)
-    n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
+    qo_start = tl.load(qo_indptr + i_b * stride_qo)
+    n_nodes = tl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
     if row < n_nodes * H:
         first = tl.load(group_first + i_g)
         count = tl.load(group_count + i_g)
@@ -231,7 +233,7 @@ def _combine_kernel(
         o_t = (qo_start + row // H).to(tl.int64)
         head = row % H
         tl.store(out + o_t * stride_ot + head * stride_oh + o_d, (b_acc / b_l_safe).to(out.dtype.element_ty))
-        tl.store(lse + o_t * stride_lt + head, tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf")))
+        tl.store(lse + o_t * stride_lt + head * stride_lh, tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf")))
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 
 
 def pick_config(device: torch.device) -> FlashConfig:
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_CONFIG
     _, smem = _device_limits(device)
     for cfg in CONFIGS:
@@ -517,10 +519,11 @@ def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
         plan.partial_out, plan.partial_lse,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        tree_mask.stride(0), tree_mask.shape[1],
+        page_table.stride(0), page_table.stride(1),
+        kv_lens.stride(0), qo_indptr.stride(0),
+        tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
         out.stride(0), out.stride(1),
-        lse.stride(0),
+        lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
         H=H,
         PAGE_SIZE=kv_cache.shape[1],
@@ -528,7 +531,7 @@ def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
         BLOCK_N=cfg.block_n,
         D_LATENT=D_V,
         D_ROPE=D_QK - D_V,
-        DOT_FP32=_interpreting(),
+        DOT_FP32=interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -537,7 +540,7 @@ def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mas
         _combine_kernel[(plan.num_groups, cfg.block_m)](
             plan.partial_out, plan.partial_lse, out, lse, qo_indptr,
             g[0], g[1], g[2], g[3],
-            out.stride(0), out.stride(1), lse.stride(0),
+            qo_indptr.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             H=H, BLOCK_M=cfg.block_m, D_LATENT=D_V,
             num_warps=4,
         )

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .api import D_QK, D_V, _interpreting
+from ..backend import interpreting
+from .api import D_QK, D_V
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -23,10 +24,11 @@ def _verify_naive_kernel(
     q, kv, page_table, kv_lens, qo_indptr, row_seq, tree_mask, out, lse,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
-    stride_pt,
-    stride_mt, mask_words,
+    stride_pt, stride_pp,
+    stride_kl, stride_qo,
+    stride_mt, stride_mw, mask_words,
     stride_ot, stride_oh,
-    stride_lt,
+    stride_lt, stride_lh,
     scale_log2,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -36,9 +38,9 @@ def _verify_naive_kernel(
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.load(row_seq + i_t)
-    qo_start = tl.load(qo_indptr + i_b)
-    n_nodes = tl.load(qo_indptr + i_b + 1) - qo_start
-    kv_len = tl.load(kv_lens + i_b)
+    qo_start = tl.load(qo_indptr + i_b * stride_qo)
+    n_nodes = tl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+    kv_len = tl.load(kv_lens + i_b * stride_kl)
     prefix = kv_len - n_nodes
 
     o_d = tl.arange(0, D_LATENT)
@@ -53,7 +55,7 @@ def _verify_naive_kernel(
     for start in range(0, kv_len, BLOCK_N):
         o_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
         m_n = o_n < kv_len
-        b_page = tl.load(page_table + i_b.to(tl.int64) * stride_pt + o_n // PAGE_SIZE, mask=m_n, other=0)
+        b_page = tl.load(page_table + i_b.to(tl.int64) * stride_pt + (o_n // PAGE_SIZE) * stride_pp, mask=m_n, other=0)
         p_row = kv + b_page.to(tl.int64) * stride_kvp + (o_n % PAGE_SIZE) * stride_kvs  # [BLOCK_N]
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0).to(tl.float32)
         b_kr = tl.load(p_row[:, None] + D_LATENT + o_r[None, :], mask=m_n[:, None], other=0.0).to(tl.float32)
@@ -62,7 +64,7 @@ def _verify_naive_kernel(
         # tree positions: node j = position - prefix is visible iff bit j of this row's mask is set
         o_j = tl.maximum(o_n - prefix, 0)
         m_tree = m_n & (o_n >= prefix) & (o_j // 32 < mask_words)
-        b_word = tl.load(tree_mask + i_t.to(tl.int64) * stride_mt + o_j // 32, mask=m_tree, other=0)
+        b_word = tl.load(tree_mask + i_t.to(tl.int64) * stride_mt + (o_j // 32) * stride_mw, mask=m_tree, other=0)
         m_vis = m_n & ((o_n < prefix) | (((b_word >> (o_j % 32)) & 1) != 0))
         b_s = tl.where(m_vis, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
@@ -77,7 +79,7 @@ def _verify_naive_kernel(
     b_out = tl.where(has_key, b_acc / tl.where(has_key, b_l, 1.0), 0.0)
     b_lse = tl.where(has_key, (b_m + tl.log2(tl.where(has_key, b_l, 1.0))) * LN2, float("-inf"))
     tl.store(out + i_t.to(tl.int64) * stride_ot + i_h * stride_oh + o_d, b_out.to(out.dtype.element_ty))
-    tl.store(lse + i_t.to(tl.int64) * stride_lt + i_h, b_lse)
+    tl.store(lse + i_t.to(tl.int64) * stride_lt + i_h * stride_lh, b_lse)
 
 
 def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -89,16 +91,17 @@ def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
 def verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse):
     """Launch the naive kernel; inputs already validated by ``verify_attention``. Writes out, lse."""
     T, H, _ = q.shape
-    block_n = 128 if _interpreting() else 32
+    block_n = 128 if interpreting() else 32
     grid = (T, H)
     _verify_naive_kernel[grid](
         q, kv_cache, page_table, kv_lens, qo_indptr, row_to_sequence(qo_indptr, T), tree_mask, out, lse,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        tree_mask.stride(0), tree_mask.shape[1],
+        page_table.stride(0), page_table.stride(1),
+        kv_lens.stride(0), qo_indptr.stride(0),
+        tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
         out.stride(0), out.stride(1),
-        lse.stride(0),
+        lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
         PAGE_SIZE=kv_cache.shape[1],
         BLOCK_N=block_n,
