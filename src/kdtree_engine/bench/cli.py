@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..backend import BackendError, select_device
+from .shapes import TREES
 
 __all__ = ["main", "build_parser"]
 
@@ -34,6 +35,7 @@ PRESET_TIMING = {
     "quick": dict(repeats=30, budget_ms=150.0, slow_max_ms=500.0),
     "default": dict(repeats=100, budget_ms=400.0, slow_max_ms=1500.0),
     "issue3": dict(repeats=30, budget_ms=150.0, slow_max_ms=500.0),
+    "issue11": dict(repeats=30, budget_ms=150.0, slow_max_ms=500.0),
     "custom": dict(repeats=100, budget_ms=400.0, slow_max_ms=1500.0),
 }
 
@@ -79,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre = g.add_mutually_exclusive_group()
     pre.add_argument("--quick", action="store_true", help="about ten shapes: a one-minute look")
     pre.add_argument("--tiny", action="store_true", help="three tiny shapes (the CPU functional run)")
-    pre.add_argument("--grid", choices=["issue3"], help="a named grid (issue3: 135 shapes, page size 1)")
+    pre.add_argument("--grid", choices=["issue3", "issue11"],
+                     help="a named grid (issue3: 135 shapes, page size 1; issue11: 48 shapes x "
+                          "{chain tree page 64, random tree page 64, random tree page 1})")
     g.add_argument("--long", action="store_true", help="add prefixes 32k, 64k, 128k, 200k to the prefix series")
     g.add_argument("--batch", type=_ints, help="sequences B, e.g. 1,2,4,8,16")
     g.add_argument("--q-len", type=_ints, help="tree nodes per sequence, e.g. 9,17,33,65")
@@ -87,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix", type=_ints, help="prefix tokens, e.g. 0,256,1k,4k,16k")
     g.add_argument("--page-size", type=_ints, help="page size: 1 (slots scattered) or 64 (pages scattered)")
     g.add_argument("--dtype", type=_names(("bf16", "fp16")), default=None, help="bf16,fp16 (default bf16)")
+    g.add_argument("--tree", type=_names(TREES), default=None,
+                   help="random (node order shuffled) and/or chain (FlashMLA's causal mask); default random")
+    g.add_argument("--flashmla", metavar="DIR",
+                   help="add FlashMLA as a peer: DIR holds flashmla_peer.py with load_flashmla() "
+                        "(chain trees, page size 64, bf16 only)")
     g.add_argument("--kernels", type=_names(ALL_KERNELS), default=None,
                    help=f"subset of {','.join(ALL_KERNELS)} (default: all available)")
     t = p.add_argument_group("timing")
@@ -112,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _axes_given(a) -> bool:
-    return any(v is not None for v in (a.batch, a.q_len, a.heads, a.prefix, a.page_size))
+    return any(v is not None for v in (a.batch, a.q_len, a.heads, a.prefix, a.page_size, a.tree))
 
 
 def _shapes(a, device: str) -> tuple[list, str, list[str]]:
@@ -120,15 +129,18 @@ def _shapes(a, device: str) -> tuple[list, str, list[str]]:
 
     notes = []
     dtypes = a.dtype or ["bf16"]
+    trees = a.tree or ["random"]
     if a.grid == "issue3":
         g = ISSUE3_GRID
         shapes = cartesian_shapes(a.batch or g["batch"], a.q_len or g["q_len"], a.heads or g["heads"],
-                                  a.prefix or g["prefix"], a.page_size or g["page_size"], dtypes)
+                                  a.prefix or g["prefix"], a.page_size or g["page_size"], dtypes, trees)
         return shapes, "issue3", notes
+    if a.grid == "issue11":
+        return preset_shapes("issue11", dtypes=dtypes), "issue11", notes
     if _axes_given(a):
         prefixes = a.prefix or list(DEFAULT_PREFIXES) + (list(LONG_PREFIXES) if a.long else [])
         shapes = cartesian_shapes(a.batch or [BASE["batch"]], a.q_len or [BASE["q_len"]], a.heads or [BASE["heads"]],
-                                  prefixes, a.page_size or [BASE["page_size"]], dtypes)
+                                  prefixes, a.page_size or [BASE["page_size"]], dtypes, trees)
         return shapes, "custom", notes
     if device == "cpu" and not a.tiny and not a.dry_run:
         notes.append("no CUDA device: running the tiny preset on the CPU instead")
@@ -180,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     ours, why_not = detect_ours([k for k in requested if k in OURS] if requested else None)
     peers, why_not_peers = detect_peers([k for k in requested if k in PEERS] if requested else None)
     why_not.update(why_not_peers)
+    if a.flashmla:
+        from .flashmla import FlashMLAPeer
+
+        flashmla = FlashMLAPeer(a.flashmla)
+        why = flashmla.detect()
+        if why is None:
+            peers.append(flashmla)
+        else:
+            why_not["flashmla"] = why
     impls = ours + peers
     if not impls:
         console.print("[red]kdtree bench: none of the requested kernels is available[/]")

@@ -46,12 +46,19 @@ class Unavailable(Exception):
     """This implementation cannot run this shape (the message says why); the row is skipped."""
 
 
+def _written_in_place(i: int) -> None:
+    """The default ``collect``: ``run`` already wrote ``case.sets[i].out`` / ``.lse``."""
+
+
 @dataclass
 class Prepared:
     run: Callable[[int], None]  # one call on input set i; no host sync
     graphable: bool = True  # may be captured in a CUDA graph
     note: str = ""
     keep: list = field(default_factory=list)  # tensors/objects that must outlive the calls
+    # untimed, before a check: moves results of set i that ``run`` kept in its own layout into
+    # ``case.sets[i].out`` / ``.lse`` (for peers that cannot write the caller's buffers)
+    collect: Callable[[int], None] = _written_in_place
 
 
 class Impl:

@@ -138,7 +138,7 @@ def rows_table(rows, *, cpu: bool, title: str | None = None) -> Table:
     table = Table(title=title, title_style="bold", show_lines=False, pad_edge=False)
     for name, just in [
         ("B", "right"), ("n", "right"), ("H", "right"), ("prefix", "right"), ("ps", "right"), ("dtype", "left"),
-        ("kernel", "left"), ("status", "left"), ("median us" + (" (CPU)" if cpu else ""), "right"), ("±", "right"),
+        ("tree", "left"), ("kernel", "left"), ("status", "left"), ("median us" + (" (CPU)" if cpu else ""), "right"), ("±", "right"),
         ("TFLOP/s", "right"), ("TB/s", "right"), ("% floor", "right"), ("x naive", "right"), ("how", "left"),
         ("note", "left"),
     ]:
@@ -146,14 +146,14 @@ def rows_table(rows, *, cpu: bool, title: str | None = None) -> Table:
     last = None
     for r in rows:
         d = r.to_dict() if hasattr(r, "to_dict") else r
-        key = (d["batch"], d["q_len"], d["heads"], d["prefix"], d["page_size"], d["dtype"])
+        key = (d["batch"], d["q_len"], d["heads"], d["prefix"], d["page_size"], d["dtype"], d.get("tree", "random"))
         if last is not None and key != last:
             table.add_section()
         first = key != last
         last = key
-        shape_cells = [str(d["batch"]), str(d["q_len"]), str(d["heads"]), str(d["prefix"]), str(d["page_size"]), d["dtype"]]
+        shape_cells = [str(x) for x in key]
         if not first:
-            shape_cells = [""] * 6
+            shape_cells = [""] * len(key)
         st = d["status"]
         how = d["method"] or ""
         if d["method"] == "graph" and d["calls_per_sample"]:
@@ -197,7 +197,7 @@ def write_json(path: Path, payload: dict) -> Path:
 
 
 CSV_FIELDS = [
-    "batch", "q_len", "heads", "prefix", "page_size", "dtype", "kernel", "status", "median_us", "min_us",
+    "batch", "q_len", "heads", "prefix", "page_size", "dtype", "tree", "kernel", "status", "median_us", "min_us",
     "p25_us", "p75_us", "samples", "calls_per_sample", "method", "tflops", "tbps", "pct_floor", "floor_us",
     "speedup_vs_naive", "crossover_prefix", "flops", "bytes", "n_sets", "l2_warm", "max_abs_err", "check", "note",
 ]
@@ -240,14 +240,14 @@ def write_plot(path: Path, row_dicts: list[dict], *, title: str, cpu: bool, max_
         return None
     groups: dict[tuple, list[dict]] = {}
     for d in timed:
-        groups.setdefault((d["batch"], d["q_len"], d["heads"], d["page_size"], d["dtype"]), []).append(d)
+        groups.setdefault((d["batch"], d["q_len"], d["heads"], d["page_size"], d["dtype"], d.get("tree", "random")), []).append(d)
     # prefix series only (groups with one prefix say nothing against prefix), unless that is all
     series = [k for k in groups if len({d["prefix"] for d in groups[k]}) >= 2] or list(groups)
     keys = sorted(series)[:max_groups]
     fig, axes = plt.subplots(len(keys), 2, figsize=(12, 2.8 * len(keys) + 0.8), squeeze=False)
     for ax_t, ax_p, key in zip(axes[:, 0], axes[:, 1], keys):
-        b, n, h, ps, dt = key
-        label = f"B={b} n={n} H={h} ps={ps} {dt}"
+        b, n, h, ps, dt, tree = key
+        label = f"B={b} n={n} H={h} ps={ps} {dt}" + ("" if tree == "random" else f" {tree}")
         by_kernel: dict[str, list[dict]] = {}
         for d in groups[key]:
             by_kernel.setdefault(d["kernel"], []).append(d)

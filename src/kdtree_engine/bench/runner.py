@@ -341,6 +341,7 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
         if cuda:
             torch.cuda.synchronize()
         gate_s = time.perf_counter() - t0  # includes the first compilation
+        prepared.collect(0)
         ok, detail, worst = check_against(case, sample, impl.has_lse)
         row.check, row.max_abs_err = detail, worst
         if not ok:
@@ -364,6 +365,7 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
         else:
             row.timing = time_cpu(prepared.run, n_sets, repeats=1)
         if opts.post_check:
+            prepared.collect(0)
             ok, detail, worst = check_against(case, sample, impl.has_lse)
             if not ok:
                 row.status, row.timing = "FAIL", None

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..masks import ancestor_matrix, concat_tree_masks, pack_tree_mask
-from ..testing import random_tree
+from ..testing import chain_tree, random_tree
 from ..verify.api import D_QK, D_V
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TREES = ("random", "chain")
 ELEM = 2  # bytes per bf16/fp16 element
 TOKEN_BYTES = D_QK * ELEM  # one cached token: 1152 bytes
 
@@ -69,7 +70,15 @@ ISSUE3_GRID = {
     "page_size": (1,),
 }
 
-PRESETS = ("tiny", "quick", "default", "issue3")
+# the 48 shapes FlashMLA was measured on (docs/perf_log.md): chain trees there are its causal mask
+ISSUE11_GRID = {
+    "heads": (16, 64, 128),
+    "q_len": (9, 33),
+    "batch": (1, 4),
+    "prefix": (4096, 16384, 65536, 131072),
+}
+
+PRESETS = ("tiny", "quick", "default", "issue3", "issue11")
 
 
 @dataclass(frozen=True, order=True)
@@ -82,12 +91,15 @@ class Shape:
     prefix: int
     page_size: int = 1
     dtype: str = "bf16"
+    tree: str = "random"  # "random" (shuffled node order) or "chain" (in order: FlashMLA's causal mask)
 
     def __post_init__(self):
         if self.batch < 1 or self.q_len < 1 or self.heads < 1 or self.prefix < 0 or self.page_size < 1:
             raise ValueError(f"invalid shape {self}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.tree not in TREES:
+            raise ValueError(f"tree must be one of {TREES}, got {self.tree!r}")
 
     @property
     def kv_len(self) -> int:
@@ -114,15 +126,19 @@ class Shape:
     @property
     def group(self) -> tuple:
         """Everything but the prefix: the key of a prefix series (one line of the plot)."""
-        return (self.batch, self.q_len, self.heads, self.page_size, self.dtype)
+        return (self.batch, self.q_len, self.heads, self.page_size, self.dtype, self.tree)
+
+    @property
+    def _tree_tag(self) -> str:
+        return "" if self.tree == "random" else f" {self.tree}"
 
     @property
     def group_label(self) -> str:
-        return f"B={self.batch} n={self.q_len} H={self.heads} ps={self.page_size} {self.dtype}"
+        return f"B={self.batch} n={self.q_len} H={self.heads} ps={self.page_size} {self.dtype}{self._tree_tag}"
 
     @property
     def label(self) -> str:
-        return f"B{self.batch} n{self.q_len} H{self.heads} P{self.prefix} ps{self.page_size} {self.dtype}"
+        return f"B{self.batch} n{self.q_len} H{self.heads} P{self.prefix} ps{self.page_size} {self.dtype}{self._tree_tag}"
 
     def floor_s(self, copy_bps: float, matmul_flops: float) -> float:
         """Roofline floor in seconds for ceilings in bytes/s and FLOP/s."""
@@ -141,10 +157,10 @@ def _dedup(shapes) -> list[Shape]:
     return out
 
 
-def cartesian_shapes(batch, q_len, heads, prefix, page_size, dtype) -> list[Shape]:
+def cartesian_shapes(batch, q_len, heads, prefix, page_size, dtype, tree=("random",)) -> list[Shape]:
     """Every combination of the given axis values, in a stable order (prefix varies fastest)."""
-    combos = itertools.product(dtype, page_size, heads, q_len, batch, prefix)
-    return _dedup(Shape(b, n, h, p, ps, dt) for dt, ps, h, n, b, p in combos)
+    combos = itertools.product(dtype, tree, page_size, heads, q_len, batch, prefix)
+    return _dedup(Shape(b, n, h, p, ps, dt, tr) for dt, tr, ps, h, n, b, p in combos)
 
 
 def preset_shapes(preset: str, *, long: bool = False, dtypes=("bf16",)) -> list[Shape]:
@@ -158,6 +174,9 @@ def preset_shapes(preset: str, *, long: bool = False, dtypes=("bf16",)) -> list[
       32k, 64k, 128k and 200k.
     - ``issue3``: the issue-3 grid, H {16,64,128} x n {9,33,65} x B {1,4,16} x prefix
       {1k,4k,16k,64k,128k}, page size 1 scattered (135 shapes).
+    - ``issue11``: the Hopper grid, H {16,64,128} x n {9,33} x B {1,4} x prefix {4k,16k,64k,128k}
+      (48 shapes), each with a chain tree at page size 64 (FlashMLA's work), and a random tree at
+      page size 64 and at page size 1 scattered (144 shapes).
 
     ``dtypes`` multiplies every preset shape (default bf16 only).
     """
@@ -199,6 +218,10 @@ def preset_shapes(preset: str, *, long: bool = False, dtypes=("bf16",)) -> list[
         elif preset == "issue3":
             g = ISSUE3_GRID
             shapes += cartesian_shapes(g["batch"], g["q_len"], g["heads"], g["prefix"], g["page_size"], (dt,))
+        elif preset == "issue11":
+            g = ISSUE11_GRID
+            for tree, page_size in (("chain", 64), ("random", 64), ("random", 1)):
+                shapes += cartesian_shapes(g["batch"], g["q_len"], g["heads"], g["prefix"], (page_size,), (dt,), (tree,))
     return _dedup(shapes)
 
 
@@ -334,7 +357,7 @@ def build_case(shape: Shape, device, n_sets: int = 1, seed: int = 0, q_scale: fl
         lse = torch.full((T, H), float("nan"), device=device, dtype=torch.float32)
         sets.append(InputSet(q=q, kv_cache=kv, out=out, lse=lse))
 
-    parents = [random_tree(n, gen_cpu) for _ in range(B)]
+    parents = [chain_tree(n) if shape.tree == "chain" else random_tree(n, gen_cpu) for _ in range(B)]
     visible = [ancestor_matrix(p) for p in parents]
     tree_mask = concat_tree_masks([pack_tree_mask(v) for v in visible]).to(device)
     kv_lens_host = torch.full((B,), L, dtype=torch.int32)
