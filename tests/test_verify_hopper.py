@@ -1,0 +1,107 @@
+"""The Gluon Hopper kernel (verify/hopper.py) against the float64 reference, through the flash plan.
+
+GPU-only (sm_90 with Triton's Gluon): skipped elsewhere, including the CPU CI, where only the
+import is checked (it must never fail).
+"""
+
+import math
+
+import pytest
+import torch
+
+from kdtree_engine import reference
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, random_tree, star_tree
+from kdtree_engine.testing import compare
+from kdtree_engine.verify import hopper
+from kdtree_engine.verify.flash import plan_verify
+
+G = torch.Generator().manual_seed(4321)
+requires_hopper = pytest.mark.skipif(not hopper.available(), reason="needs an sm_90 GPU and Triton's Gluon")
+
+SHAPES = {
+    "1node-p0": dict(num_heads=4, prefix_lens=[0], trees=[[-1]]),
+    "chain65-p16": dict(num_heads=2, prefix_lens=[500], trees=[chain_tree(65)], page_size=16),
+    "star33-p1": dict(num_heads=5, prefix_lens=[7], trees=[star_tree(33)], page_size=1),
+    "tree130-5words": dict(num_heads=2, prefix_lens=[1000], trees=[random_tree(130, G)], page_size=16),
+    "odd-heads-h7": dict(num_heads=7, prefix_lens=[1003], trees=[random_tree(9, G)], page_size=1),
+    "prefix0-ragged": dict(num_heads=3, prefix_lens=[0, 1, 0], trees=[random_tree(4, G), [-1], random_tree(6, G)]),
+    "ragged-b4": dict(num_heads=6, prefix_lens=[1000, 5, 63, 2000],
+                      trees=[random_tree(17, G), random_tree(3, G), [-1], random_tree(40, G)], page_size=16),
+    "page64": dict(num_heads=4, prefix_lens=[1000, 3], trees=[random_tree(9, G), chain_tree(5)], page_size=64),
+    "page128": dict(num_heads=16, prefix_lens=[3000], trees=[random_tree(33, G)], page_size=128),
+    "wide-mask": dict(num_heads=2, prefix_lens=[11], trees=[random_tree(5, G)], extra_mask_words=2),
+    "fp16": dict(num_heads=8, prefix_lens=[1000], trees=[random_tree(17, G)], dtype="fp16", page_size=16),
+    "h128-long": dict(num_heads=128, prefix_lens=[20000], trees=[random_tree(33, G)], page_size=1),
+    "h64-two-long": dict(num_heads=64, prefix_lens=[20000, 4097], trees=[random_tree(33, G), random_tree(33, G)]),
+    "1024-nodes": dict(num_heads=4, prefix_lens=[3000], trees=[random_tree(1024, G)], page_size=16),
+}
+
+
+def run_hopper(c, plan):
+    T, H, _ = c["q"].shape
+    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=c["q"].device)
+    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=c["q"].device)
+    hopper.verify_attention_hopper(c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"],
+                                   c["tree_mask"], 1.0 / math.sqrt(576), out, lse, plan)
+    return out, lse
+
+
+def check(c, plan, dtype_name="bf16"):
+    out, lse = run_hopper(c, plan)
+    r_out, r_lse = reference(**c)
+    res_out = compare(out, r_out, *TOLERANCES[dtype_name]["out"])
+    res_lse = compare(lse, r_lse, *TOLERANCES[dtype_name]["lse"])
+    assert res_out.ok, f"out: {res_out} {res_out.detail}"
+    assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
+    return out, lse
+
+
+def test_import_never_fails():
+    assert isinstance(hopper.HAVE_GLUON, bool)
+    assert hopper.available("cpu") is False
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_programs", [None, 7])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_hopper_matches_reference(shape, num_programs):
+    spec = CaseSpec(shape, seed=hash(shape) % 1000, **SHAPES[shape])
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), spec.num_heads, "cuda", num_programs=num_programs)
+    check(c, plan, spec.dtype)
+
+
+@requires_hopper
+def test_hopper_deterministic_and_nan_never_leaks():
+    spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=16, spare_pages=5)
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda", num_programs=50)
+    out1, lse1 = check(c, plan)
+    out2, lse2 = run_hopper(c, plan)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
+
+
+@requires_hopper
+def test_hopper_cuda_graph_replay():
+    spec = CaseSpec("graph", 16, [5000, 300], [random_tree(9, G), random_tree(17, G)], page_size=1)
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda")
+    T = c["q"].shape[0]
+    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, 16, dtype=torch.float32, device="cuda")
+    args = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], 1 / 24.0)
+    hopper.verify_attention_hopper(*args, out, lse, plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hopper.verify_attention_hopper(*args, out, lse, plan)
+    fresh = build_case(CaseSpec("graph2", 16, [5000, 300], spec.trees, page_size=1, seed=5), "cuda")
+    for k in ("q", "kv_cache", "page_table"):
+        c[k].copy_(fresh[k])
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    r_out, r_lse = reference(**c)
+    assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok
+    assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
