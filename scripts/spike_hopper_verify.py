@@ -104,9 +104,9 @@ def _qk(s_q_lat, s_q_rope, k_lat, k_rope, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
+def _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
                   scale_log2, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
-    """Online-softmax step of one tile: returns P (fp32), alpha, new m, new l. Only tiles past
+    """Online-softmax step of one tile: returns P (fp32), alpha, new m. Only tiles past
     clean_end (tree nodes, ragged end) read mask words."""
     b_s = b_s * scale_log2
     if start + BLOCK_N > clean_end:
@@ -123,8 +123,7 @@ def _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows, 
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.sum(b_p, axis=1)
-    return b_p, alpha, m_new, l_new
+    return b_p, alpha, m_new
 
 
 @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
@@ -136,7 +135,8 @@ def _hopper_verify_kernel(
     stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
     scale_log2,
     H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OVERLAP: gl.constexpr, L_ELEM: gl.constexpr,
+    ABLATE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
@@ -213,6 +213,7 @@ def _hopper_verify_kernel(
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
         l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
+        l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
         acc = gl.zeros([BLOCK_M, D_LAT], gl.float32, layout=O_L)
         if OVERLAP:
             if n_tiles > 1:
@@ -229,8 +230,12 @@ def _hopper_verify_kernel(
             for i in range(n_tiles):
                 start = kv_start + i * BLOCK_N
                 stage = i % 2
-                b_p, alpha, m_i, l_i = _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows,
-                                                     m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
+                b_p, alpha, m_i = _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows,
+                                                m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
+                if L_ELEM:  # row sums kept per element: no cross-warpgroup reduction per tile
+                    l_acc = l_acc * gl.expand_dims(alpha, 1) + b_p
+                else:
+                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 s_p.store(b_p.to(dt))
                 fence_async_shared()
@@ -257,28 +262,43 @@ def _hopper_verify_kernel(
             for i in range(n_tiles):
                 start = kv_start + i * BLOCK_N
                 stage = i % 2
-                if i + 1 < n_tiles:
-                    _issue_kv_tile(kv, pg_l, pg_r, start + BLOCK_N, kv_end, stride_kvp, stride_kvs,
-                                   s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
-                                   PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
+                if ABLATE != 3:  # ABLATE 3, timing experiment: no KV copies after the first tile
+                    if i + 1 < n_tiles:
+                        _issue_kv_tile(kv, pg_l, pg_r, start + BLOCK_N, kv_end, stride_kvp, stride_kvs,
+                                       s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
+                                       PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
                 async_copy.commit_group()
                 pg_l, pg_r = _tile_pages(p_pages, start + 2 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
                                          LAT_L, ROPE_L)
                 async_copy.wait_group(1)  # this thread's copies of tile i (and Q) have landed
                 fence_async_shared()  # generic-proxy writes -> visible to wgmma (async proxy)
                 gl.thread_barrier()  # ... and every thread's
-                b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(stage), s_k_rope.index(stage), BLOCK_M, BLOCK_N, S_L)
-                b_s = warpgroup_mma_wait(0, deps=[b_s])
-                b_p, alpha, m_i, l_i = _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows,
-                                                     m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
+                if ABLATE == 1:  # timing experiment: no QK
+                    b_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L) + i
+                else:
+                    b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(stage), s_k_rope.index(stage), BLOCK_M, BLOCK_N, S_L)
+                    b_s = warpgroup_mma_wait(0, deps=[b_s])
+                if ABLATE == 4:  # timing experiment: no softmax
+                    b_p = b_s
+                    alpha = gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW_S)
+                else:
+                    b_p, alpha, m_i = _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows,
+                                                    m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
+                if L_ELEM:  # row sums kept per element: no cross-warpgroup reduction per tile
+                    l_acc = l_acc * gl.expand_dims(alpha, 1) + b_p
+                else:
+                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 s_p.store(b_p.to(dt))
                 fence_async_shared()
                 gl.thread_barrier()
-                acc = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                if ABLATE != 2:  # ABLATE 2, timing experiment: no PV
+                    acc = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()  # stage and P are free for the next iteration's copies / store
         async_copy.wait_group(0)
+        if L_ELEM:
+            l_i = gl.sum(l_acc, axis=1)
 
         has_key = l_i > 0
         l_safe = gl.where(has_key, l_i, 1.0)
@@ -376,7 +396,7 @@ class SpikePlan:
         self.partial_lse = torch.empty(max(nparts, 1), BLOCK_M, dtype=torch.float32, device=device)
 
 
-def hopper_verify(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan, overlap=False):
+def hopper_verify(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan, overlap=False, l_elem=False, ablate=0):
     T, H, _ = q.shape
     sg = plan.segments
     _hopper_verify_kernel[(plan.num_programs,)](
@@ -388,7 +408,7 @@ def hopper_verify(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_sca
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
         H=H, PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_V, D_ROPE=D_ROPE,
-        OVERLAP=overlap, num_warps=NUM_WARPS,
+        OVERLAP=overlap, L_ELEM=l_elem, ABLATE=ablate, num_warps=NUM_WARPS,
     )
     if plan.num_groups:
         g = plan.groups
@@ -403,13 +423,13 @@ def hopper_verify(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_sca
 # ----------------------------------------------------------------------------------------------
 # compiler report (no GPU needed)
 # ----------------------------------------------------------------------------------------------
-def compile_report(H=64, page_size=1, dump=None, overlap=False):
+def compile_report(H=64, page_size=1, dump=None, overlap=False, l_elem=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = _hopper_verify_kernel
     constexprs = dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_V, D_ROPE=D_ROPE,
-                      OVERLAP=overlap, num_warps=NUM_WARPS)
+                      OVERLAP=overlap, L_ELEM=l_elem, ABLATE=0, num_warps=NUM_WARPS)
     ptrs = {"q": "*bf16", "kv": "*bf16", "out": "*bf16", "lse": "*fp32", "partial_out": "*fp32",
             "partial_lse": "*fp32"}
     divisible = ("stride_qt", "stride_qh", "stride_kvp", "stride_kvs", "stride_ot", "stride_oh", "stride_lt")
@@ -440,7 +460,7 @@ def compile_report(H=64, page_size=1, dump=None, overlap=False):
     shapes = {}
     for s in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx):
         shapes[s] = shapes.get(s, 0) + 1
-    rep = dict(H=H, page_size=page_size, overlap=overlap, shared_bytes=ck.metadata.shared,
+    rep = dict(H=H, page_size=page_size, overlap=overlap, l_elem=l_elem, shared_bytes=ck.metadata.shared,
                regs=int(regs.group(1)) if regs else None,
                spill_stores=int(spills.group(1)) if spills else None,
                spill_loads=int(spills.group(2)) if spills else None,
@@ -560,13 +580,13 @@ def compare(out, lse, ref_out, ref_lse):
     return dict(ok=ok, nan=bad_nan, max_abs=float(d.max()), rel=rel, lse_abs=lse_err)
 
 
-def run_ours(inp, plan, scale, out=None, lse=None, overlap=False):
+def run_ours(inp, plan, scale, out=None, lse=None, overlap=False, l_elem=False, ablate=0):
     T, H = inp["q"].shape[:2]
     if out is None:
         out = torch.full((T, H, D_V), float("nan"), dtype=inp["q"].dtype, device=inp["q"].device)
         lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=inp["q"].device)
     return hopper_verify(inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
-                         inp["tree_mask"], scale, out, lse, plan, overlap=overlap)
+                         inp["tree_mask"], scale, out, lse, plan, overlap=overlap, l_elem=l_elem, ablate=ablate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -658,7 +678,41 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-report", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ablate", action="store_true", help="time the kernel with one stage left out (no checks)")
     a = ap.parse_args()
+    if a.ablate:
+        # where the time goes: the same kernel with one stage left out (results wrong on purpose)
+        res = dict(device=torch.cuda.get_device_name(), ablation=[])
+        scale = 1.0 / math.sqrt(D_QK)
+        for (H, n, B, P), ps in (((64, 33, 4, 131072), 64), ((64, 33, 4, 131072), 1), ((16, 9, 1, 131072), 64),
+                                 ((128, 9, 1, 131072), 64), ((128, 9, 1, 131072), 1)):
+            inp = make_inputs(H, [n] * B, [P] * B, ps, "chain", seed=3)
+            plan = SpikePlan(inp["kv_lens_host"], inp["qo_host"], H, "cuda")
+            row = dict(H=H, nodes=n, B=B, prefix=P, page=ps)
+            for name, ab in (("full", 0), ("no_qk", 1), ("no_pv", 2), ("no_kv_loads", 3), ("no_softmax", 4)):
+                row[name + "_us"] = time_graph(lambda: run_ours(inp, plan, scale, l_elem=True, ablate=ab), budget_s=0.3)
+            try:  # the package module (its default variant) on the package plan, checked against the spike kernel
+                from kdtree_engine.verify import hopper as hmod
+                from kdtree_engine.verify.flash import plan_verify
+                pplan = plan_verify(inp["kv_lens_host"], inp["qo_host"], H, "cuda")
+                T = inp["q"].shape[0]
+                o1 = torch.full((T, H, D_V), float("nan"), dtype=torch.bfloat16, device="cuda")
+                l1 = torch.full((T, H), float("nan"), dtype=torch.float32, device="cuda")
+                margs = (inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
+                         inp["tree_mask"], scale, o1, l1, pplan)
+                hmod.verify_attention_hopper(*margs)
+                o2, l2 = run_ours(inp, plan, scale, l_elem=True)
+                row["module_l_elem"] = hmod.L_ELEM
+                row["module_vs_spike_max_abs"] = float((o1.float() - o2.float()).abs().max())
+                row["module_us"] = time_graph(lambda: hmod.verify_attention_hopper(*margs), budget_s=0.3)
+            except Exception as e:  # noqa: BLE001
+                row["module_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["ablation"].append(row)
+            print(json.dumps(row), flush=True)
+            del inp
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "hopper_spike_ablation.json").write_text(json.dumps(res, indent=1))
+        return
     if a.compile_report:
         for ov in (False, True):
             for ps in (1, 64):
@@ -691,11 +745,11 @@ def main():
         ro, rl = reference(inp, scale)
         c = {}
         for ov in (False, True):
-            out, lse = run_ours(inp, plan, scale, overlap=ov)
+            out, lse = run_ours(inp, plan, scale, l_elem=ov)
             cc = compare(out, lse, ro, rl)
-            out2, lse2 = run_ours(inp, plan, scale, overlap=ov)
+            out2, lse2 = run_ours(inp, plan, scale, l_elem=ov)
             cc["deterministic"] = bool(torch.equal(out, out2) and torch.equal(lse, lse2))
-            c = cc if not ov else {**c, "ok": c["ok"] and cc["ok"], "deterministic": c["deterministic"] and cc["deterministic"], "overlap": cc}
+            c = cc if not ov else {**c, "ok": c["ok"] and cc["ok"], "deterministic": c["deterministic"] and cc["deterministic"], "l_elem": cc}
         c.update(name=name, programs=plan.num_programs, groups=plan.num_groups)
         res["checks"].append(c)
         print(f"check {name}: {'PASS' if c['ok'] and c['deterministic'] else 'FAIL'} {c}", flush=True)
@@ -719,7 +773,11 @@ def main():
 
     shapes = [(16, 9, 1, 131072), (64, 33, 1, 16384), (64, 33, 4, 131072), (128, 33, 4, 131072), (128, 9, 1, 131072)]
     runs = [(s, ps, "chain") for s in shapes for ps in (64, 1)] + [((64, 33, 1, 16384), 64, "random"),
-                                                                    ((64, 33, 4, 131072), 64, "random")]
+                                                                    ((64, 33, 4, 131072), 64, "random"),
+                                                                    ((64, 33, 1, 4096), 64, "chain"),
+                                                                    ((16, 9, 4, 4096), 64, "chain"),
+                                                                    ((128, 1024, 1, 131072), 64, "random"),
+                                                                    ((128, 256, 1, 131072), 1, "random")]
     if a.quick:
         runs = runs[:4]
     for (H, n, B, P), ps, tree in runs:
@@ -736,11 +794,12 @@ def main():
         row["check"] = compare(out, lse, ro, rl)
         row["programs"] = plan.num_programs
         row["ours_us"] = time_graph(lambda: run_ours(inp, plan, scale, out, lse))
-        # variant: PV(i) and QK(i+1) issued back to back
+        # variant: row sums kept per element (no cross-warpgroup sum per tile). The OVERLAP variant
+        # (PV(i) and QK(i+1) back to back) measured 1-9% slower in run 2 and is no longer timed.
         out.fill_(float("nan"))
-        run_ours(inp, plan, scale, out, lse, overlap=True)
+        run_ours(inp, plan, scale, out, lse, l_elem=True)
         row["ovl_check"] = compare(out, lse, ro, rl)
-        row["ovl_us"] = time_graph(lambda: run_ours(inp, plan, scale, out, lse, overlap=True))
+        row["ovl_us"] = time_graph(lambda: run_ours(inp, plan, scale, out, lse, l_elem=True))
         # the package module (verify/hopper.py) on the package's own plan, if importable
         try:
             from kdtree_engine.verify import hopper as hmod
@@ -785,10 +844,39 @@ def main():
         del inp, ro, rl, out, lse
         torch.cuda.empty_cache()
 
-    res["compile"] = [compile_report(64, ps, overlap=ov) for ov in (False, True) for ps in (1, 64)]
+    # dispatch sweep: the package module on the package plan vs the Triton flash kernel, small shapes
+    res["sweep"] = []
+    if not a.quick:
+        try:
+            from kdtree_engine.verify import hopper as hmod
+            from kdtree_engine.verify.flash import plan_verify
+            for H in (16, 64, 128):
+                for n in (9, 33):
+                    for B in (1, 4):
+                        for P in (1024, 4096):
+                            inp = make_inputs(H, [n] * B, [P] * B, 1, "random", seed=7 + H + n + B + P)
+                            pplan = plan_verify(inp["kv_lens_host"], inp["qo_host"], H, "cuda")
+                            T = inp["q"].shape[0]
+                            o1 = torch.empty(T, H, D_V, dtype=torch.bfloat16, device="cuda")
+                            l1 = torch.empty(T, H, dtype=torch.float32, device="cuda")
+                            margs = (inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
+                                     inp["tree_mask"], scale, o1, l1, pplan)
+                            hmod.verify_attention_hopper(*margs)
+                            fn, o2, l2 = triton_flash_fn(inp, scale)
+                            fn()
+                            diff = float((o1.float() - o2.float()).abs().max())
+                            r = dict(H=H, nodes=n, B=B, prefix=P, page=1, module_us=time_graph(lambda: hmod.verify_attention_hopper(*margs), budget_s=0.2),
+                                     triton_us=time_graph(fn, budget_s=0.2), max_abs_diff_vs_triton=diff)
+                            res["sweep"].append(r)
+                            print(json.dumps(r), flush=True)
+                            del inp
+        except Exception as e:  # noqa: BLE001
+            print(f"# sweep failed: {type(e).__name__}: {e}", flush=True)
+
+    res["compile"] = [compile_report(64, ps, l_elem=le) for le in (False, True) for ps in (1, 64)]
     res["wall_s"] = time.time() - t0
     (outdir / "hopper_spike.json").write_text(json.dumps(res, indent=1))
-    lines = ["| H | nodes | B | prefix | page | tree | ours us (TF/s, %floor) | overlap variant us | module+plan us | Triton flash us | FlashMLA us | best/FlashMLA | Triton/best | check |",
+    lines = ["| H | nodes | B | prefix | page | tree | ours us (TF/s, %floor) | L_ELEM variant us | module+plan us | Triton flash us | FlashMLA us | best/FlashMLA | Triton/best | check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["bench"]:
         f = lambda k: f"{r[k + '_us']:.1f}" if k + "_us" in r else "-"
@@ -800,6 +888,12 @@ def main():
                      f"{r['ours_us']:.1f} ({r['ours_tflops']:.0f}, {r['ours_pct_floor']:.0f}%) | "
                      f"{r['ovl_us']:.1f} ({r['ovl_tflops']:.0f}, {r['ovl_pct_floor']:.0f}%) | {f('module')} | {f('triton')} | "
                      f"{f('flashmla')} | {ratio} | {sp} | {'PASS' if ok else 'FAIL'} rel {r['check']['rel']:.1e} |")
+    if res.get("sweep"):
+        lines += ["", "| H | nodes | B | prefix | page | module us | Triton flash us | Triton/module | max abs diff |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in res["sweep"]:
+            lines.append(f"| {r['H']} | {r['nodes']} | {r['B']} | {r['prefix']} | 1 | {r['module_us']:.1f} | "
+                         f"{r['triton_us']:.1f} | {r['triton_us'] / r['module_us']:.2f}x | {r['max_abs_diff_vs_triton']:.1e} |")
     table = "\n".join(lines)
     (outdir / "hopper_spike.md").write_text(
         f"{res['device']}, torch {res['torch']}, triton {res['triton']}; ceilings: matmul {mm:.0f} TFLOP/s, "

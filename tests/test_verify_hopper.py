@@ -61,10 +61,21 @@ def test_import_never_fails():
     assert hopper.available("cpu") is False
 
 
+def test_supports_refuses_unaligned_strides():
+    q = torch.zeros(3, 2, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    assert hopper.supports(q, kv)
+    wide = torch.zeros(3, 2, 580, dtype=torch.bfloat16)[..., :576]  # row stride 580: not a multiple of 16
+    assert not hopper.supports(wide, kv)
+    assert not hopper.supports(q, torch.zeros(4, 16, 584, dtype=torch.bfloat16)[..., :576])
+
+
 @requires_hopper
+@pytest.mark.parametrize("l_elem", [False, True])
 @pytest.mark.parametrize("num_programs", [None, 7])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_hopper_matches_reference(shape, num_programs):
+def test_hopper_matches_reference(shape, num_programs, l_elem, monkeypatch):
+    monkeypatch.setattr(hopper, "L_ELEM", l_elem)
     spec = CaseSpec(shape, seed=hash(shape) % 1000, **SHAPES[shape])
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), spec.num_heads, "cuda", num_programs=num_programs)

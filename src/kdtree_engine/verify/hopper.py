@@ -41,8 +41,9 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 D_LAT, D_ROPE = 512, 64
 LOG2E = 1.4426950408889634
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 64, 8
-# PV(i) and QK(i+1) issued back to back (see the kernel's docstring); set from run 14's measurement
-OVERLAP = False
+# row sums per element instead of a cross-warpgroup reduction per tile (see the kernel's docstring):
+# 1-5% faster on the H200 (docs/perf_log.md, run 14)
+L_ELEM = True
 
 if HAVE_GLUON:
 
@@ -91,9 +92,9 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
+    def _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
                       scale_log2, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
-        """Online-softmax step of one tile: returns P (fp32), alpha, new m, new l. Only tiles past
+        """Online-softmax step of one tile: returns P (fp32), alpha, new m. Only tiles past
         clean_end (tree nodes, ragged end) read mask words."""
         b_s = b_s * scale_log2
         if start + BLOCK_N > clean_end:
@@ -110,8 +111,7 @@ if HAVE_GLUON:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
         alpha = gl.exp2(m_i - m_use)
-        l_new = l_i * alpha + gl.sum(b_p, axis=1)
-        return b_p, alpha, m_new, l_new
+        return b_p, alpha, m_new
 
 
     @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
@@ -123,13 +123,14 @@ if HAVE_GLUON:
         stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
         scale_log2,
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, L_ELEM: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
-        OVERLAP=False: per tile, wait for its copies, QK, softmax, PV, with the next tile's copies in
-        flight the whole iteration. OVERLAP=True: PV(i) and QK(i+1) are issued back to back (one wgmma
-        wait per tile instead of two); the copies of tile i+2 then fly during softmax(i+1) and PV(i+1).
+        Per tile: wait for its copies, QK, softmax, PV, with the next tile's copies (and the page ids of
+        the one after) in flight the whole iteration. L_ELEM keeps the row sums per element (summed
+        once per segment) instead of reducing across the warpgroups every tile.
         """
         gl.static_assert(num_warps == 8)
         # register layouts of the cp.async address tensors (16-byte vectors along the row)
@@ -200,72 +201,39 @@ if HAVE_GLUON:
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
+            l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
             acc = gl.zeros([BLOCK_M, D_LAT], gl.float32, layout=O_L)
-            if OVERLAP:
-                if n_tiles > 1:
-                    _issue_kv_tile(kv, pg_l, pg_r, kv_start + BLOCK_N, kv_end, stride_kvp, stride_kvs, s_k_lat.index(1),
-                                   s_k_rope.index(1), PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
+            for i in range(n_tiles):
+                start = kv_start + i * BLOCK_N
+                stage = i % 2
+                if i + 1 < n_tiles:
+                    _issue_kv_tile(kv, pg_l, pg_r, start + BLOCK_N, kv_end, stride_kvp, stride_kvs,
+                                   s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
+                                   PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
                 async_copy.commit_group()
-                pg_l, pg_r = _tile_pages(p_pages, kv_start + 2 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
+                pg_l, pg_r = _tile_pages(p_pages, start + 2 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
                                          LAT_L, ROPE_L)
-                async_copy.wait_group(1)
+                async_copy.wait_group(1)  # this thread's copies of tile i (and Q) have landed
+                fence_async_shared()  # generic-proxy writes -> visible to wgmma (async proxy)
+                gl.thread_barrier()  # ... and every thread's
+                b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(stage), s_k_rope.index(stage), BLOCK_M, BLOCK_N, S_L)
+                b_s = warpgroup_mma_wait(0, deps=[b_s])
+                b_p, alpha, m_i = _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows,
+                                                m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
+                if L_ELEM:  # row sums kept per element: no cross-warpgroup reduction per tile
+                    l_acc = l_acc * gl.expand_dims(alpha, 1) + b_p
+                else:
+                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                s_p.store(b_p.to(dt))
                 fence_async_shared()
                 gl.thread_barrier()
-                b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(0), s_k_rope.index(0), BLOCK_M, BLOCK_N, S_L)
-                b_s = warpgroup_mma_wait(0, deps=[b_s])
-                for i in range(n_tiles):
-                    start = kv_start + i * BLOCK_N
-                    stage = i % 2
-                    b_p, alpha, m_i, l_i = _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows,
-                                                         m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                    s_p.store(b_p.to(dt))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    acc_tok = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
-                    if i + 1 < n_tiles:
-                        async_copy.wait_group(0)  # tile i+1
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        s_tok = _qk(s_q_lat, s_q_rope, s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
-                                    BLOCK_M, BLOCK_N, S_L)
-                        acc, b_s = warpgroup_mma_wait(0, deps=[acc_tok, s_tok])
-                    else:
-                        acc = warpgroup_mma_wait(0, deps=[acc_tok])
-                    gl.thread_barrier()  # PV(i) done in both warpgroups: stage and P are free
-                    if i + 2 < n_tiles:
-                        _issue_kv_tile(kv, pg_l, pg_r, start + 2 * BLOCK_N, kv_end, stride_kvp, stride_kvs,
-                                       s_k_lat.index(stage), s_k_rope.index(stage), PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE,
-                                       LAT_L, ROPE_L)
-                    async_copy.commit_group()
-                    pg_l, pg_r = _tile_pages(p_pages, start + 3 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
-                                             LAT_L, ROPE_L)
-            else:
-                for i in range(n_tiles):
-                    start = kv_start + i * BLOCK_N
-                    stage = i % 2
-                    if i + 1 < n_tiles:
-                        _issue_kv_tile(kv, pg_l, pg_r, start + BLOCK_N, kv_end, stride_kvp, stride_kvs,
-                                       s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
-                                       PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
-                    async_copy.commit_group()
-                    pg_l, pg_r = _tile_pages(p_pages, start + 2 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
-                                             LAT_L, ROPE_L)
-                    async_copy.wait_group(1)  # this thread's copies of tile i (and Q) have landed
-                    fence_async_shared()  # generic-proxy writes -> visible to wgmma (async proxy)
-                    gl.thread_barrier()  # ... and every thread's
-                    b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(stage), s_k_rope.index(stage), BLOCK_M, BLOCK_N, S_L)
-                    b_s = warpgroup_mma_wait(0, deps=[b_s])
-                    b_p, alpha, m_i, l_i = _softmax_tile(b_s, m_i, l_i, start, clean_end, kv_end, prefix, p_mask_rows,
-                                                         m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                    s_p.store(b_p.to(dt))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    acc = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    gl.thread_barrier()  # stage and P are free for the next iteration's copies / store
+                acc = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                gl.thread_barrier()  # stage and P are free for the next iteration's copies / store
             async_copy.wait_group(0)
+            if L_ELEM:
+                l_i = gl.sum(l_acc, axis=1)
 
             has_key = l_i > 0
             l_safe = gl.where(has_key, l_i, 1.0)
@@ -297,6 +265,15 @@ def available(device: torch.device | str | None = None) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """True when the inputs' layout suits the kernel's 16-byte cp.async copies: q and kv_cache
+    16-byte aligned with their two outer strides multiples of 16 elements (Triton specialises on
+    that; without it the copies would need 2-byte transfers, which cp.async cannot do and the
+    compile fails). The contract's dense layouts (576-wide rows) always qualify."""
+    return (q.data_ptr() % 16 == 0 and kv_cache.data_ptr() % 16 == 0
+            and all(s % 16 == 0 for s in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))))
+
+
 def verify_attention_hopper(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
     """Launch the Hopper kernel and the flash module's combine; same arguments as
     ``verify_attention_flash`` (inputs already validated by ``verify_attention``).
@@ -318,6 +295,8 @@ def verify_attention_hopper(q, kv_cache, page_table, kv_lens, qo_indptr, tree_ma
         # never straddles a page when the page size is a multiple of BLOCK_N (one page id per tile)
         raise ValueError(f"the Hopper kernel needs a plan with block_m={BLOCK_M} and block_n a multiple of "
                          f"{BLOCK_N}, got {plan.config.block_m}x{plan.config.block_n}")
+    if not supports(q, kv_cache):
+        raise ValueError("q / kv_cache layout not supported by the Hopper kernel (see hopper.supports)")
     if plan.num_programs == 0:  # every sequence has an empty KV (and so no rows)
         return
     sg = plan.segments
@@ -330,7 +309,7 @@ def verify_attention_hopper(q, kv_cache, page_table, kv_lens, qo_indptr, tree_ma
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
         H=H, PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
-        OVERLAP=OVERLAP, num_warps=NUM_WARPS,
+        L_ELEM=L_ELEM, num_warps=NUM_WARPS,
     )
     if plan.num_groups:
         from .flash import _combine_kernel
