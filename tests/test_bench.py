@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICE
 from kdtree_engine.bench import cli, timing
 from kdtree_engine.bench.peers import PlanBindError, Prepared, TorchSDPA, bind_by_name
 from kdtree_engine.bench.runner import OursImpl, Row, SweepOptions, crossovers, run_sweep
@@ -28,7 +29,6 @@ from kdtree_engine.bench.shapes import (
 from kdtree_engine.masks import unpack_tree_mask
 from kdtree_engine.verify.api import check_content, check_inputs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as in conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

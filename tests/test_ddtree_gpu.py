@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import requires_cuda
 from kdtree_engine.ddtree import (
     accept_greedy,
     accept_sampling,
@@ -17,7 +18,7 @@ from kdtree_engine.ddtree import (
     compile_tree,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
 def make_inputs(B, L, V, budget, seed):

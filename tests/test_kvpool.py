@@ -9,8 +9,6 @@ page copies) are run under the interpreter on the CPU and compared bitwise with 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from conftest import DEVICE, HAS_CUDA
 from kdtree_engine import reference
 from kdtree_engine.kvpool import (
     KVPool,
@@ -34,11 +33,7 @@ from kdtree_engine.masks import concat_tree_masks, tree_mask_from_parents
 from kdtree_engine.testing import random_tree
 
 D = 576
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-# the Triton kernels run on CUDA, or on the CPU under the interpreter (tests/conftest.py sets it)
-TRITON_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+# the Triton kernels run on CUDA, or on the CPU under the interpreter (conftest.py selects it)
 BF16 = torch.bfloat16
 
 
@@ -239,7 +234,7 @@ def test_commit_moves_rows_any_order(page_size, n, path):
     assert_consistent(pool, model)
 
 
-@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)], ids=["torch", "triton"])
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_commit_ragged_batch(use_triton, page_size):
     """Trees of 1, 9, 33 and 70 nodes, A wider than any path, int32 paths as a strided view."""
@@ -288,7 +283,6 @@ def scripted(pool: KVPool, gen) -> dict:
     return model
 
 
-@needs_triton
 @pytest.mark.parametrize("page_size,layers", [(1, 1), (4, 2), (64, 1)])
 def test_triton_matches_torch(page_size, layers):
     states, models = [], []
@@ -780,7 +774,7 @@ class TritonPoolMachine(PoolMachine):
 TritonPoolMachine.TestCase.settings = settings(
     max_examples=10, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-test_pool_state_machine_triton = needs_triton(TritonPoolMachine.TestCase)
+test_pool_state_machine_triton = TritonPoolMachine.TestCase
 
 
 # ----------------------------------------------------------------------------------------------
@@ -909,7 +903,6 @@ def test_commit_has_no_host_sync_and_captures(page_size, use_triton):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU smoke run; on CUDA run python -m kdtree_engine.kvpool_bench")
-@needs_triton
 def test_benchmark_runs_on_cpu():
     from kdtree_engine.kvpool_bench import format_results, run_benchmark
 
