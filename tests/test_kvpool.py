@@ -23,6 +23,8 @@ from kdtree_engine.kvpool import (
     KVPool,
     MoveSchedule,
     PoolFullError,
+    PoolInvariantError,
+    ScheduleError,
     SequenceTooLongError,
     StalePlanError,
     ThresholdPolicy,
@@ -375,7 +377,7 @@ def test_finalize_with_wrong_host_lengths_is_caught_in_debug():
     pool.reserve_tree([a], [4])
     acc = torch.tensor([[0, 1, 2]], device=DEVICE)
     pool.commit([a], acc, torch.tensor([3], device=DEVICE))
-    with pytest.raises(AssertionError, match="disagree"):
+    with pytest.raises(PoolInvariantError, match="disagree"):
         pool.finalize_commit([2])
 
 
@@ -642,7 +644,7 @@ def test_schedule_long_chain_and_cycles():
 def test_check_schedule_catches_a_hazard():
     bad = MoveSchedule(src=np.array([1, 2]), dst=np.array([0, 1]), level_bounds=np.array([0, 2]),
                        scratch_src=np.zeros(0, np.int64), scratch_dst=np.zeros(0, np.int64))
-    with pytest.raises(AssertionError, match="overwritten"):
+    with pytest.raises(ScheduleError, match="overwritten"):
         check_schedule(bad, 3)
 
 

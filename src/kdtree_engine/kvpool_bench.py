@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kvpool import KVPool, _canonical_device
+from .kvpool import KVPool
+from .kvpool.pool import _canonical_device
 from .masks import tree_mask_from_parents
 from .testing import random_tree
 from .verify.api import D_QK, D_V, verify_attention
