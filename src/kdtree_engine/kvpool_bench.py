@@ -222,8 +222,8 @@ def time_verify(clock: _Clock, kernel: str, pool: KVPool, sid: int, tree: _Tree,
     row = {"kernel": kernel, "heads": tree.heads, "nodes": tree.nodes}
     try:
         page_table, kv_lens = pool.verify_inputs([sid])
-        qo = pool.qo_indptr([sid])
         kv = pool.kv_cache(0)
+        qo = torch.tensor([0, tree.nodes], dtype=torch.int32, device=kv.device)
         out = torch.empty(tree.nodes, tree.heads, D_V, dtype=DTYPE, device=kv.device)
         lse = torch.empty(tree.nodes, tree.heads, dtype=torch.float32, device=kv.device)
         plan, note = None, ""

@@ -9,7 +9,7 @@ expand             :func:`expand_topk`, the vectorised best-first expansion (dev
 expand_graph       the same, replayed from a CUDA graph (CUDA only)
 expand_host        :func:`expand_topk_reference`: one device->host copy of the top-K, a Python
                    heap per sequence, the tree copied back (what a host-side DDTree costs)
-compile            :func:`compile_tree` with a page table (masks, positions, links, KV slots)
+compile            :func:`compile_tree` (masks, positions, links)
 accept_greedy      :func:`accept_greedy` on target logits ``[T, V]`` (argmax + walk)
 accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9
 walk               :func:`accept_tokens` alone (target tokens given)
@@ -176,9 +176,6 @@ def run_benchmark(
         k = min(budget, vocab)
         T = batch * (budget + 1)
         prefix = torch.randint(100, 5000, (batch,), generator=gen).to(dev)
-        page_size = 64
-        max_pages = (int(prefix.max()) + budget + 1 + page_size - 1) // page_size
-        page_table = torch.randperm(batch * max_pages, generator=gen).view(batch, max_pages).to(torch.int32).to(dev)
         target = None
         try:
             target = (torch.randn(T, vocab, generator=gen) * 3).to(device=dev, dtype=dtype)
@@ -203,7 +200,7 @@ def run_benchmark(
 
         def step(i: int = 0):
             t = expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
-            compile_tree(t, prefix, page_table=page_table, page_size=page_size)
+            compile_tree(t, prefix)
             return accept_greedy(t, target)
 
         stage("topk", lambda: _time_wall(lambda i: draft_topk(drafts[i % n_rot], k), dev, reps, warmup))
@@ -211,9 +208,7 @@ def run_benchmark(
         stage("expand_host", lambda: _time_wall(lambda i: expand_topk_reference(top, budget, roots), dev, reps, warmup))
         stage(
             "compile",
-            lambda: _time_wall(
-                lambda i: compile_tree(tree, prefix, page_table=page_table, page_size=page_size), dev, reps, warmup
-            ),
+            lambda: _time_wall(lambda i: compile_tree(tree, prefix), dev, reps, warmup),
         )
         if target is not None:
             stage("accept_greedy", lambda: _time_wall(lambda i: accept_greedy(tree, target), dev, reps, warmup))

@@ -57,9 +57,11 @@ from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import KVPoolError, PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
 from .pool import KVPool
 from .schedule import MoveSchedule, ScheduleError, check_schedule, schedule_moves
+from .step import VerifyStep
 
 __all__ = [
     "KVPool",
+    "VerifyStep",
     "KVPoolError",
     "PoolFullError",
     "PoolInvariantError",

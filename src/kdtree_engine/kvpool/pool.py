@@ -12,11 +12,13 @@ import numpy as np
 import torch
 
 from ..backend import interpreting
+from ..ddtree.tree import DraftTree, compile_tree
 from ..verify.api import D_QK
 from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
 from .kernels import copy_pages, launch_commit
 from .schedule import schedule_moves
+from .step import VerifyStep
 
 __all__ = ["KVPool"]
 
@@ -426,14 +428,38 @@ class KVPool:
         page_table = self._table[:, :cols].index_select(0, rows)
         return page_table, self._lens_d.index_select(0, rows)
 
-    def qo_indptr(self, seq_ids) -> torch.Tensor:
-        """``[B+1]`` int32 cumulative tree sizes (verify's ``qo_indptr``), from host tree sizes."""
+    def reserve_step(self, seq_ids, tree: DraftTree) -> VerifyStep:
+        """Reserve the draft trees of a decode step and hand back all its verify inputs.
+
+        ``tree``: the B sequences' trees (:class:`~kdtree_engine.ddtree.DraftTree` on the pool's
+        device, tree b for ``seq_ids[b]``); node j of sequence b goes to position ``P_b + j``
+        (:meth:`reserve_tree`). Returns the :class:`VerifyStep`: slots, page table, lengths,
+        ``qo_indptr``, mask, node tokens and RoPE positions, and the host lengths of the plan.
+        No sync; raises like :meth:`reserve_tree` before changing anything."""
         ids = self._ids(seq_ids)
-        n = self._tree[ids]
-        if (n < 1).any():
-            raise ValueError("every sequence needs a reserved tree")
-        (t,) = self._to_device(np.concatenate([[0], np.cumsum(n)]))
-        return t.to(torch.int32)
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+        if tree.batch_size != len(ids):
+            raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
+        self._check_device("tree", tree.tokens)
+        sizes = np.asarray(tree.num_nodes_host, np.int64)
+        prefix = self._len[ids].copy()
+        slots = self.reserve_tree(ids, sizes)
+        page_table, kv_lens = self.verify_inputs(ids)
+        (prefix_d,) = self._to_device(prefix)
+        vb = compile_tree(tree, prefix_d)
+        return VerifyStep(
+            seq_ids=tuple(int(s) for s in ids),
+            tokens=vb.input_ids,
+            rope_pos=vb.positions,
+            slots=slots,
+            page_table=page_table,
+            kv_lens=kv_lens,
+            qo_indptr=vb.qo_indptr,
+            tree_mask=vb.tree_mask,
+            kv_lens_host=tuple(int(x) for x in prefix + sizes),
+            qo_indptr_host=tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)])),
+        )
 
     # ------------------------------------------------------------------ commit
 
