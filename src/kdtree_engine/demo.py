@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import copy
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -153,20 +152,6 @@ class _Bars:
             return None
         tid = self.progress.add_task(description, total=total)
         return lambda k: self.progress.advance(tid, k)
-
-
-def _machine_line(device: str) -> str:
-    import triton
-
-    from . import __version__
-
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        dev = f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
-    else:
-        dev = f"CPU ({platform.processor() or platform.machine()}), Triton interpreter"
-    return (f"machine: {dev} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"kdtree-engine {__version__} | python {platform.python_version()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         prepare_output_file(args.json, "--json")
     device = select_device(args.device)  # sets TRITON_INTERPRET=1 on the CPU before any kernel import
+    from .bench.report import machine_info, machine_line
+
     cuda = device == "cuda"
     _defaults(args, cuda)
     kernels = list(KERNELS) if args.kernel == "both" else [args.kernel]
     print(f"kdtree demo on {device}{' (Triton interpreter, small sizes)' if not cuda else ''}")
-    print(_machine_line(device), flush=True)
+    print(machine_line(machine_info(device)), flush=True)
     report: dict = {"device": device, "args": {k: str(v) for k, v in vars(args).items()}}
     failures = 0
 

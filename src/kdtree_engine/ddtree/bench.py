@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
+from ..bench.report import machine_info, machine_line
+from ..bench.timing import capture_graph, event_times_ms, wall_times_ms
 from .accept import accept_greedy, accept_sampling, accept_tokens
 from .tree import compile_tree, draft_topk, expand_topk, expand_topk_reference
 
-__all__ = ["run_benchmark", "machine_line", "main"]
+__all__ = ["run_benchmark", "main"]
 
 KIMI_VOCAB = 163840
 STAGES = (
@@ -59,62 +59,21 @@ STAGES = (
 )
 
 
-def machine_line(device: str) -> str:
-    dev = torch.device(device)
-    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        parts.insert(0, f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
-        parts.append(f"CUDA {torch.version.cuda}")
-    else:
-        parts.insert(0, f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)")
-    return " | ".join(parts)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _time_wall(fn: Callable[[int], object], dev: torch.device, reps: int, warmup: int) -> float:
     """Median wall-clock microseconds of ``fn(i)`` between device syncs."""
     for i in range(warmup):
         fn(i)
-    times = []
-    for i in range(reps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn(i)
-        _sync(dev)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return statistics.median(wall_times_ms(fn, reps, device=dev)) * 1e3
 
 
 def _time_graph(fn: Callable[[], object], dev: torch.device, reps: int, warmup: int) -> float:
     """Median GPU microseconds of one replay of a CUDA graph of ``fn`` (CUDA events)."""
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 2)):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    _sync(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(lambda _i: fn(), [0])  # one call, warmed on a side stream first
     for _ in range(max(warmup, 2)):
         graph.replay()
-    _sync(dev)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    _sync(dev)
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    ms = event_times_ms(lambda _j: graph.replay(), reps)
     del graph
-    return statistics.median(times)
+    return statistics.median(ms) * 1e3
 
 
 def _same_tree(a, b) -> bool:
@@ -154,7 +113,7 @@ def run_benchmark(
     reps = reps if reps is not None else (30 if cuda else 5)
     warmup = warmup if warmup is not None else (3 if cuda else 1)
     if verbose:
-        print(machine_line(str(dev)))
+        print(machine_line(machine_info(str(dev))))
         print(f"V={vocab} L={depth} B={batch} dtype={str(dtype).replace('torch.', '')} reps={reps}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n_rot = 4 if cuda else 1
@@ -302,7 +261,7 @@ def main(argv=None) -> int:
         print()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(rows[0]["device"]), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine_info(rows[0]["device"]), "rows": rows}, f, indent=1)
     if args.plot:
         try:
             _plot(rows, args.plot)
