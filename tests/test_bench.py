@@ -40,7 +40,7 @@ def test_work_formulas_match_engineering_notes():
     assert s.flops == 2 * 33 * 64 * (16384 + 33) * (576 + 512)
     io = 33 * 64 * (576 * 2 + 512 * 2 + 4)
     assert s.bytes == (16384 + 33) * 1152 + io
-    # arithmetic intensity of the KV stream (ENGINEERING.md: 272 for n=9,H=16; 3989 for n=33,H=64)
+    # arithmetic intensity of the KV stream (docs/benchmark.md: 272 for n=9,H=16; 3989 for n=33,H=64)
     for n, h, want in [(9, 16, 272), (33, 64, 3989)]:
         t = Shape(1, n, h, 10**6)
         assert round(2 * n * h * 1088 / 1152) == want
