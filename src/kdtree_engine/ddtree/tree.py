@@ -205,8 +205,9 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
     """The ``k`` best tokens per position with fixed-point log-probabilities, on the logits' device.
 
     Args:
-        draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype; the
-            log-softmax is taken in float32 over V.
+        draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype, any
+            strides; the log-softmax is taken over V in a contiguous float32 copy (a copy only when
+            the logits are not already that), so every layout gives the same bits.
         k: 1 <= k <= V.
 
     Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host sync.
@@ -214,7 +215,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
     logits = _check_logits("draft_logits", draft_logits)
     V = logits.shape[-1]
     _check_int("k", k, 1, V)
-    x = logits.float()
+    x = logits.float().contiguous()  # one reduction order for every layout
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
     vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
     # deterministic order among equal logits: token id ascending (stable sort on value after id)

@@ -380,9 +380,13 @@ class KVPool:
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor, layer: int | None = 0) -> None:
         """Scatter KV rows to slots in one op: ``rows [T, 576]`` into ``layer``, or
-        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``."""
+        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``. ``slots [T]`` int64.
+        Any strides (broadcast rows included); ``rows`` must not be a view of the pool's own cache
+        (``ValueError``: it would be read while written; gather a copy first)."""
         for name, t in (("slots", slots), ("rows", rows)):
             self._check_device(name, t)
+        if rows.untyped_storage().data_ptr() == self._store.untyped_storage().data_ptr():
+            raise ValueError("rows is a view of the pool's own cache: pass a copy (e.g. kv_cache().view(-1, 576)[idx])")
         if rows.dtype != self.dtype:
             raise TypeError(f"rows must be {self.dtype}, got {rows.dtype}")
         if slots.dim() != 1:
