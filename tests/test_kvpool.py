@@ -1,4 +1,4 @@
-"""Tests of the paged KV pool (src/kdtree_engine/kvpool.py).
+"""Tests of the paged KV pool (src/kdtree_engine/kvpool/).
 
 The pool must never lose KV: every live sequence's logical KV (its rows in position order, all
 layers) is compared bitwise with a plain model after every operation, and with ``debug=True``
