@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kdtree_engine
 from conftest import HAS_CUDA
@@ -149,3 +150,17 @@ def test_no_traceback_in_a_fresh_process(argv):
     assert p.returncode == 2
     assert p.stderr.startswith("kdtree: error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_refs_check_bundle_breaking_the_contract_is_a_fail_line(tmp_path, capsys):
+    """A readable bundle whose inputs the contract rejects: a FAIL line per kernel, exit 1."""
+    import dataclasses
+
+    from kdtree_engine.bundles import load_bundle, save_bundle
+
+    good = load_bundle(GOOD)
+    bad = dataclasses.replace(good, inputs={**good.inputs, "kv_lens": good.inputs["kv_lens"].to(torch.int64)})
+    path = save_bundle(bad, tmp_path / "int64_lens.kdtr")
+    rc, out, err = run(capsys, ["refs", "check", "--kernel", "naive", str(path)])
+    assert rc == 1 and "Traceback" not in out + err
+    assert out.splitlines()[0].startswith("FAIL [naive] int64_lens.kdtr: inputs rejected: "), out

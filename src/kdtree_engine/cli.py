@@ -13,7 +13,6 @@ on stderr, ``kdtree: error: ...``, and exit status 2 (:mod:`kdtree_engine.cliarg
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from . import __version__
 from .backend import select_device
@@ -53,7 +52,12 @@ def refs_check(args) -> int:
             failures += 1
             continue
         for kernel in kernels:
-            result = check_bundle(bundle, kernel, device, label=Path(file).name)
+            try:
+                result = check_bundle(bundle, kernel, device, label=file.name)
+            except (ValueError, TypeError) as e:  # a readable file whose inputs break the contract
+                print(f"FAIL [{kernel}] {file.name}: inputs rejected: {e}", flush=True)
+                failures += 1
+                continue
             print(result.line, flush=True)
             failures += not result.ok
     print(f"{'all PASS' if failures == 0 else f'{failures} FAIL'} on {device}")
