@@ -11,7 +11,6 @@ contiguous call's result or raise a ``ValueError`` naming the argument; nothing 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ import torch
 from conftest import DEVICE
 from kdtree_engine import masks
 from kdtree_engine.ddtree import (
-    DraftTopK,
     DraftTree,
     accept_greedy,
     accept_sampling,
@@ -177,7 +175,6 @@ def test_build_every_layout():
     top = draft_topk(x, 5)
     check_every_layout(expand_topk, {"top": top, "budget": BUDGET, "root_tokens": roots},
                        ["top.token_ids", "top.logprobs", "root_tokens"])
-    assert isinstance(top, DraftTopK)
 
 
 def test_tree_from_parents_every_layout():
@@ -348,5 +345,5 @@ def test_save_bundle_every_layout(tmp_path):
         back = load_bundle(save_bundle(b, tmp_path / f"b{count[0]}.kdtr"))
         return back.inputs
 
-    check_every_layout(saved, dict(bundle.inputs), list(bundle.inputs))
-    assert math.isfinite(count[0]) and count[0] > len(bundle.inputs)
+    seen = check_every_layout(saved, dict(bundle.inputs), list(bundle.inputs))
+    assert set(seen.values()) == {"same"} and ("page_table", "transposed") in seen
