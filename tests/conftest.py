@@ -1,18 +1,15 @@
 """Test set-up: without CUDA the Triton kernels run under the interpreter, at small sizes.
 
-TRITON_INTERPRET must be set before triton is first imported, hence here, at collection time.
+:func:`kdtree_engine.backend.select_device` decides, here at collection time, before any test
+module imports Triton (the interpreter is chosen when Triton loads).
 """
 
-import os
-
 import pytest
-import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kdtree_engine.backend import select_device
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+DEVICE = select_device()
+HAS_CUDA = DEVICE == "cuda"
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICE
 from kdtree_engine.bench import cli, timing
 from kdtree_engine.bench.peers import PlanBindError, Prepared, TorchSDPA, bind_by_name
 from kdtree_engine.bench.runner import OursImpl, Row, SweepOptions, crossovers, run_sweep
@@ -28,7 +29,6 @@ from kdtree_engine.bench.shapes import (
 from kdtree_engine.masks import unpack_tree_mask
 from kdtree_engine.verify.api import check_content, check_inputs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as in conftest.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def test_work_formulas_match_engineering_notes():
     assert s.flops == 2 * 33 * 64 * (16384 + 33) * (576 + 512)
     io = 33 * 64 * (576 * 2 + 512 * 2 + 4)
     assert s.bytes == (16384 + 33) * 1152 + io
-    # arithmetic intensity of the KV stream (ENGINEERING.md: 272 for n=9,H=16; 3989 for n=33,H=64)
+    # arithmetic intensity of the KV stream (docs/benchmark.md: 272 for n=9,H=16; 3989 for n=33,H=64)
     for n, h, want in [(9, 16, 272), (33, 64, 3989)]:
         t = Shape(1, n, h, 10**6)
         assert round(2 * n * h * 1088 / 1152) == want

@@ -190,9 +190,11 @@ def test_attention_model_lossless_with_paged_cache(device):
         roots = torch.tensor([s[-1] for s in seqs], device=device)
         draft = noisy_draft(expected, [len(s) for s in seqs], L, V, gen).to(device)
         tree = build_ddtree(draft, budget, roots)
-        vb = compile_tree(tree, prefix, page_table=table, page_size=page_size)
-        flat[vb.kv_slots] = lm.rows(vb.input_ids, vb.positions)  # node j at P + j, RoPE pos P + depth
-        out, _ = reference(lm.q(vb.input_ids, vb.positions), cache, table, vb.kv_lens, vb.qo_indptr, vb.tree_mask)
+        vb = compile_tree(tree, prefix)
+        seq = torch.arange(B, device=device).repeat_interleave(tree.num_nodes, output_size=vb.num_rows)
+        flat[slots(seq, vb.kv_positions)] = lm.rows(vb.input_ids, vb.positions)  # node j at P + j, RoPE P + depth
+        kv_lens = (prefix + tree.num_nodes).to(torch.int32)
+        out, _ = reference(lm.q(vb.input_ids, vb.positions), cache, table, kv_lens, vb.qo_indptr, vb.tree_mask)
         res = accept_greedy(tree, lm.head(out))
         src, dst, prefix = commit_positions(res, prefix)
         on = src >= 0
@@ -273,7 +275,7 @@ def test_sampling_over_steps_matches_target_joint(device):
 
 
 # ----------------------------------------------------------------------------------------------
-# the KV pool of kdtree_engine.kvpool takes the compiled tree and the accepted paths as they are
+# the KV pool of kdtree_engine.kvpool takes the trees and the accepted paths as they are
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -287,16 +289,22 @@ def test_kvpool_interop(page_size, device):
     prefix = [5, 0, 13]
     pool.extend(ids, prefix)
     tree = build_ddtree(torch.randn(B, 4, V, generator=g).to(device), 20, torch.tensor([1, 2, 3], device=device))
-    slots = pool.reserve_tree(ids, list(tree.num_nodes_host))
-    page_table, kv_lens = pool.verify_inputs(ids)
-    vb = compile_tree(tree, torch.tensor(prefix, device=device), page_table=page_table, page_size=page_size)
-    assert torch.equal(vb.kv_slots, slots.to(torch.int64))
-    assert torch.equal(vb.kv_lens, kv_lens)
-    assert torch.equal(vb.qo_indptr, pool.qo_indptr(ids))
+    step = pool.reserve_step(ids, tree)
+    vb = compile_tree(tree, torch.tensor(prefix, device=device))
+    sizes = list(tree.num_nodes_host)
+    assert step.kv_lens.tolist() == list(step.kv_lens_host) == [p + n for p, n in zip(prefix, sizes)]
+    assert step.qo_indptr.tolist() == list(step.qo_indptr_host) == vb.qo_indptr.tolist()
+    assert torch.equal(step.tree_mask, vb.tree_mask) and torch.equal(step.tokens, vb.input_ids)
+    assert torch.equal(step.rope_pos, vb.positions)
+    # the slots are where the page table puts positions P_b + j
+    pos = vb.kv_positions.cpu()
+    seq = torch.arange(B).repeat_interleave(torch.tensor(sizes))
+    want = step.page_table.cpu().long()[seq, pos // page_size] * page_size + pos % page_size
+    assert step.slots.tolist() == want.tolist()
     # tag each node's KV row with its flat verify row, accept, commit, read back by position
     cache = pool.kv_cache().view(-1, D_QK)
-    cache[vb.kv_slots] = torch.arange(vb.num_rows, device=device, dtype=cache.dtype)[:, None].expand(-1, D_QK)
-    tgt = torch.randint(0, V, (vb.num_rows,), generator=g).to(device)
+    cache[step.slots] = torch.arange(step.num_rows, device=device, dtype=cache.dtype)[:, None].expand(-1, D_QK)
+    tgt = torch.randint(0, V, (step.num_rows,), generator=g).to(device)
     tgt.view(B, -1)[:, 0] = tree.tokens[:, 1]  # the best first child is accepted at least
     res = accept_greedy(tree, torch.nn.functional.one_hot(tgt, V).float())
     pool.commit(ids, res.accepted, res.lengths, num_accepted_host=res.lengths.cpu())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import requires_cuda
 from kdtree_engine.ddtree import (
     accept_greedy,
     accept_sampling,
@@ -17,7 +18,7 @@ from kdtree_engine.ddtree import (
     compile_tree,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
 def make_inputs(B, L, V, budget, seed):
@@ -29,25 +30,24 @@ def make_inputs(B, L, V, budget, seed):
     return draft, roots, prefix, target
 
 
-def step(draft, roots, prefix, target, budget, page_table, page_size):
+def step(draft, roots, prefix, target, budget):
     tree = build_ddtree(draft, budget, roots)
-    vb = compile_tree(tree, prefix, page_table=page_table, page_size=page_size)
+    vb = compile_tree(tree, prefix)
     res = accept_greedy(tree, target)
     return tree, vb, res
 
 
 @pytest.mark.parametrize("budget", [32, 129, 512])
 def test_step_has_no_host_sync(budget):
-    B, L, V, page_size = 3, 16, 32000, 16
+    B, L, V = 3, 16, 32000
     draft, roots, prefix, target = make_inputs(B, L, V, budget, seed=budget)
-    page_table = torch.arange(B * 300, dtype=torch.int32, device="cuda").view(B, 300)
-    step(draft, roots, prefix, target, budget, page_table, page_size)  # warm caches (plans, pairs)
+    step(draft, roots, prefix, target, budget)  # warm caches (plans, pairs)
     gen = torch.Generator(device="cuda").manual_seed(0)
     accept_sampling(build_ddtree(draft, budget, roots), target, temperature=0.8, top_k=40, top_p=0.9, generator=gen)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tree, vb, res = step(draft, roots, prefix, target, budget, page_table, page_size)
+        tree, vb, res = step(draft, roots, prefix, target, budget)
         accept_sampling(tree, target, temperature=0.8, top_k=40, top_p=0.9, generator=gen)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -56,26 +56,25 @@ def test_step_has_no_host_sync(budget):
 
 
 def test_step_replays_from_cuda_graph():
-    B, L, V, budget, page_size = 4, 16, 50000, 64, 1
+    B, L, V, budget = 4, 16, 50000, 64
     draft, roots, prefix, target = make_inputs(B, L, V, budget, seed=1)
-    page_table = torch.randperm(B * 4000, device="cuda").to(torch.int32).view(B, 4000)
     static = [draft.clone(), roots.clone(), prefix.clone(), target.clone()]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            step(*static, budget, page_table, page_size)
+            step(*static, budget)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(*static, budget, page_table, page_size)
+        out = step(*static, budget)
     for seed in (2, 3):
         new = make_inputs(B, L, V, budget, seed)
         for s, x in zip(static, new):
             s.copy_(x)
         graph.replay()
         torch.cuda.synchronize()
-        want = step(*new, budget, page_table, page_size)
+        want = step(*new, budget)
         for a, b in zip(out, want):
             for f in a.__dataclass_fields__:
                 x, y = getattr(a, f), getattr(b, f)

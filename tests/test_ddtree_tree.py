@@ -322,7 +322,6 @@ def test_compile_ddtree_batch(device):
     n = tree.width
     assert vb.num_rows == 3 * n and vb.tree_mask.shape == (3 * n, 3) and vb.tree_mask.dtype == torch.int32
     assert vb.qo_indptr.tolist() == [0, n, 2 * n, 3 * n] and vb.qo_indptr.dtype == torch.int32
-    assert vb.kv_lens.tolist() == [n, 9 + n, 1000 + n] and vb.kv_lens.dtype == torch.int32
     for b in range(3):
         rows = slice(b * n, (b + 1) * n)
         want = tree_mask_from_parents(tree.parents[b].cpu())
@@ -330,7 +329,6 @@ def test_compile_ddtree_batch(device):
         assert torch.equal(vb.positions[rows], prefix[b] + tree.depths[b])
         assert torch.equal(vb.kv_positions[rows], prefix[b] + torch.arange(n, device=device))
         assert torch.equal(vb.input_ids[rows], tree.tokens[b])
-    assert vb.kv_slots is None
 
 
 def test_compile_ragged_paged_and_wide(device):
@@ -350,7 +348,7 @@ def test_compile_ragged_paged_and_wide(device):
     for b, k in enumerate(pages):
         table[b, :k] = perm[c : c + k].to(torch.int32)
         c += k
-    vb = compile_tree(tree, prefix, page_table=table.to(device), page_size=page_size, words=5)
+    vb = compile_tree(tree, prefix, words=5)
     T = sum(sizes)
     assert vb.num_rows == T and vb.tree_mask.shape == (T, 5)
     assert vb.qo_indptr.tolist() == [0, 1, 41, 48, 113]
@@ -362,15 +360,14 @@ def test_compile_ragged_paged_and_wide(device):
         assert torch.equal(vb.positions[q0:q1], prefix[b] + tree.depths[b, : sizes[b]])
         pos = torch.arange(sizes[b]) + prefix[b]
         assert vb.kv_positions[q0:q1].tolist() == pos.tolist()
-        want_slot = table[b, pos // page_size].long() * page_size + pos % page_size
-        assert vb.kv_slots[q0:q1].tolist() == want_slot.tolist()
         assert vb.row_index[b, : sizes[b]].tolist() == list(range(q0, q1))
         assert vb.row_index[b, sizes[b] :].tolist() == [-1] * (65 - sizes[b])
     # the contract's own content checks accept the compiled batch
     q = torch.zeros(T, 3, D_QK, dtype=torch.bfloat16, device=device)
     kv = torch.zeros(int(perm.numel()), page_size, D_QK, dtype=torch.bfloat16, device=device)
-    info = check_inputs(q, kv, table.to(device), vb.kv_lens, vb.qo_indptr, vb.tree_mask)
-    check_content(table.to(device), vb.kv_lens, vb.qo_indptr, vb.tree_mask, info)
+    kv_lens_d = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    info = check_inputs(q, kv, table.to(device), kv_lens_d, vb.qo_indptr, vb.tree_mask)
+    check_content(table.to(device), kv_lens_d, vb.qo_indptr, vb.tree_mask, info)
 
 
 def test_compile_bad_inputs(device):
@@ -379,8 +376,6 @@ def test_compile_bad_inputs(device):
         compile_tree(tree, [1])
     with pytest.raises(TypeError, match="prefix_lens"):
         compile_tree(tree, torch.zeros(2, device=device))
-    with pytest.raises(ValueError, match="page_table and page_size"):
-        compile_tree(tree, [0, 0], page_size=4)
     with pytest.raises(ValueError, match="words"):
         compile_tree(tree, [0, 0], words=0)
     with pytest.raises(TypeError, match="tree"):

@@ -1,4 +1,4 @@
-"""Tests of the paged KV pool (src/kdtree_engine/kvpool.py).
+"""Tests of the paged KV pool (src/kdtree_engine/kvpool/).
 
 The pool must never lose KV: every live sequence's logical KV (its rows in position order, all
 layers) is compared bitwise with a plain model after every operation, and with ``debug=True``
@@ -9,8 +9,6 @@ page copies) are run under the interpreter on the CPU and compared bitwise with 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,11 +17,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from conftest import DEVICE, HAS_CUDA
 from kdtree_engine import reference
 from kdtree_engine.kvpool import (
     KVPool,
     MoveSchedule,
     PoolFullError,
+    PoolInvariantError,
+    ScheduleError,
     SequenceTooLongError,
     StalePlanError,
     ThresholdPolicy,
@@ -34,11 +35,7 @@ from kdtree_engine.masks import concat_tree_masks, tree_mask_from_parents
 from kdtree_engine.testing import random_tree
 
 D = 576
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-# the Triton kernels run on CUDA, or on the CPU under the interpreter (tests/conftest.py sets it)
-TRITON_OK = HAS_CUDA or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+# the Triton kernels run on CUDA, or on the CPU under the interpreter (conftest.py selects it)
 BF16 = torch.bfloat16
 
 
@@ -164,8 +161,7 @@ def test_verify_inputs_follow_the_contract(page_size):
     assert page_table.dtype == torch.int32 and kv_lens.dtype == torch.int32
     assert page_table.shape == (3, -(-max(p + len(t) for p, t in zip(prefixes, trees)) // page_size))
     assert kv_lens.tolist() == [p + len(t) for p, t in zip(prefixes, trees)]
-    qo = pool.qo_indptr(ids)
-    assert qo.tolist() == [0, 1, 10, 15] and qo.dtype == torch.int32
+    qo = torch.tensor([0, 1, 10, 15], dtype=torch.int32, device=DEVICE)
     mask = concat_tree_masks([tree_mask_from_parents(t) for t in trees]).to(DEVICE)
     q = (torch.randn(15, 4, D, generator=gen) * 2).to(BF16).to(DEVICE)
     out, lse = reference(q, pool.kv_cache(0), page_table, kv_lens, qo, mask)
@@ -239,7 +235,7 @@ def test_commit_moves_rows_any_order(page_size, n, path):
     assert_consistent(pool, model)
 
 
-@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)], ids=["torch", "triton"])
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_commit_ragged_batch(use_triton, page_size):
     """Trees of 1, 9, 33 and 70 nodes, A wider than any path, int32 paths as a strided view."""
@@ -288,7 +284,6 @@ def scripted(pool: KVPool, gen) -> dict:
     return model
 
 
-@needs_triton
 @pytest.mark.parametrize("page_size,layers", [(1, 1), (4, 2), (64, 1)])
 def test_triton_matches_torch(page_size, layers):
     states, models = [], []
@@ -381,7 +376,7 @@ def test_finalize_with_wrong_host_lengths_is_caught_in_debug():
     pool.reserve_tree([a], [4])
     acc = torch.tensor([[0, 1, 2]], device=DEVICE)
     pool.commit([a], acc, torch.tensor([3], device=DEVICE))
-    with pytest.raises(AssertionError, match="disagree"):
+    with pytest.raises(PoolInvariantError, match="disagree"):
         pool.finalize_commit([2])
 
 
@@ -399,7 +394,7 @@ def test_stale_page_table_reads_nan_after_commit():
     pool.write(slots, rand_rows(gen, 6), layer=0)
     pt_old, lens_old = pool.verify_inputs([a])
     pt_old, lens_old = pt_old.clone(), lens_old.clone()
-    qo = pool.qo_indptr([a])
+    qo = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
     mask = tree_mask_from_parents(tree).to(DEVICE)
     q = torch.randn(6, 2, D, generator=gen).to(BF16).to(DEVICE)
     out, _ = reference(q, pool.kv_cache(), pt_old, lens_old, qo, mask)
@@ -648,7 +643,7 @@ def test_schedule_long_chain_and_cycles():
 def test_check_schedule_catches_a_hazard():
     bad = MoveSchedule(src=np.array([1, 2]), dst=np.array([0, 1]), level_bounds=np.array([0, 2]),
                        scratch_src=np.zeros(0, np.int64), scratch_dst=np.zeros(0, np.int64))
-    with pytest.raises(AssertionError, match="overwritten"):
+    with pytest.raises(ScheduleError, match="overwritten"):
         check_schedule(bad, 3)
 
 
@@ -780,7 +775,7 @@ class TritonPoolMachine(PoolMachine):
 TritonPoolMachine.TestCase.settings = settings(
     max_examples=10, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-test_pool_state_machine_triton = needs_triton(TritonPoolMachine.TestCase)
+test_pool_state_machine_triton = TritonPoolMachine.TestCase
 
 
 # ----------------------------------------------------------------------------------------------
@@ -909,7 +904,6 @@ def test_commit_has_no_host_sync_and_captures(page_size, use_triton):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU smoke run; on CUDA run python -m kdtree_engine.kvpool_bench")
-@needs_triton
 def test_benchmark_runs_on_cpu():
     from kdtree_engine.kvpool_bench import format_results, run_benchmark
 

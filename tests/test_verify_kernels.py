@@ -4,6 +4,7 @@ Without CUDA these run through Triton's interpreter at small sizes (conftest.py)
 """
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def run_checked(c, kernel, dtype_name, **kw):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_kernel_matches_reference(kernel, shape):
-    spec = CaseSpec(shape, seed=hash(shape) % 1000, **SHAPES[shape])
+    spec = CaseSpec(shape, seed=zlib.crc32(shape.encode()) % 1000, **SHAPES[shape])
     run_checked(build_case(spec, DEVICE), kernel, spec.dtype)
 
 

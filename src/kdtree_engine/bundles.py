@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
@@ -33,7 +33,13 @@ FORMAT = "kdtree-verify-bundle"
 VERSION = 1
 INPUTS = ("q", "kv_cache", "page_table", "kv_lens", "qo_indptr", "tree_mask")
 
-__all__ = ["Bundle", "standard_specs", "make_bundle", "save_bundle", "load_bundle", "check_bundle", "CheckResult"]
+__all__ = ["Bundle", "BundleError", "standard_specs", "make_bundle", "save_bundle", "load_bundle", "check_bundle",
+           "CheckResult"]
+
+
+class BundleError(ValueError):
+    """A file that is not a readable bundle of a known version (missing, a directory, empty,
+    truncated, not safetensors, another format or version, tensors or metadata missing)."""
 
 
 @dataclass
@@ -131,20 +137,27 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
 
 
 def load_bundle(path: str | Path) -> Bundle:
-    """Read a ``.kdtr`` file; raises ``ValueError`` if it is not a bundle of a known version."""
+    """Read a ``.kdtr`` file; raises :class:`BundleError` if it is not a readable bundle of a known
+    version."""
     path = Path(path)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a kdtree verify bundle (format={meta.get('format')!r})")
-    if meta.get("version") != str(VERSION):
-        raise ValueError(f"{path} has bundle version {meta.get('version')!r}; this build reads {VERSION}")
-    tensors = load_file(str(path))
-    missing = [k for k in INPUTS + ("expected_out", "expected_lse") if k not in tensors]
-    if missing:
-        raise ValueError(f"{path} lacks tensors {missing}")
-    spec = CaseSpec(**json.loads(meta["spec"]))
-    tol = {k: tuple(v) for k, v in json.loads(meta["tolerances"]).items()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise BundleError(f"{path} is not a kdtree verify bundle (format={meta.get('format')!r})")
+        if meta.get("version") != str(VERSION):
+            raise BundleError(f"{path} has bundle version {meta.get('version')!r}; this build reads {VERSION}")
+        tensors = load_file(str(path))
+        missing = [k for k in INPUTS + ("expected_out", "expected_lse") if k not in tensors]
+        if missing:
+            raise BundleError(f"{path} lacks tensors {missing}")
+        spec = CaseSpec(**json.loads(meta["spec"]))
+        tol = {k: tuple(v) for k, v in json.loads(meta["tolerances"]).items()}
+    except BundleError:
+        raise
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BundleError(f"{path}: {type(e).__name__}: {reason}") from e
     return Bundle(
         spec=spec,
         inputs={k: tensors[k] for k in INPUTS},

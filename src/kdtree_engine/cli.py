@@ -5,49 +5,33 @@
     kdtree bench ...      (see ``kdtree bench --help``)
     kdtree demo ...       (the main job; see ``kdtree demo --help``)
 
-Without CUDA the kernels run on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set
-here before Triton is imported).
+Without CUDA the kernels run on the CPU through Triton's interpreter (chosen by
+:func:`kdtree_engine.backend.select_device` before Triton is imported). A user error is one line
+on stderr, ``kdtree: error: ...``, and exit status 2 (:mod:`kdtree_engine.cliargs`).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from . import backend
-from .backend import BackendError
-
-
-def select_device(requested: str | None = None) -> str:
-    """:func:`kdtree_engine.backend.select_device`, its errors as one line and exit status 1."""
-    try:
-        return backend.select_device(requested)
-    except BackendError as e:
-        raise SystemExit(f"kdtree: error: {e}") from None
-
-
-def available_kernels() -> list[str]:
-    """Kernels of ``verify_attention`` that import in this build."""
-    kernels = ["naive"]
-    try:
-        from .verify import flash  # noqa: F401
-    except ImportError:
-        return kernels
-    return kernels + ["flash"]
+from . import __version__
+from .backend import select_device
+from .cliargs import ArgumentParser, UsageError, existing_file, guarded, prepare_output_dir
+from .verify import KERNELS
 
 
 def refs_generate(args) -> int:
     from .bundles import make_bundle, save_bundle, standard_specs
 
-    device = select_device(args.device)
     specs = standard_specs(large=args.large)
     if args.only:
         unknown = set(args.only) - {s.name for s in specs}
         if unknown:
-            raise SystemExit(f"kdtree refs generate: unknown bundle names {sorted(unknown)}")
+            raise UsageError(f"argument --only: unknown bundle names {sorted(unknown)}; "
+                             f"choose from {sorted(s.name for s in specs)}")
         specs = [s for s in specs if s.name in args.only]
-    out_dir = Path(args.dir)
+    out_dir = prepare_output_dir(args.dir, "dir")
+    device = select_device(args.device)
     for spec in specs:
         path = save_bundle(make_bundle(spec, device), out_dir / f"{spec.name}.kdtr")
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
@@ -56,25 +40,33 @@ def refs_generate(args) -> int:
 
 def refs_check(args) -> int:
     device = select_device(args.device)
-    from .bundles import check_bundle, load_bundle
+    from .bundles import BundleError, check_bundle, load_bundle
 
-    available = available_kernels()
-    kernels = available if args.kernel == "all" else [args.kernel]
-    if args.kernel != "all" and args.kernel not in available:
-        raise SystemExit(f"kdtree refs check: kernel {args.kernel!r} is not available in this build")
+    kernels = list(KERNELS) if args.kernel == "all" else [args.kernel]
     failures = 0
     for file in args.files:
-        bundle = load_bundle(file)
+        try:
+            bundle = load_bundle(file)
+        except BundleError as e:
+            print(f"FAIL {file.name}: not a readable bundle: {e}", flush=True)
+            failures += 1
+            continue
         for kernel in kernels:
-            result = check_bundle(bundle, kernel, device, label=Path(file).name)
+            try:
+                result = check_bundle(bundle, kernel, device, label=file.name)
+            except (ValueError, TypeError) as e:  # a readable file whose inputs break the contract
+                print(f"FAIL [{kernel}] {file.name}: inputs rejected: {e}", flush=True)
+                failures += 1
+                continue
             print(result.line, flush=True)
             failures += not result.ok
     print(f"{'all PASS' if failures == 0 else f'{failures} FAIL'} on {device}")
     return 1 if failures else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdtree", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="kdtree", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kdtree-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     refs = sub.add_parser("refs", help="golden bundles (.kdtr): generate and check")
@@ -86,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["cpu", "cuda"], help="where to compute the reference")
     gen.set_defaults(func=refs_generate)
     chk = refs_sub.add_parser("check", help="check kernels against bundles; one PASS/FAIL line each")
-    chk.add_argument("files", nargs="+")
-    chk.add_argument("--kernel", choices=["naive", "flash", "all"], default="all")
+    chk.add_argument("files", nargs="+", type=existing_file)
+    chk.add_argument("--kernel", choices=[*KERNELS, "all"], default="all")
     chk.add_argument("--device", choices=["cpu", "cuda"])
     chk.set_defaults(func=refs_check)
 
@@ -101,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 DELEGATED = {"bench": "kdtree_engine.bench.cli", "demo": "kdtree_engine.demo"}
 
 
+@guarded
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:

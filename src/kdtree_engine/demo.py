@@ -32,13 +32,27 @@ import argparse
 import contextlib
 import copy
 import json
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .backend import select_device
+from .cliargs import (
+    ArgumentParser,
+    UsageError,
+    existing_dir,
+    float_above,
+    guarded,
+    int_in,
+    int_list,
+    prepare_output_dir,
+    prepare_output_file,
+)
+from .ddtree.tree import MAX_BUDGET
+from .verify import KERNELS
 
 
 def check_standard_bundles(device: str, out_dir: Path | None = None) -> int:
@@ -47,7 +61,6 @@ def check_standard_bundles(device: str, out_dir: Path | None = None) -> int:
     Prints one PASS/FAIL line per (bundle, kernel); returns the number of failures.
     """
     from .bundles import check_bundle, make_bundle, save_bundle, standard_specs
-    from .cli import available_kernels
 
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +68,7 @@ def check_standard_bundles(device: str, out_dir: Path | None = None) -> int:
         for spec in standard_specs():
             bundle = make_bundle(spec, device)
             save_bundle(bundle, root / bundle.filename)
-            for kernel in available_kernels():
+            for kernel in KERNELS:
                 result = check_bundle(bundle, kernel, device)
                 print(result.line, flush=True)
                 failures += not result.ok
@@ -139,20 +152,6 @@ class _Bars:
             return None
         tid = self.progress.add_task(description, total=total)
         return lambda k: self.progress.advance(tid, k)
-
-
-def _machine_line(device: str) -> str:
-    import triton
-
-    from . import __version__
-
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        dev = f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
-    else:
-        dev = f"CPU ({platform.processor() or platform.machine()}), Triton interpreter"
-    return (f"machine: {dev} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"kdtree-engine {__version__} | python {platform.python_version()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,28 +420,28 @@ def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], boo
 # main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdtree demo", description=__doc__.split("\n\n")[0],
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="kdtree demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="small sizes (GPU: 4k prefix, 16 tokens, 2 sequences)")
-    p.add_argument("--prefix", type=int, help="longest prompt (the batch is ragged: P, (B-1)P/B, ...); "
+    p.add_argument("--prefix", type=int_in(1), help="longest prompt (the batch is ragged: P, (B-1)P/B, ...); "
                    "default 131072 on CUDA, 48 on the CPU")
-    p.add_argument("--batch", type=int, help="sequences decoded together (default 4 CUDA, 3 CPU)")
-    p.add_argument("--steps", type=int, help="new tokens per sequence = steps of plain decoding "
+    p.add_argument("--batch", type=int_in(1), help="sequences decoded together (default 4 CUDA, 3 CPU)")
+    p.add_argument("--steps", type=int_in(1), help="new tokens per sequence = steps of plain decoding "
                    "(speculative decoding generates the same tokens in fewer steps); default 48 CUDA, 12 CPU")
-    p.add_argument("--kernel", choices=["naive", "flash", "both"], default="both")
+    p.add_argument("--kernel", choices=[*KERNELS, "both"], default="both")
     p.add_argument("--drafter", choices=["ngram", "synthetic", "both"], default="both")
-    p.add_argument("--agreement", type=float, default=0.7, help="synthetic drafter: P(top-1 = target token)")
-    p.add_argument("--budget", type=int, default=16, help="DDTree draft nodes per tree (root excluded)")
-    p.add_argument("--depth", type=int, default=6, help="draft positions (max tree depth)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=2, help="layers of the random-weight model")
+    p.add_argument("--agreement", type=float_above(0, inclusive=True, hi=1), default=0.7, help="synthetic drafter: P(top-1 = target token)")
+    p.add_argument("--budget", type=int_in(0, MAX_BUDGET), default=16, help="DDTree draft nodes per tree (root excluded)")
+    p.add_argument("--depth", type=int_in(0), default=6, help="draft positions (max tree depth)")
+    p.add_argument("--page-size", type=int_in(1), default=16)
+    p.add_argument("--layers", type=int_in(1), default=2, help="layers of the random-weight model")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="model weights (default bf16 CUDA, fp32 CPU)")
     p.add_argument("--cache-dtype", choices=["bf16", "fp16"], help="KV cache (default bf16 with bf16 weights, else fp16)")
-    p.add_argument("--model-dir", type=Path, help="local save_pretrained DeepseekV3 checkpoint (kv_lora_rank 512, rope 64)")
+    p.add_argument("--model-dir", type=existing_dir, help="local save_pretrained DeepseekV3 checkpoint (kv_lora_rank 512, rope 64)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",")],
+    p.add_argument("--sweep", type=int_list(1),
                    help="comma-separated prefixes: throughput / attention share / speedup per prefix and kernel")
     p.add_argument("--no-hf-check", action="store_true", help="skip model.generate (the HF reference)")
     p.add_argument("--bundles", action=argparse.BooleanOptionalAction, default=None,
@@ -453,19 +452,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@guarded
 def main(argv: list[str] | None = None) -> int:
-    from .cli import available_kernels, select_device
-
     args = build_parser().parse_args(argv)
+    if args.refs_dir is not None:
+        prepare_output_dir(args.refs_dir, "--refs-dir")
+    if args.json is not None:
+        prepare_output_file(args.json, "--json")
     device = select_device(args.device)  # sets TRITON_INTERPRET=1 on the CPU before any kernel import
+    from .bench.report import machine_info, machine_line
+
     cuda = device == "cuda"
     _defaults(args, cuda)
-    have = available_kernels()
-    kernels = [k for k in ("naive", "flash") if k in have] if args.kernel == "both" else [args.kernel]
-    if args.kernel != "both" and args.kernel not in have:
-        raise SystemExit(f"kdtree demo: kernel {args.kernel!r} is not available in this build")
+    kernels = list(KERNELS) if args.kernel == "both" else [args.kernel]
     print(f"kdtree demo on {device}{' (Triton interpreter, small sizes)' if not cuda else ''}")
-    print(_machine_line(device), flush=True)
+    print(machine_line(machine_info(device)), flush=True)
     report: dict = {"device": device, "args": {k: str(v) for k, v in vars(args).items()}}
     failures = 0
 
@@ -497,8 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         for lens in requests:
             memory_plan(runner, lens, args.steps, args.budget + 1, args.page_size).check()
     except RequestTooLarge as e:
-        print(f"ERROR: {e}")
-        return 2
+        raise UsageError(f"arguments --prefix/--batch/--steps: {e}") from None
 
     # stage 2
     print("== stage 2: numerics, one verify step vs HF DeepseekV3 (eager, 4-D tree mask) ==", flush=True)

@@ -7,8 +7,8 @@ Run on a CUDA machine (about a minute of GPU time; ``--quick``: prefix 16k only,
 Prints a machine line, then:
 
 1. **copy ceiling**: ``dst.copy_(src)`` of 1 GiB bf16, bytes read + written, median.
-2. **verify**: one layer, B=1, ``verify_attention(kernel="naive"|"flash")`` (a kernel that raises
-   ``NotImplementedError``/``ImportError`` is skipped) on the same logical KV in three layouts:
+2. **verify**: one layer, B=1, ``verify_attention(kernel="naive"|"flash")`` (flash with its plan
+   from ``plan_verify``, as a model step builds it) on the same logical KV in three layouts:
    page size 1 with every slot scattered (the pool after many speculative steps: a shuffled free
    list), page size 1 after ``defragment()`` (contiguous), page size 64 with scattered pages.
    Prefix 16k and 128k; shapes H=64 n=33 and H=16 n=9. L2 is flushed before every timed call
@@ -34,12 +34,9 @@ wall-clock times: a smoke test of the benchmark, not a measurement.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -49,105 +46,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kvpool import KVPool, _canonical_device
+from .bench.report import machine_info, machine_line
+from .bench.timing import Clock, copy_tbps
+from .kvpool import KVPool
+from .kvpool.pool import _canonical_device
 from .masks import tree_mask_from_parents
 from .testing import random_tree
 from .verify.api import D_QK, D_V, verify_attention
+from .verify.flash import plan_verify
 
 __all__ = ["run_benchmark", "main"]
 
 DTYPE = torch.bfloat16
 TOKEN_BYTES = D_QK * 2
-SLEEP_CYCLES_PER_MS = 2_000_000  # ~2 GHz: only sizes the head-start spin
 PREFIXES = (16384, 131072)
 SHAPES = ((64, 33), (16, 9))  # (heads, tree nodes)
 KERNELS = ("naive", "flash")
-
-
-# ----------------------------------------------------------------------------------------------
-# Timing
-
-
-class _Clock:
-    """CUDA events with an L2 flush and a head-start spin before each timed call; wall clock on
-    the CPU (smoke runs only)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
-        self._i = 0
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def flush(self):
-        if self.cuda:
-            self._i += 1
-            self._flush.fill_(self._i & 0xFF)
-
-    def spin(self, ms: float):
-        if self.cuda and ms > 0:
-            torch.cuda._sleep(int(ms * SLEEP_CYCLES_PER_MS))
-
-    def time(self, fn, reps: int, *, flush: bool = True, head_ms: float = 0.5, before=None) -> list:
-        """Milliseconds of ``fn(i)`` for i < reps, each between two events (read after one final
-        sync). ``before(i)`` runs untimed first (e.g. set-up launches)."""
-        if not self.cuda:
-            out = []
-            for i in range(reps):
-                if before:
-                    before(i)
-                t0 = time.perf_counter()
-                fn(i)
-                out.append((time.perf_counter() - t0) * 1e3)
-            return out
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        torch.cuda.synchronize()
-        for i in range(reps):
-            if before:
-                before(i)
-            if flush:
-                self.flush()
-            self.spin(head_ms)
-            starts[i].record()
-            fn(i)
-            ends[i].record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def _med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _machine(device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip()
-    except Exception:
-        commit = "?"
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except Exception:
-        triton_v = "?"
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"section": "machine", "device": gpu, "torch": torch.__version__, "triton": triton_v,
-            "cuda": torch.version.cuda, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M")}
-
-
-def copy_ceiling(clock: _Clock, gib: float, reps: int = 20) -> dict:
+def copy_ceiling(clock: Clock, gib: float, reps: int = 20) -> dict:
     n = int(gib * 2**30) // 2
-    src = torch.randn(n, dtype=DTYPE, device=clock.device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ms = _med(clock.time(lambda i: dst.copy_(src), reps, flush=False))
-    return {"section": "ceiling", "bytes": 4 * n, "us": ms * 1e3, "tbps": 4 * n / (ms * 1e-3) / 1e12}
+    tbps = copy_tbps(n, reps, clock.device, clock)
+    return {"section": "ceiling", "bytes": 4 * n, "us": 4 * n / (tbps * 1e12) * 1e6, "tbps": tbps}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,30 +114,7 @@ def _make_tree(heads: int, nodes: int, seed: int, device) -> _Tree:
     return _Tree(heads, nodes, q, mask, _rows(nodes, seed + 1, device))
 
 
-def _flash_plan(args: dict):
-    """A flash plan from ``kdtree_engine.verify.flash.plan_verify`` when its parameters can be
-    filled by name from what we have; else None (the flash call then plans itself)."""
-    try:
-        from .verify.flash import plan_verify
-    except Exception as e:
-        return None, f"no plan_verify ({type(e).__name__})"
-    try:
-        params = inspect.signature(plan_verify).parameters
-    except (TypeError, ValueError):
-        return None, "plan_verify signature unreadable"
-    kwargs = {}
-    for name, p in params.items():
-        if name in args:
-            kwargs[name] = args[name]
-        elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return None, f"plan_verify needs '{name}'"
-    try:
-        return plan_verify(**kwargs), ""
-    except Exception as e:
-        return None, f"plan_verify failed ({type(e).__name__}: {str(e)[:60]})"
-
-
-def time_verify(clock: _Clock, kernel: str, pool: KVPool, sid: int, tree: _Tree, *, budget_s: float,
+def time_verify(clock: Clock, kernel: str, pool: KVPool, sid: int, tree: _Tree, *, budget_s: float,
                 max_reps: int) -> dict:
     """Reserve the tree, write its KV, time verify_attention on the pool's inputs, drop the tree."""
     prefix = pool.seq_len(sid)
@@ -221,48 +122,25 @@ def time_verify(clock: _Clock, kernel: str, pool: KVPool, sid: int, tree: _Tree,
     row = {"kernel": kernel, "heads": tree.heads, "nodes": tree.nodes}
     try:
         page_table, kv_lens = pool.verify_inputs([sid])
-        qo = pool.qo_indptr([sid])
         kv = pool.kv_cache(0)
+        qo = torch.tensor([0, tree.nodes], dtype=torch.int32, device=kv.device)
         out = torch.empty(tree.nodes, tree.heads, D_V, dtype=DTYPE, device=kv.device)
         lse = torch.empty(tree.nodes, tree.heads, dtype=torch.float32, device=kv.device)
-        plan, note = None, ""
-        if kernel == "flash":
-            # plan_verify(kv_lens, qo_indptr, num_heads, device): host lengths, no device read
-            plan, note = _flash_plan({
-                "q": tree.q, "kv_cache": kv, "page_table": page_table, "kv_lens": [prefix + tree.nodes],
-                "qo_indptr": [0, tree.nodes], "tree_mask": tree.mask, "num_heads": tree.heads,
-                "page_size": pool.page_size, "dtype": DTYPE, "device": kv.device})
-            if plan is None:
-                note += "; timed without a plan (includes its host sync)"
+        # the flash plan from host lengths (no device read), as a model step builds it
+        plan = plan_verify([prefix + tree.nodes], [0, tree.nodes], tree.heads, kv.device) if kernel == "flash" else None
 
         def call(_i):
             verify_attention(tree.q, kv, page_table, kv_lens, qo, tree.mask, kernel=kernel, out=out, lse=lse,
                              plan=plan, validate=False)
 
-        def first():
-            # compiles; validate=True checks the pool's inputs against the contract
-            verify_attention(tree.q, kv, page_table, kv_lens, qo, tree.mask, kernel=kernel, out=out, lse=lse,
-                             plan=plan, validate=True)
-            clock.sync()
-
-        try:
-            try:
-                first()
-            except (NotImplementedError, ImportError):
-                raise
-            except Exception as e:
-                if plan is None:
-                    raise
-                plan = None  # the plan we built was not accepted: let the kernel plan itself
-                note = f"plan rejected ({type(e).__name__}); timed without a plan (includes its host sync)"
-                first()
-        except (NotImplementedError, ImportError) as e:
-            row.update(skipped=f"{type(e).__name__}: {str(e)[:80]}")
-            return row
-        est = clock.time(call, 1)[0]
+        # compiles; validate=True checks the pool's inputs against the contract
+        verify_attention(tree.q, kv, page_table, kv_lens, qo, tree.mask, kernel=kernel, out=out, lse=lse,
+                         plan=plan, validate=True)
+        clock.sync()
+        est = clock.times_ms(call, 1)[0]
         reps = max(3, min(max_reps, int(budget_s * 1e3 / max(est, 1e-3))))
-        ms = clock.time(call, reps)
-        row.update(us=_med(ms) * 1e3, min_us=min(ms) * 1e3, reps=reps, note=note.strip("; "),
+        ms = clock.times_ms(call, reps)
+        row.update(us=_med(ms) * 1e3, min_us=min(ms) * 1e3, reps=reps,
                    out=out.float().cpu(), lse=lse.cpu())
         return row
     except Exception as e:  # keep measuring the rest; the error is reported
@@ -282,7 +160,7 @@ def _diff(a: dict, b: dict) -> float | None:
 # Sections
 
 
-def bench_prefix(clock: _Clock, prefix: int, ceiling_bps: float, *, shapes, kernels, quick: bool) -> list:
+def bench_prefix(clock: Clock, prefix: int, ceiling_bps: float, *, shapes, kernels, quick: bool) -> list:
     dev = clock.device
     rows_out = []
     n_max = max(n for _, n in shapes)
@@ -318,12 +196,12 @@ def bench_prefix(clock: _Clock, prefix: int, ceiling_bps: float, *, shapes, kern
         plan = pool.plan_defragment()
         plans.append(time.perf_counter() - t0)
         if r % 2 == 0:
-            uploads.append(clock.time(lambda i: pool.upload_plan(plan), 1, flush=False)[0])
-            applies.append(clock.time(lambda i: pool.apply_defragment(plan), 1)[0])
+            uploads.append(clock.times_ms(lambda i: pool.upload_plan(plan), 1, flush=False)[0])
+            applies.append(clock.times_ms(lambda i: pool.apply_defragment(plan), 1)[0])
             last = (pool, sid, plan)
         else:
             pool.upload_plan(plan)
-            copies.append(clock.time(lambda i: pool._run_moves(plan), 1)[0])
+            copies.append(clock.times_ms(lambda i: pool._run_moves(plan), 1)[0])
         del pool
     pool, sid, plan = last
     del last
@@ -391,7 +269,7 @@ def _commit_setup(page_size: int, use_triton: bool, B: int, n: int, A: int, step
     return pool, ids, torch.from_numpy(acc).to(dev), torch.from_numpy(na).to(dev), na, _rows(B * n, seed + 9, dev)
 
 
-def _no_sync(clock: _Clock, fn) -> str:
+def _no_sync(clock: Clock, fn) -> str:
     """Run ``fn`` under the sync debug mode and say whether it synchronized. In "warn" mode,
     recorded: "error" mode would raise in the middle of ``fn`` and leave a half-done pool
     mutation behind (a commit that rewrote the tables but never became pending), which the
@@ -410,7 +288,7 @@ def _no_sync(clock: _Clock, fn) -> str:
     return "no sync" if not syncs else f"SYNC x{len(syncs)}: {syncs[0][:70]}"
 
 
-def bench_commit(clock: _Clock, page_size: int, use_triton: bool, *, B: int, n: int, A: int, steps: int) -> dict:
+def bench_commit(clock: Clock, page_size: int, use_triton: bool, *, B: int, n: int, A: int, steps: int) -> dict:
     dev = clock.device
     warm = 3
     pool, ids, acc, na, na_h, tree_rows = _commit_setup(page_size, use_triton, B, n, A, steps + warm + 1, dev)
@@ -433,7 +311,7 @@ def bench_commit(clock: _Clock, page_size: int, use_triton: bool, *, B: int, n: 
         reserve(i)
         commit(i)
     host.clear()
-    ms = clock.time(lambda i: commit(warm + i), steps, flush=False, head_ms=0.3, before=lambda i: reserve(warm + i))
+    ms = clock.times_ms(lambda i: commit(warm + i), steps, flush=False, head_ms=0.3, before=lambda i: reserve(warm + i))
     pool.finalize_commit(na_h[warm + steps - 1])
     row.update(gpu_us=_med(ms) * 1e3, min_us=min(ms) * 1e3, host_us=_med(host) * 1e6, steps=steps)
     # no host sync: commit, reserve_tree and verify_inputs under the sync debug mode
@@ -448,7 +326,7 @@ def bench_commit(clock: _Clock, page_size: int, use_triton: bool, *, B: int, n: 
     return row
 
 
-def _graph_check(clock: _Clock, page_size: int, use_triton: bool, B: int, n: int, A: int) -> str:
+def _graph_check(clock: Clock, page_size: int, use_triton: bool, B: int, n: int, A: int) -> str:
     """Capture commit in a CUDA graph on one pool, commit eagerly on an identical pool, replay,
     compare the two pools' KV and tables."""
     dev = clock.device
@@ -488,8 +366,8 @@ def run_benchmark(device="cuda", quick: bool = False, *, prefixes=None, shapes=N
     cpu = dev.type == "cpu"
     prefixes = prefixes or ((16384,) if quick else PREFIXES)
     shapes = shapes or SHAPES
-    clock = _Clock(dev)
-    rows = [_machine(dev)]
+    clock = Clock(dev)
+    rows = [{"section": "machine", **machine_info(str(dev))}]
     ceil = copy_ceiling(clock, copy_gib or (0.01 if cpu else 1.0), reps=3 if cpu else 20)
     rows.append(ceil)
     ceiling_bps = ceil["tbps"] * 1e12
@@ -534,15 +412,14 @@ def format_results(rows: list) -> str:
     sec = {}
     for r in rows:
         sec.setdefault(r["section"], []).append(r)
-    m = sec["machine"][0]
-    out = [f"{m['device']} | torch {m['torch']} | triton {m['triton']} | CUDA {m['cuda']} | commit {m['commit']} | {m['date']}"]
+    out = [machine_line(sec["machine"][0])]
     c = sec["ceiling"][0]
     out.append(f"copy ceiling: {c['tbps']:.2f} TB/s ({c['bytes'] / 2**30:.1f} GiB read+written in {c['us']:.0f} us)")
     out.append(_table("\nverify (one layer, B=1, L2 flushed; us = median)", [
         ("prefix", "prefix", None), ("layout", "layout", None), ("H", "heads", None), ("n", "nodes", None),
         ("kernel", "kernel", None), ("runs", "runs", None), ("us", "us", "{:.1f}"), ("min", "min_us", "{:.1f}"),
         ("reps", "reps", None), ("maxdiff", "max_diff_vs_scattered", "{:.2e}"),
-        ("note", "note", None), ("skipped/error", "skipped", None), ("error", "error", None)],
+        ("error", "error", None)],
         sec.get("verify", [])))
     out.append(_table("\ndefragmentation of the scattered page-size-1 prefix (one layer)", [
         ("prefix", "prefix", None), ("pages", "pages_moved", None), ("MB", "mb_moved", "{:.1f}"),

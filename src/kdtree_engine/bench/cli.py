@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..backend import BackendError, select_device
+from ..backend import select_device
+from ..cliargs import ArgumentParser, UsageError, float_above, guarded, int_in, int_list, prepare_output_dir, prepare_output_file
+from ..masks import MAX_TREE_NODES
+from ..verify.api import MAX_HEADS
 from .shapes import TREES
 
 __all__ = ["main", "build_parser"]
@@ -40,23 +43,6 @@ PRESET_TIMING = {
 }
 
 
-def _ints(text: str) -> list[int]:
-    """``"1,2,16k"`` -> ``[1, 2, 16384]`` (a ``k`` suffix multiplies by 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        mult = 1024 if part.endswith("k") else 1
-        try:
-            out.append(int(part.rstrip("k")) * mult)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer list: {text!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("empty list")
-    return out
-
-
 def _names(choices):
     def parse(text: str) -> list[str]:
         names = [x.strip() for x in text.split(",") if x.strip()]
@@ -68,8 +54,8 @@ def _names(choices):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="kdtree bench",
         description="Benchmark tree-verify attention kernels side by side against the roofline.",
         epilog="Axis flags take comma lists; a k suffix multiplies by 1024 (16k = 16384). "
@@ -85,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a named grid (issue3: 135 shapes, page size 1; issue11: 48 shapes x "
                           "{chain tree page 64, random tree page 64, random tree page 1})")
     g.add_argument("--long", action="store_true", help="add prefixes 32k, 64k, 128k, 200k to the prefix series")
-    g.add_argument("--batch", type=_ints, help="sequences B, e.g. 1,2,4,8,16")
-    g.add_argument("--q-len", type=_ints, help="tree nodes per sequence, e.g. 9,17,33,65")
-    g.add_argument("--heads", type=_ints, help="query heads, e.g. 8,16,64,128")
-    g.add_argument("--prefix", type=_ints, help="prefix tokens, e.g. 0,256,1k,4k,16k")
-    g.add_argument("--page-size", type=_ints, help="page size: 1 (slots scattered) or 64 (pages scattered)")
+    g.add_argument("--batch", type=int_list(1), help="sequences B, e.g. 1,2,4,8,16")
+    g.add_argument("--q-len", type=int_list(1, MAX_TREE_NODES), help="tree nodes per sequence, e.g. 9,17,33,65")
+    g.add_argument("--heads", type=int_list(1, MAX_HEADS), help="query heads, e.g. 8,16,64,128")
+    g.add_argument("--prefix", type=int_list(0), help="prefix tokens, e.g. 0,256,1k,4k,16k")
+    g.add_argument("--page-size", type=int_list(1), help="page size: 1 (slots scattered) or 64 (pages scattered)")
     g.add_argument("--dtype", type=_names(("bf16", "fp16")), default=None, help="bf16,fp16 (default bf16)")
     g.add_argument("--tree", type=_names(TREES), default=None,
                    help="random (node order shuffled) and/or chain (FlashMLA's causal mask); default random")
@@ -99,15 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", type=_names(ALL_KERNELS), default=None,
                    help=f"subset of {','.join(ALL_KERNELS)} (default: all available)")
     t = p.add_argument_group("timing")
-    t.add_argument("--repeats", type=int, help="most timed samples per measurement (preset default)")
-    t.add_argument("--min-repeats", type=int, default=5, help="fewest timed samples per measurement")
-    t.add_argument("--budget-ms", type=float, help="timed GPU time per measurement (preset default)")
-    t.add_argument("--slow-max-ms", type=float, help="skip naive and peers where their estimated call (rough H200 model) is longer")
+    t.add_argument("--repeats", type=int_in(1), help="most timed samples per measurement (preset default)")
+    t.add_argument("--min-repeats", type=int_in(1), default=5, help="fewest timed samples per measurement")
+    t.add_argument("--budget-ms", type=float_above(0), help="timed GPU time per measurement (preset default)")
+    t.add_argument("--slow-max-ms", type=float_above(0), help="skip naive and peers where their estimated call (rough H200 model) is longer")
     t.add_argument("--no-graph", action="store_true", help="never use CUDA graphs (eager launches)")
-    t.add_argument("--graph-max-us", type=float, default=2000.0, help="graph-replay calls shorter than this")
-    t.add_argument("--max-sets", type=int, default=16, help="most input sets rotated against L2")
-    t.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the reference")
-    t.add_argument("--check-heads", type=int, default=3, help="heads checked against the reference")
+    t.add_argument("--graph-max-us", type=float_above(0), default=2000.0, help="graph-replay calls shorter than this")
+    t.add_argument("--max-sets", type=int_in(1), default=16, help="most input sets rotated against L2")
+    t.add_argument("--check-seqs", type=int_in(1), default=2, help="sequences checked against the reference")
+    t.add_argument("--check-heads", type=int_in(1), default=3, help="heads checked against the reference")
     t.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default="bench_out", help="where the default file names go")
@@ -149,12 +135,16 @@ def _shapes(a, device: str) -> tuple[list, str, list[str]]:
     return preset_shapes(preset, long=a.long, dtypes=dtypes), preset, notes
 
 
+@guarded
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        device = select_device(a.device)
-    except BackendError as e:
-        raise SystemExit(f"kdtree: error: {e}") from None
+    if not (a.dry_run or a.no_files):  # every output is checked before any work
+        if not (a.json and a.csv and a.plot):
+            prepare_output_dir(a.out_dir, "--out-dir")
+        for arg, path in (("--json", a.json), ("--csv", a.csv), ("--plot", a.plot)):
+            if path:
+                prepare_output_file(path, arg)
+    device = select_device(a.device)
     # Triton may load from here on (the interpreter choice is settled)
     from . import report
     from .peers import detect_peers
@@ -176,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     opts = SweepOptions(
         device=device,
         repeats=a.repeats or timing["repeats"],
-        min_repeats=max(1, min(a.min_repeats, a.repeats or timing["repeats"])),
+        min_repeats=min(a.min_repeats, a.repeats or timing["repeats"]),
         budget_s=(a.budget_ms if a.budget_ms is not None else timing["budget_ms"]) / 1e3,
         use_graph=not a.no_graph,
         graph_max_us=a.graph_max_us,
-        max_sets=max(1, a.max_sets),
+        max_sets=a.max_sets,
         l2_bytes=l2,
         slow_max_ms=a.slow_max_ms if a.slow_max_ms is not None else timing["slow_max_ms"],
-        check_seqs=max(1, a.check_seqs),
-        check_heads=max(1, a.check_heads),
+        check_seqs=a.check_seqs,
+        check_heads=a.check_heads,
         seed=a.seed,
     )
 
@@ -203,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             why_not["flashmla"] = why
     impls = ours + peers
     if not impls:
-        console.print("[red]kdtree bench: none of the requested kernels is available[/]")
-        for k, v in why_not.items():
-            console.print(escape(f"  {k}: {v}"))
-        return 2
+        reasons = "; ".join(f"{k}: {v}" for k, v in why_not.items())
+        raise UsageError(f"argument --kernels: none of the requested kernels is available ({reasons})")
 
     long_tag = "_long" if a.long and preset in ("default", "quick", "custom") else ""
     stem = f"bench_{tname}{long_tag}" + ("_cpu" if cpu else "")

@@ -96,7 +96,7 @@ class TorchSDPA(Impl):
         return L * D_QK * 2 * 2 + m * L * 14 + shape.batch * shape.q_len * L
 
     def est_tflops(self) -> float:
-        return 9.0  # ENGINEERING.md: 8.0 ms at H64 n33 P16k, 129 ms at H128 n33 P128k
+        return 9.0  # docs/benchmark.md "The problem in numbers": 8.0 ms at H64 n33 P16k, 129 ms at H128 n33 P128k
 
     def prepare(self, case: BenchCase) -> Prepared:
         sh = case.shape
@@ -166,7 +166,7 @@ class SGLangExtend(Impl):
         return shape.batch * shape.q_len * shape.kv_len + shape.batch * shape.kv_len * 8 + shape.rows * D_QK * 2
 
     def est_tflops(self) -> float:
-        return 25.0  # ENGINEERING.md: ~4% of the floor on compute-bound shapes
+        return 25.0  # docs/benchmark.md "The problem in numbers": ~4% of the floor on compute-bound shapes
 
     def prepare(self, case: BenchCase) -> Prepared:
         if self._fn is None and self.detect() is not None:

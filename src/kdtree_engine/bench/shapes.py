@@ -6,7 +6,7 @@ a random draft tree of ``q_len`` nodes, ``heads`` query heads, a KV pool of ``pa
 pages, ``dtype`` inputs. Every sequence of a shape has the same prefix and tree size (the trees
 differ).
 
-Work of one call (ENGINEERING.md section 1), summed over the B sequences:
+Work of one call (docs/benchmark.md, "The problem in numbers"), summed over the B sequences:
 
 - FLOPs = 2 * n * H * (P + n) * (576 + 512)
 - bytes >= (P + n) * 1152 (the KV, read once) + T*H*576*2 (q) + T*H*512*2 (out) + T*H*4 (lse)

@@ -1,6 +1,9 @@
-"""Timing: CUDA events, CUDA-graph replay, medians; the device ceilings (copy bandwidth, matmul rate).
+"""The clock of every benchmark of the package (``kdtree bench``, ``kdtree_engine.kvpool_bench``,
+``kdtree_engine.ddtree.bench``): CUDA events, CUDA-graph replay, L2 flush, wall clock, medians;
+and the device ceilings (copy bandwidth, matmul rate). The machine description is
+:func:`kdtree_engine.bench.report.machine_line`.
 
-Method (ENGINEERING.md section 3):
+Method (docs/benchmark.md, "How it times"):
 
 - A call under test is ``run(i)``: one launch on input set ``i`` (sets rotate so consecutive calls
   do not find their inputs in L2). ``run`` must not sync with the host.
@@ -12,6 +15,9 @@ Method (ENGINEERING.md section 3):
   sample is one replay, divided by ``k``: no Python or launch overhead in the figure. The graph is
   warmed on a side stream before capture, as the torch documentation prescribes.
 - Reported: median (and min, quartiles) over the samples.
+- Calls that must find nothing in L2 (a model step streams 61 layers of KV) are preceded by an
+  :class:`L2Flush`; host-bound calls are timed as wall-clock latency between device syncs
+  (:func:`wall_times_ms`).
 """
 
 from __future__ import annotations
@@ -25,13 +31,19 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = [
+    "SLEEP_CYCLES_PER_MS",
     "Timing",
     "Ceilings",
+    "Clock",
+    "L2Flush",
     "summarize",
     "time_cuda",
     "time_cpu",
+    "head_start",
     "event_times_ms",
+    "wall_times_ms",
     "capture_graph",
+    "copy_tbps",
     "measure_ceilings",
 ]
 
@@ -82,27 +94,91 @@ def summarize(times_us: list[float], calls_per_sample: int, method: str, note: s
     )
 
 
-def _head_start(ms: float) -> None:
+def head_start(ms: float) -> None:
     """Keep the GPU busy for ~``ms`` so the host can queue the timed launches ahead of it."""
     if ms > 0 and hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(int(ms * SLEEP_CYCLES_PER_MS))
 
 
-def event_times_ms(launch: Callable[[int], None], n: int, head_start_ms: float = 0.0) -> list[float]:
+class L2Flush:
+    """Overwrites a buffer larger than the L2 cache (256 MiB by default), so the next launch finds
+    none of its inputs there. One ``fill_`` launch per call."""
+
+    def __init__(self, device, nbytes: int = 256 << 20):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._i = 0
+
+    def __call__(self) -> None:
+        self._i += 1
+        self.buf.fill_(self._i & 0xFF)
+
+
+def event_times_ms(launch: Callable[[int], None], n: int, head_start_ms: float = 0.0, *,
+                   before: Callable[[int], None] | None = None, flush: L2Flush | None = None,
+                   head_start_each_ms: float = 0.0) -> list[float]:
     """Milliseconds of ``launch(j)`` for j in 0..n-1, each between two CUDA events.
 
-    Synchronizes before and once after the loop (never inside it).
+    ``head_start_ms``: one spin before the loop. Per call, untimed and in this order: ``before(j)``
+    (set-up launches), ``flush()`` (L2), a ``head_start_each_ms`` spin. Synchronizes before and once
+    after the loop (never inside it).
     """
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
-    _head_start(head_start_ms)
+    head_start(head_start_ms)
     for j in range(n):
+        if before is not None:
+            before(j)
+        if flush is not None:
+            flush()
+        head_start(head_start_each_ms)
         starts[j].record()
         launch(j)
         ends[j].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def wall_times_ms(launch: Callable[[int], None], n: int, *, before: Callable[[int], None] | None = None,
+                  device=None) -> list[float]:
+    """Wall-clock milliseconds of ``launch(j)`` for j in 0..n-1 (host time included). On a CUDA
+    ``device`` each call is bracketed by device syncs, so the figure is its whole latency."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    out = []
+    for j in range(n):
+        if before is not None:
+            before(j)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        launch(j)
+        if cuda:
+            torch.cuda.synchronize(device)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+class Clock:
+    """Per-call times of ``fn(i)`` on one device: CUDA events with an L2 flush and a head-start spin
+    before each call; on the CPU (smoke runs only, not performance figures) the wall clock."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.flush = L2Flush(self.device) if self.cuda else None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def times_ms(self, fn: Callable[[int], None], reps: int, *, flush: bool = True, head_ms: float = 0.5,
+                 before: Callable[[int], None] | None = None) -> list[float]:
+        """Milliseconds of ``fn(i)`` for i < reps (events read after one final sync);
+        ``before(i)`` runs untimed first; ``flush``: empty the L2 before each call."""
+        if not self.cuda:
+            return wall_times_ms(fn, reps, before=before)
+        return event_times_ms(fn, reps, before=before, flush=self.flush if flush else None,
+                              head_start_each_ms=head_ms)
 
 
 def capture_graph(run: Callable[[int], None], calls: list[int]) -> torch.cuda.CUDAGraph:
@@ -188,12 +264,8 @@ def time_cuda(
 def time_cpu(run: Callable[[int], None], n_sets: int, *, repeats: int = 2) -> Timing:
     """Wall-clock time of ``run`` on the CPU (the interpreter): NOT a performance figure.
     (The correctness check before it was the warm-up.)"""
-    times = []
-    for j in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        run(j % n_sets)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return summarize(times, 1, "cpu-wall")
+    ms = wall_times_ms(lambda j: run(j % n_sets), max(1, repeats))
+    return summarize([t * 1e3 for t in ms], 1, "cpu-wall")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,12 +291,18 @@ class Ceilings:
         return asdict(self)
 
 
-def _copy_tbps(numel: int, repeats: int, device) -> float:
+def copy_tbps(numel: int, repeats: int, device, clock: Clock | None = None) -> float:
+    """Copy bandwidth ``dst.copy_(src)`` of ``numel`` bf16 values, bytes read + written, TB/s,
+    median of ``repeats`` after warm-up: CUDA events after one 2 ms head start, or ``clock`` (no L2
+    flush; e.g. a CPU :class:`Clock`'s wall clock in a smoke run)."""
     src = torch.randn(numel, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    ms = event_times_ms(lambda _j: dst.copy_(src), repeats, head_start_ms=2.0)
+    if clock is None:
+        ms = event_times_ms(lambda _j: dst.copy_(src), repeats, head_start_ms=2.0)
+    else:
+        ms = clock.times_ms(lambda _j: dst.copy_(src), repeats, flush=False)
     return 2 * numel * src.element_size() / (statistics.median(ms) * 1e-3) / 1e12
 
 
@@ -246,8 +324,8 @@ def measure_ceilings(
     from .shapes import DTYPES
 
     numel = int(copy_gib * 2**30) // 2
-    copy_tbps = _copy_tbps(numel, repeats, device)
+    copy = copy_tbps(numel, repeats, device)
     tflops = {name: _matmul_tflops(matmul_n, DTYPES[name], repeats, device) for name in dtypes}
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-    return Ceilings(copy_tbps=copy_tbps, matmul_tflops=tflops, copy_bytes=2 * numel * 2, matmul_n=matmul_n)
+    return Ceilings(copy_tbps=copy, matmul_tflops=tflops, copy_bytes=2 * numel * 2, matmul_n=matmul_n)

@@ -9,7 +9,7 @@ expand             :func:`expand_topk`, the vectorised best-first expansion (dev
 expand_graph       the same, replayed from a CUDA graph (CUDA only)
 expand_host        :func:`expand_topk_reference`: one device->host copy of the top-K, a Python
                    heap per sequence, the tree copied back (what a host-side DDTree costs)
-compile            :func:`compile_tree` with a page table (masks, positions, links, KV slots)
+compile            :func:`compile_tree` (masks, positions, links)
 accept_greedy      :func:`accept_greedy` on target logits ``[T, V]`` (argmax + walk)
 accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9
 walk               :func:`accept_tokens` alone (target tokens given)
@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
+from ..bench.report import machine_info, machine_line
+from ..bench.timing import capture_graph, event_times_ms, wall_times_ms
 from .accept import accept_greedy, accept_sampling, accept_tokens
 from .tree import compile_tree, draft_topk, expand_topk, expand_topk_reference
 
-__all__ = ["run_benchmark", "machine_line", "main"]
+__all__ = ["run_benchmark", "main"]
 
 KIMI_VOCAB = 163840
 STAGES = (
@@ -59,62 +59,21 @@ STAGES = (
 )
 
 
-def machine_line(device: str) -> str:
-    dev = torch.device(device)
-    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        parts.insert(0, f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
-        parts.append(f"CUDA {torch.version.cuda}")
-    else:
-        parts.insert(0, f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)")
-    return " | ".join(parts)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _time_wall(fn: Callable[[int], object], dev: torch.device, reps: int, warmup: int) -> float:
     """Median wall-clock microseconds of ``fn(i)`` between device syncs."""
     for i in range(warmup):
         fn(i)
-    times = []
-    for i in range(reps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn(i)
-        _sync(dev)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return statistics.median(wall_times_ms(fn, reps, device=dev)) * 1e3
 
 
 def _time_graph(fn: Callable[[], object], dev: torch.device, reps: int, warmup: int) -> float:
     """Median GPU microseconds of one replay of a CUDA graph of ``fn`` (CUDA events)."""
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 2)):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    _sync(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(lambda _i: fn(), [0])  # one call, warmed on a side stream first
     for _ in range(max(warmup, 2)):
         graph.replay()
-    _sync(dev)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    _sync(dev)
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    ms = event_times_ms(lambda _j: graph.replay(), reps)
     del graph
-    return statistics.median(times)
+    return statistics.median(ms) * 1e3
 
 
 def _same_tree(a, b) -> bool:
@@ -154,7 +113,7 @@ def run_benchmark(
     reps = reps if reps is not None else (30 if cuda else 5)
     warmup = warmup if warmup is not None else (3 if cuda else 1)
     if verbose:
-        print(machine_line(str(dev)))
+        print(machine_line(machine_info(str(dev))))
         print(f"V={vocab} L={depth} B={batch} dtype={str(dtype).replace('torch.', '')} reps={reps}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n_rot = 4 if cuda else 1
@@ -176,9 +135,6 @@ def run_benchmark(
         k = min(budget, vocab)
         T = batch * (budget + 1)
         prefix = torch.randint(100, 5000, (batch,), generator=gen).to(dev)
-        page_size = 64
-        max_pages = (int(prefix.max()) + budget + 1 + page_size - 1) // page_size
-        page_table = torch.randperm(batch * max_pages, generator=gen).view(batch, max_pages).to(torch.int32).to(dev)
         target = None
         try:
             target = (torch.randn(T, vocab, generator=gen) * 3).to(device=dev, dtype=dtype)
@@ -203,7 +159,7 @@ def run_benchmark(
 
         def step(i: int = 0):
             t = expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
-            compile_tree(t, prefix, page_table=page_table, page_size=page_size)
+            compile_tree(t, prefix)
             return accept_greedy(t, target)
 
         stage("topk", lambda: _time_wall(lambda i: draft_topk(drafts[i % n_rot], k), dev, reps, warmup))
@@ -211,9 +167,7 @@ def run_benchmark(
         stage("expand_host", lambda: _time_wall(lambda i: expand_topk_reference(top, budget, roots), dev, reps, warmup))
         stage(
             "compile",
-            lambda: _time_wall(
-                lambda i: compile_tree(tree, prefix, page_table=page_table, page_size=page_size), dev, reps, warmup
-            ),
+            lambda: _time_wall(lambda i: compile_tree(tree, prefix), dev, reps, warmup),
         )
         if target is not None:
             stage("accept_greedy", lambda: _time_wall(lambda i: accept_greedy(tree, target), dev, reps, warmup))
@@ -307,7 +261,7 @@ def main(argv=None) -> int:
         print()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(rows[0]["device"]), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine_info(rows[0]["device"]), "rows": rows}, f, indent=1)
     if args.plot:
         try:
             _plot(rows, args.plot)

@@ -126,7 +126,10 @@ class DraftTree:
 
 @dataclass(frozen=True)
 class VerifyBatch:
-    """A compiled batch of trees: the inputs :func:`kdtree_engine.verify_attention` and the model need.
+    """A compiled batch of trees: the tree-shaped inputs of :func:`kdtree_engine.verify_attention`
+    and of the model. Where the KV lives (slots, page table, ``kv_lens = P_b + n_b``) is the KV
+    pool's: :meth:`kdtree_engine.kvpool.KVPool.reserve_step` joins both into one
+    :class:`~kdtree_engine.kvpool.VerifyStep`.
 
     Rows: tree node j of sequence b is flat row ``qo_indptr[b] + j`` (T = num_rows rows in all).
 
@@ -134,12 +137,9 @@ class VerifyBatch:
     input_ids:    ``[T]`` int64, node tokens (the q rows of the verify forward).
     positions:    ``[T]`` int64, RoPE position = prefix_len + depth.
     qo_indptr:    ``[B+1]`` int32.
-    kv_lens:      ``[B]`` int32, prefix_len + n_b (the contract's kv_lens).
     tree_mask:    ``[T, W]`` int32, the contract's bit-packed ancestor-or-self mask.
     kv_positions: ``[T]`` int64, cache position of each node's KV = prefix_len + j (the contract
                   places tree node j at position P_b + j).
-    kv_slots:     ``[T]`` int64 or None; ``page * page_size + offset`` of kv_positions through the
-                  page table (a row index of ``kv_cache.view(-1, 576)``), when a table was given.
     row_index:    ``[B, n]`` int64, flat row of (b, j); -1 on padding.
     first_child:  ``[B, n]`` int64, smallest-index child (local index), -1 if none.
     next_sibling: ``[B, n]`` int64, next sibling in index order (local index), -1 if none.
@@ -149,10 +149,8 @@ class VerifyBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     qo_indptr: torch.Tensor
-    kv_lens: torch.Tensor
     tree_mask: torch.Tensor
     kv_positions: torch.Tensor
-    kv_slots: torch.Tensor | None
     row_index: torch.Tensor
     first_child: torch.Tensor
     next_sibling: torch.Tensor
@@ -207,8 +205,9 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
     """The ``k`` best tokens per position with fixed-point log-probabilities, on the logits' device.
 
     Args:
-        draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype; the
-            log-softmax is taken in float32 over V.
+        draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype, any
+            strides; the log-softmax is taken over V in a contiguous float32 copy (a copy only when
+            the logits are not already that), so every layout gives the same bits.
         k: 1 <= k <= V.
 
     Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host sync.
@@ -216,7 +215,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
     logits = _check_logits("draft_logits", draft_logits)
     V = logits.shape[-1]
     _check_int("k", k, 1, V)
-    x = logits.float()
+    x = logits.float().contiguous()  # one reduction order for every layout
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
     vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
     # deterministic order among equal logits: token id ascending (stable sort on value after id)
@@ -653,8 +652,6 @@ def compile_tree(
     tree: DraftTree,
     prefix_lens,
     *,
-    page_table: torch.Tensor | None = None,
-    page_size: int | None = None,
     words: int | None = None,
 ) -> VerifyBatch:
     """Compile a batch of trees into the verify step's tensors (see :class:`VerifyBatch`).
@@ -663,8 +660,6 @@ def compile_tree(
         tree: the trees.
         prefix_lens: ``[B]`` committed prefix length P_b (tokens before the root), tensor on the
             tree's device or a list.
-        page_table: optional ``[B, max_pages]`` int32 (the contract's); with ``page_size``, fills
-            ``kv_slots``, the cache rows where the tree nodes' KV must be written.
         words: mask width W (default ``ceil(n / 32)``); wider pads with zero words.
 
     No host sync: T (the number of rows) comes from ``tree.num_nodes_host``.
@@ -674,8 +669,6 @@ def compile_tree(
     B, n = tree.batch_size, tree.width
     dev = tree.device
     P = _prefix_tensor(prefix_lens, B, dev)
-    if (page_table is None) != (page_size is None):
-        raise ValueError("page_table and page_size must be given together")
     T = sum(tree.num_nodes_host)
     qo = torch.cumsum(tree.num_nodes, 0)
     qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), qo]).to(torch.int32)
@@ -691,25 +684,13 @@ def compile_tree(
         loc = t - qo_indptr.to(torch.int64)[seq]
     masks = ancestor_words(tree, words)
     first_child, next_sibling = tree_links(tree)
-    kv_positions = P[seq] + loc
-    kv_slots = None
-    if page_table is not None:
-        _check_int("page_size", page_size, 1)
-        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != B:
-            raise ValueError(f"page_table must be a [{B}, max_pages] tensor")
-        if page_table.device != dev:
-            raise ValueError(f"page_table is on {page_table.device}, expected {dev}")
-        page = page_table.to(torch.int64)[seq, kv_positions // page_size]
-        kv_slots = page * page_size + kv_positions % page_size
     return VerifyBatch(
         num_rows=T,
         input_ids=tree.tokens[seq, loc],
         positions=P[seq] + tree.depths[seq, loc],
         qo_indptr=qo_indptr,
-        kv_lens=(P + tree.num_nodes).to(torch.int32),
         tree_mask=masks[seq, loc],
-        kv_positions=kv_positions,
-        kv_slots=kv_slots,
+        kv_positions=P[seq] + loc,
         row_index=row_index,
         first_child=first_child,
         next_sibling=next_sibling,

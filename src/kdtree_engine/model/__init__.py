@@ -2,7 +2,6 @@
 
 from .mla import (
     MLARunner,
-    StepBatch,
     StepTimer,
     build_random_model,
     check_mla_config,
@@ -14,7 +13,6 @@ from .mla import (
 
 __all__ = [
     "MLARunner",
-    "StepBatch",
     "StepTimer",
     "check_mla_config",
     "tiny_config",

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kvpool.step import VerifyStep
 from ..verify.api import D_QK, D_ROPE, D_V
 
 __all__ = [
     "MLARunner",
-    "StepBatch",
     "StepTimer",
     "check_mla_config",
     "tiny_config",
@@ -194,27 +194,7 @@ def load_model(path: str | Path, *, dtype=torch.bfloat16, device="cpu", attn_imp
 
 
 # ----------------------------------------------------------------------------------------------
-# step inputs, cache, timer
-
-
-@dataclass
-class StepBatch:
-    """One verify forward: the draft trees of ``B`` sequences, rows in ``qo_indptr`` order.
-
-    tokens: ``[T]`` int64 token of each tree node. rope_pos: ``[T]`` int64 ``P_b + depth``.
-    slots: ``[T]`` int64 flat cache slot (``page * page_size + offset``) of position ``P_b + j``.
-    page_table / kv_lens / qo_indptr / tree_mask: :func:`verify_attention`'s inputs
-    (``kv_lens = P_b + n_b``). plan: optional flash plan, reused by every layer.
-    """
-
-    tokens: torch.Tensor
-    rope_pos: torch.Tensor
-    slots: torch.Tensor
-    page_table: torch.Tensor
-    kv_lens: torch.Tensor
-    qo_indptr: torch.Tensor
-    tree_mask: torch.Tensor
-    plan: object | None = None
+# cache, timer
 
 
 @dataclass
@@ -347,19 +327,22 @@ class MLARunner:
     # -- verify / decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_layers: Sequence[torch.Tensor], timer: StepTimer | None = None) -> torch.Tensor:
+    def forward(self, step: VerifyStep, kv_layers: Sequence[torch.Tensor], timer: StepTimer | None = None,
+                plan=None) -> torch.Tensor:
         """One target forward over a batch of draft trees. Writes every node's KV, returns logits.
 
+        ``step``: the step's inputs from :meth:`kdtree_engine.kvpool.KVPool.reserve_step`.
         ``kv_layers[l]``: layer l's cache ``[num_pages, page_size, 576]`` (contiguous; e.g.
-        ``KVPool.kv_layers``). Returns the float32 logits ``[T, vocab]`` of every tree node.
+        ``KVPool.kv_layers``). ``plan``: the flash plan of the step (``step.plan(num_heads)``),
+        reused by every layer. Returns the float32 logits ``[T, vocab]`` of every tree node.
         """
         from ..verify import verify_attention
         from ..verify.reference import reference
 
-        h = self.hf.model.embed_tokens(batch.tokens.to(self.device))  # [T, hidden]
-        cos, sin = self._rope(batch.rope_pos.to(self.device), h)
+        h = self.hf.model.embed_tokens(step.tokens.to(self.device))  # [T, hidden]
+        cos, sin = self._rope(step.rope_pos.to(self.device), h)
         T = h.shape[0]
-        slots = batch.slots.to(self.device)
+        slots = step.slots.to(self.device)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -372,11 +355,11 @@ class MLARunner:
             q[..., D_V:] = q_rot
             t0 = timer.mark() if timer else None
             if self.kernel == "reference":
-                o_lat, _ = reference(q, kv, batch.page_table, batch.kv_lens, batch.qo_indptr, batch.tree_mask,
+                o_lat, _ = reference(q, kv, step.page_table, step.kv_lens, step.qo_indptr, step.tree_mask,
                                      self.sm_scale)
             else:
-                o_lat, _ = verify_attention(q, kv, batch.page_table, batch.kv_lens, batch.qo_indptr,
-                                            batch.tree_mask, self.sm_scale, kernel=self.kernel, plan=batch.plan)
+                o_lat, _ = verify_attention(q, kv, step.page_table, step.kv_lens, step.qo_indptr,
+                                            step.tree_mask, self.sm_scale, kernel=self.kernel, plan=plan)
             if timer:
                 timer.add_attn(t0, timer.mark())
             o_lat = o_lat.to(self.dtype)  # [T, H, 512]

@@ -3,7 +3,8 @@
 One step, for all active sequences at once (sequences of different lengths in one batch)::
 
     contexts --drafter--> draft logits [B, L, V] --ddtree.build_ddtree--> trees (root = last token)
-      --KVPool.reserve_tree: node j of sequence b at cache position P_b + j
+      --KVPool.reserve_step: node j of sequence b at cache position P_b + j; the step's verify
+        inputs (slots, page table, lengths, qo_indptr, mask, host lengths of the plan) together
       --MLARunner.forward: every node's KV written, verify_attention over prefix + tree--> logits [T, V]
       --ddtree.accept_greedy--> accepted path + bonus token (one host read per step)
       --KVPool.commit: accepted rows to positions P_b, P_b+1, ...; P_b += path length
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ddtree import accept_greedy, build_ddtree, compile_tree, tree_from_parents
+from ..ddtree import accept_greedy, build_ddtree, tree_from_parents
+from ..kvpool.step import VerifyStep
 from ..verify.api import D_QK
 from .drafters import Drafter, as_context
-from .mla import MLARunner, StepBatch, StepTimer
+from .mla import MLARunner, StepTimer
 
 __all__ = [
     "SpeculativeEngine",
@@ -294,20 +296,13 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             tree = self._draft(active)
             res.draft_s += time.perf_counter() - t0
-            sizes = tree.num_nodes_host
-            slots = self.pool.reserve_tree(ids, sizes)
-            page_table, kv_lens = self.pool.verify_inputs(ids)
-            prefix = [s.cached for s in active]
-            vb = compile_tree(tree, torch.tensor(prefix, device=r.device))
-            batch = StepBatch(tokens=vb.input_ids, rope_pos=vb.positions, slots=slots, page_table=page_table,
-                              kv_lens=kv_lens, qo_indptr=vb.qo_indptr, tree_mask=vb.tree_mask,
-                              plan=_flash_plan(r, [p + n for p, n in zip(prefix, sizes)], sizes))
+            step = self.pool.reserve_step(ids, tree)
             t_fwd = timer.mark()
-            logits = r.forward(batch, self.pool.kv_layers, timer)
+            logits = r.forward(step, self.pool.kv_layers, timer, plan=_flash_plan(r, step))
             timer.add_total(t_fwd, timer.mark())
             acc = accept_greedy(tree, logits)
             # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
-            rows = vb.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
+            rows = step.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
             top2 = logits.topk(2, dim=-1).values[rows].to("cpu", non_blocking=True)  # [B, D+1, 2]
             host = torch.cat([acc.lengths[:, None], acc.new_tokens], 1).cpu()  # the step's sync
             lengths = host[:, 0]
@@ -320,7 +315,7 @@ class SpeculativeEngine:
                 s.length += a
                 res.accepted.append(a)
                 s.done = self._finished(s, max_new, eos_token_id)
-            res.tree_nodes += sum(sizes)
+            res.tree_nodes += step.num_rows
             res.steps += 1
             res.decode_s += _now(r.device) - t_step
             if progress:
@@ -390,26 +385,14 @@ def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Seq
     par = torch.tensor([list(t[1]) + [-1] * (width - len(t[1])) for t in trees], device=dev)
     tok = torch.tensor([list(t[0]) + [-1] * (width - len(t[0])) for t in trees], device=dev)
     tree = tree_from_parents(par, tok, [len(t[0]) for t in trees])
-    slots = pool.reserve_tree(ids, tree.num_nodes_host)
-    page_table, kv_lens = pool.verify_inputs(ids)
-    vb = compile_tree(tree, torch.tensor([len(p) for p in prefixes], device=dev), page_table=page_table,
-                      page_size=page_size)
-    batch = StepBatch(vb.input_ids, vb.positions, slots, page_table, kv_lens, vb.qo_indptr, vb.tree_mask)
-    return runner.forward(batch, pool.kv_layers), pool, ids
+    return runner.forward(pool.reserve_step(ids, tree), pool.kv_layers), pool, ids
 
 
-def _flash_plan(runner: MLARunner, kv_lens: list[int], tree_sizes: Sequence[int]):
-    """The flash kernel's per-step plan (built once per step, reused by every layer), if it has one."""
+def _flash_plan(runner: MLARunner, step: VerifyStep):
+    """The flash kernel's plan of the step (built once, reused by every layer), on CUDA."""
     if runner.kernel not in ("flash", "auto") or runner.device.type != "cuda":
         return None
-    try:
-        from ..verify.flash import plan_verify
-    except ImportError:
-        return None
-    qo = [0]
-    for n in tree_sizes:
-        qo.append(qo[-1] + n)
-    return plan_verify(kv_lens, qo, num_heads=runner.num_heads, device=runner.device)
+    return step.plan(runner.num_heads)
 
 
 def _now(device: torch.device) -> float:

@@ -1,546 +1,29 @@
-"""Paged KV pool for tree speculative decoding on MLA: tree slots, commit of accepted tokens,
-defragmentation.
-
-Layout (ENGINEERING.md section 1). The pool holds ``num_layers`` caches, each
-``[num_pages, page_size, 576]`` (bf16/fp16; one row = 512 latent + 64 rope values, V is the first
-512 of the same row), that share one page table per sequence. ``kv_cache(layer)`` is exactly the
-``kv_cache`` argument of :func:`kdtree_engine.verify_attention`, and ``verify_inputs(seq_ids)``
-returns its ``(page_table [B, max_pages] int32, kv_lens [B] int32)``. Position ``p`` of a sequence
-lives in page ``page_table[b, p // page_size]``, row ``p % page_size``; flat slot
-``page * page_size + p % page_size`` indexes ``kv_cache(layer).view(-1, 576)``.
-
-Who knows what (the design in one paragraph). Page *ids* live on the device only: the page
-tables, a free stack of page ids with its top as a device scalar, per-sequence lengths and tree
-sizes. The host keeps *counts* only: each sequence's length and tree size and the number of free
-pages. Every allocation decision (does it fit? how many pages?) is made on the host from counts,
-before anything is mutated, so a failing allocation raises :class:`PoolFullError` and leaves the
-pool exactly as it was; then the device does the id work (pop from the stack, write the table)
-with host-known sizes. Commit needs no host knowledge at all: one kernel reads the accepted path
-from device tensors, rewrites the table (page size 1) or moves the accepted rows (larger pages),
-pushes the freed ids onto the free stack and updates lengths and the stack top. The host learns
-the new lengths when the server reads the accepted lengths (it does, once per step, to emit the
-tokens) and hands them to :meth:`KVPool.finalize_commit`.
-
-Sync points (everything else is asynchronous, CUDA-graph capturable where noted):
-
-- :meth:`KVPool.commit`: none (one Triton launch on CUDA; capturable once the sequence set has
-  been seen, see :meth:`KVPool.device_rows`).
-- :meth:`KVPool.finalize_commit`: none when given the host accepted lengths; otherwise it reads
-  them (one sync), which is the sync a server performs anyway.
-- ``extend`` / ``reserve_tree`` / ``remove_sequences`` / ``truncate`` / ``verify_inputs``: none
-  (small host-to-device copies through pinned memory).
-- :meth:`KVPool.plan_defragment`, :meth:`KVPool.fragmentation`, :meth:`KVPool.check`: one
-  device-to-host read of the page tables (they plan on the host). ``apply_defragment``: none.
-- ``debug=True``: extra checks that read device state (syncs), and NaN poisoning of freed pages.
-
-Page size 1: commit is a remap of table entries (no KV copy). Larger pages: the accepted rows are
-moved into positions ``P..P+a-1`` by the same kernel (all rows of a sequence read before any is
-written, so any node order is safe), and pages past the new length are freed.
-
-Defragmentation moves whole pages. The plan (host, numpy) places each chosen sequence in a
-contiguous ascending page range and schedules the page moves so that a one-pass copy kernel is
-safe: a move whose destination is still to be read by another move waits for a later launch
-("levels" of the dependency chains), deep chain tails and cycles go through a scratch buffer of
-bounded size; a cost model picks the split (see :func:`schedule_moves`).
-"""
+"""The KV pool: :class:`KVPool` (design and sync points in the package docstring,
+:mod:`kdtree_engine.kvpool`, and in docs/kvpool.md)."""
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from .backend import interpreting
-from .verify.api import D_QK
+from ..backend import interpreting
+from ..ddtree.tree import DraftTree, compile_tree
+from ..verify.api import D_QK
+from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
+from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
+from .kernels import copy_pages, launch_commit
+from .schedule import schedule_moves
+from .step import VerifyStep
 
-__all__ = [
-    "KVPool",
-    "KVPoolError",
-    "PoolFullError",
-    "SequenceTooLongError",
-    "StalePlanError",
-    "FragStats",
-    "DefragPlan",
-    "DefragReport",
-    "MoveSchedule",
-    "ThresholdPolicy",
-    "schedule_moves",
-    "check_schedule",
-]
+__all__ = ["KVPool"]
 
 D = D_QK  # 576 values per cached token
 _DTYPES = (torch.bfloat16, torch.float16)
-
-# Cost model of the defragmentation schedule (only its ratios matter): a page moved through the
-# scratch buffer costs an extra read + write; every extra launch costs about this long.
-PLAN_COPY_BYTES_PER_S = 3.0e12
-PLAN_LAUNCH_S = 6e-6
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton kernels
-
-
-# Integer arguments that change call to call are not specialised (no recompile mid-decode).
-@triton.jit(do_not_specialize=["num_moves"])
-def _copy_pages_kernel(
-    src, dst, src_idx, dst_idx, num_moves,
-    stride_src_l, stride_dst_l,
-    ROW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):
-    """dst[l, dst_idx[i]] = src[l, src_idx[i]] for BLOCK_M moves x one layer; a page is ROW values,
-    copied in ceil(ROW / BLOCK_D) tiles [BLOCK_M, BLOCK_D] (a small page in one masked tile).
-
-    One pass: correct only if no page is both read and written by this launch (the schedule
-    guarantees it)."""
-    i_m = tl.program_id(0)
-    i_l = tl.program_id(1)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < num_moves
-    b_src = tl.load(src_idx + o_m, mask=m_m, other=0).to(tl.int64)
-    b_dst = tl.load(dst_idx + o_m, mask=m_m, other=0).to(tl.int64)
-    p_src = src + i_l.to(tl.int64) * stride_src_l + b_src * ROW  # [BM]
-    p_dst = dst + i_l.to(tl.int64) * stride_dst_l + b_dst * ROW  # [BM]
-    for i_d in range(0, tl.cdiv(ROW, BLOCK_D)):
-        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            m_x = m_m[:, None]
-        else:
-            m_x = m_m[:, None] & (o_d < ROW)[None, :]
-        b_x = tl.load(p_src[:, None] + o_d[None, :], mask=m_x)  # [BM, BD]
-        tl.store(p_dst[:, None] + o_d[None, :], b_x, mask=m_x)
-
-
-@triton.jit
-def _kept_count(a, n, max_acc):
-    """Accepted nodes a commit keeps: at least the root, at most the tree and the path width."""
-    return tl.minimum(tl.maximum(a, 1), tl.minimum(n, max_acc))
-
-
-@triton.jit
-def _freed_count(kv_len, n, a, PAGE_SIZE: tl.constexpr):
-    """Pages (page size 1: slots) a sequence frees when ``a`` of its ``n`` tree nodes are kept."""
-    if PAGE_SIZE == 1:
-        return n - a
-    else:
-        return (kv_len + PAGE_SIZE - 1) // PAGE_SIZE - (kv_len - n + a + PAGE_SIZE - 1) // PAGE_SIZE
-
-
-@triton.jit(do_not_specialize=["stride_acc", "stride_t", "num_seqs", "max_acc", "num_programs"])
-def _commit_kernel(
-    rows, accepted, num_accepted, table, lens, tree, stack, top, done, marks, kv,
-    stride_acc, stride_t, stride_kv_l,
-    num_seqs, max_acc, num_programs,
-    PAGE_SIZE: tl.constexpr,
-    D_ROW: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Commit of one sequence (program axis 0) for one layer (axis 1; page size 1 has one).
-
-    Accepted node i (root first) becomes position P+i. Page size 1: table[P+i] = slot of node
-    accepted[i]; the slots of the other nodes are pushed on the free stack (in node order).
-    Larger pages: row P+accepted[i] is copied to row P+i (all reads of a column chunk before its
-    writes), pages at or past ceil((P+a)/page_size) are pushed. Freed ids of sequence b go after
-    those of sequences 0..b-1 (deterministic). The last program to finish updates lens, tree and
-    the stack top (all programs read them first).
-    """
-    i_b = tl.program_id(0)
-    i_l = tl.program_id(1)
-    r = tl.load(rows + i_b).to(tl.int64)
-    kv_len = tl.load(lens + r)
-    n = tl.load(tree + r)
-    prefix = kv_len - n
-    a = _kept_count(tl.load(num_accepted + i_b).to(tl.int32), n, max_acc)
-    o_a = tl.arange(0, BLOCK_A)
-    m_a = o_a < a
-    b_acc = tl.load(accepted + i_b.to(tl.int64) * stride_acc + o_a, mask=m_a, other=0).to(tl.int32)
-    b_acc = tl.minimum(tl.maximum(b_acc, 0), n - 1)  # [BA] node indices
-    p_row = table + r * stride_t
-
-    # stack position of this sequence's freed ids: after those of sequences 0..i_b-1
-    o_bb = tl.arange(0, BLOCK_B)
-    m_bb = o_bb < i_b
-    r_bb = tl.load(rows + o_bb, mask=m_bb, other=0).to(tl.int64)
-    len_bb = tl.load(lens + r_bb, mask=m_bb, other=0)
-    n_bb = tl.load(tree + r_bb, mask=m_bb, other=0)
-    a_bb = tl.load(num_accepted + o_bb, mask=m_bb, other=1).to(tl.int32)
-    a_bb = _kept_count(a_bb, n_bb, max_acc)
-    f_bb = tl.where(m_bb, _freed_count(len_bb, n_bb, a_bb, PAGE_SIZE), 0)
-    base = tl.load(top) + tl.sum(f_bb, 0)
-
-    if PAGE_SIZE == 1:
-        o_n = tl.arange(0, BLOCK_N)
-        m_n = o_n < n
-        b_node = tl.load(p_row + prefix + o_n, mask=m_n, other=0)  # [BN] slot of each node
-        b_acc_slot = tl.load(p_row + prefix + b_acc, mask=m_a, other=0)  # [BA]
-        # membership "node is accepted" through a per-slot scratch flag array (kept all zero)
-        tl.store(marks + b_acc_slot, 1, mask=m_a)
-        tl.debug_barrier()
-        b_is_acc = tl.load(marks + b_node, mask=m_n, other=0, volatile=True)  # other threads' stores
-        tl.debug_barrier()
-        tl.store(marks + b_acc_slot, 0, mask=m_a)
-        m_rej = m_n & (b_is_acc == 0)
-        b_rej = m_rej.to(tl.int32)
-        b_rank = tl.cumsum(b_rej, 0) - b_rej
-        tl.store(stack + base + b_rank, b_node, mask=m_rej)
-        tl.store(p_row + prefix + o_a, b_acc_slot, mask=m_a)
-    else:
-        src_pos = prefix + b_acc
-        dst_pos = prefix + o_a
-        m_cp = m_a & (src_pos != dst_pos)
-        src_slot = tl.load(p_row + src_pos // PAGE_SIZE, mask=m_cp, other=0).to(tl.int64) * PAGE_SIZE + src_pos % PAGE_SIZE
-        dst_slot = tl.load(p_row + dst_pos // PAGE_SIZE, mask=m_cp, other=0).to(tl.int64) * PAGE_SIZE + dst_pos % PAGE_SIZE
-        p_kv = kv + i_l.to(tl.int64) * stride_kv_l
-        for i_d in range(0, D_ROW // BLOCK_D):
-            o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-            b_x = tl.load(p_kv + src_slot[:, None] * D_ROW + o_d[None, :], mask=m_cp[:, None])  # [BA, BD]
-            tl.debug_barrier()  # every row of this chunk read before any is overwritten
-            tl.store(p_kv + dst_slot[:, None] * D_ROW + o_d[None, :], b_x, mask=m_cp[:, None])
-        if i_l == 0:
-            c_lo = (prefix + a + PAGE_SIZE - 1) // PAGE_SIZE
-            c_hi = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
-            o_f = tl.arange(0, BLOCK_F)
-            m_f = o_f < c_hi - c_lo
-            b_page = tl.load(p_row + c_lo + o_f, mask=m_f, other=0)
-            tl.store(stack + base + o_f, b_page, mask=m_f)
-
-    # the last program to finish publishes the new lengths and stack top
-    tl.debug_barrier()
-    n_done = tl.atomic_add(done, 1)
-    if n_done == num_programs - 1:
-        o_b = tl.arange(0, BLOCK_B)
-        m_b = o_b < num_seqs
-        r_b = tl.load(rows + o_b, mask=m_b, other=0).to(tl.int64)
-        len_b = tl.load(lens + r_b, mask=m_b, other=0)
-        n_b = tl.load(tree + r_b, mask=m_b, other=0)
-        a_b = tl.load(num_accepted + o_b, mask=m_b, other=1).to(tl.int32)
-        a_b = _kept_count(a_b, n_b, max_acc)
-        total = tl.sum(tl.where(m_b, _freed_count(len_b, n_b, a_b, PAGE_SIZE), 0), 0)
-        tl.store(lens + r_b, len_b - n_b + a_b, mask=m_b)
-        tl.store(tree + r_b, n_b * 0, mask=m_b)
-        tl.store(top, tl.load(top) + total)
-        tl.store(done, 0)
-
-
-# ----------------------------------------------------------------------------------------------
-# Host launchers (Triton) and their torch equivalents (CPU, or use_triton=False)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _pow2_divisor(x: int) -> int:
-    return x & -x
-
-
-def _copy_pages(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                use_triton: bool) -> None:
-    """``dst[:, dst_idx] = src[:, src_idx]`` for page stores ``[L, pages, page_size, 576]``.
-
-    Triton: one pass, no temporary (no page may be both read and written). Torch: gather then
-    scatter (always safe, two passes)."""
-    n = src_idx.numel()
-    if n == 0:
-        return
-    num_layers = src.shape[0]
-    row = src.shape[2] * src.shape[3]
-    if not use_triton:
-        s = src.view(num_layers, src.shape[1], row)
-        d = dst.view(num_layers, dst.shape[1], row)
-        d[:, dst_idx] = s[:, src_idx]
-        return
-    # whole pages per tile when they are small (page size 1: [8, 1024] masked to 576 values: a
-    # program keeps 8 full rows in flight); else tiles of a power-of-two divisor of the page
-    block_d = _pow2(row) if row <= 4096 else min(_pow2_divisor(row), 4096)
-    block_m = max(1, 8192 // block_d)
-    grid = (triton.cdiv(n, block_m), num_layers)
-    _copy_pages_kernel[grid](
-        src, dst, src_idx, dst_idx, n,
-        src.stride(0), dst.stride(0),
-        ROW=row, BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=row % block_d == 0, num_warps=4,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Defragmentation schedule
-
-
-@dataclass
-class MoveSchedule:
-    """An order for page moves ``src -> dst`` (all srcs distinct, all dsts distinct) that makes
-    each launch hazard-free.
-
-    Stage 0 copies ``scratch_src`` pages into a scratch buffer; stages 1..levels run the direct
-    moves of each level (``src[level_bounds[k]:level_bounds[k+1]]``), each launch touching no page
-    that another move of the same launch reads or writes; the last stage copies the scratch
-    buffer to ``scratch_dst``."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    level_bounds: np.ndarray  # [levels + 1]
-    scratch_src: np.ndarray
-    scratch_dst: np.ndarray
-    est_seconds: float = 0.0
-
-    @property
-    def levels(self) -> int:
-        return len(self.level_bounds) - 1
-
-    @property
-    def num_moves(self) -> int:
-        return len(self.src) + len(self.scratch_src)
-
-    @property
-    def launches(self) -> int:
-        return self.levels + (2 if len(self.scratch_src) else 0)
-
-    def stages(self):
-        """``(read_stage, write_stage)`` per move, moves in the order ``src ++ scratch_src``."""
-        lvl = np.repeat(np.arange(self.levels), np.diff(self.level_bounds)) + 1
-        s = len(self.scratch_src)
-        read = np.concatenate([lvl, np.zeros(s, np.int64)])
-        write = np.concatenate([lvl, np.full(s, self.levels + 1, np.int64)])
-        return read, write
-
-
-def _chain_depth(blocker: np.ndarray):
-    """List ranking by pointer doubling: distance of each move to the end of its blocker chain.
-
-    Returns ``(depth, on_cycle)``; members of cycles never resolve."""
-    m = len(blocker)
-    nxt = blocker.copy()
-    depth = (nxt >= 0).astype(np.int64)
-    for _ in range(max(1, math.ceil(math.log2(m + 1))) + 1):
-        act = np.flatnonzero(nxt >= 0)
-        if act.size == 0:
-            break
-        j = nxt[act]
-        depth_new = depth[act] + depth[j]
-        nxt_new = nxt[j]
-        depth[act] = depth_new
-        nxt[act] = nxt_new
-    return depth, nxt >= 0
-
-
-def schedule_moves(src, dst, num_pages: int, unit_bytes: int, scratch_budget_bytes: int,
-                   *, bytes_per_s: float = PLAN_COPY_BYTES_PER_S, launch_s: float = PLAN_LAUNCH_S
-                   ) -> MoveSchedule:
-    """Schedule page moves ``src[i] -> dst[i]`` for one-pass copy launches.
-
-    Move ``i`` must not overwrite ``dst[i]`` before the move that reads ``dst[i]`` (its blocker)
-    has read it. The blocker relation forms chains and cycles. Depth = distance to the chain's end;
-    level k runs the moves of depth k. Cycles are cut by sending one move per cycle through the
-    scratch buffer. Moves of depth >= K also go through scratch (read at stage 0, written last);
-    K minimizes ``bytes / bytes_per_s + launches * launch_s`` with the scratch within
-    ``scratch_budget_bytes`` (cycle cuts are always allowed).
-    """
-    src = np.asarray(src, np.int64)
-    dst = np.asarray(dst, np.int64)
-    keep = src != dst
-    src, dst = src[keep], dst[keep]
-    m = len(src)
-    empty = np.zeros(0, np.int64)
-    if m == 0:
-        return MoveSchedule(empty, empty, np.zeros(1, np.int64), empty, empty, 0.0)
-    reader = np.full(num_pages, -1, np.int64)
-    reader[src] = np.arange(m)
-    blocker = reader[dst]  # the move that reads my destination (must run first); -1 if none
-    depth, on_cycle = _chain_depth(blocker)
-    is_rep = np.zeros(m, bool)
-    if on_cycle.any():
-        cyc = np.flatnonzero(on_cycle)
-        low = np.arange(m)
-        nx = blocker.copy()
-        for _ in range(max(1, math.ceil(math.log2(m + 1))) + 1):
-            low_new = np.minimum(low[cyc], low[nx[cyc]])
-            nx_new = nx[nx[cyc]]
-            low[cyc] = low_new
-            nx[cyc] = nx_new
-        reps = cyc[low[cyc] == cyc]
-        is_rep[reps] = True
-        blocks = np.full(m, -1, np.int64)  # blocks[j] = the move j blocks
-        has = blocker >= 0
-        blocks[blocker[has]] = np.flatnonzero(has)
-        cut = blocker.copy()
-        cut[blocks[reps]] = -1  # the rep's source is saved first: what it blocked is free to go
-        depth, on_cycle = _chain_depth(cut)
-        assert not on_cycle.any()
-    d = np.where(is_rep, -1, depth)
-    maxd = int(d.max()) if (~is_rep).any() else -1
-    n_rep = int(is_rep.sum())
-    counts = np.bincount(d[~is_rep], minlength=maxd + 1) if maxd >= 0 else np.zeros(0, np.int64)
-    ge = np.concatenate([np.cumsum(counts[::-1])[::-1], [0]])  # ge[k] = #moves of depth >= k
-    ks = np.arange(1, maxd + 2) if maxd >= 0 else np.array([0])
-    scratch = n_rep + ge[ks]
-    launches = ks + np.where(scratch > 0, 2, 0)
-    cost = (2 * m + 2 * scratch) * unit_bytes / bytes_per_s + launches * launch_s
-    feasible = (scratch * unit_bytes <= scratch_budget_bytes) | (ks == ks[-1])
-    cost = np.where(feasible, cost, np.inf)
-    best = int(np.argmin(cost))
-    k = int(ks[best])
-    direct = (~is_rep) & (d < k)
-    idx = np.flatnonzero(direct)
-    order = idx[np.argsort(d[idx], kind="stable")]
-    bounds = np.searchsorted(d[order], np.arange(k + 1), side="left")
-    via = np.flatnonzero(~direct)
-    return MoveSchedule(src[order], dst[order], bounds.astype(np.int64), src[via], dst[via], float(cost[best]))
-
-
-def check_schedule(s: MoveSchedule, num_pages: int) -> None:
-    """Raise ``AssertionError`` unless every launch of ``s`` is hazard-free: each page a move
-    reads is written (by another move) only at a later stage, and no page is written twice."""
-    src = np.concatenate([s.src, s.scratch_src])
-    dst = np.concatenate([s.dst, s.scratch_dst])
-    read, write = s.stages()
-    assert len(np.unique(src)) == len(src), "a page is the source of two moves"
-    assert len(np.unique(dst)) == len(dst), "a page is the destination of two moves"
-    assert not (src == dst).any(), "a move onto itself"
-    assert np.all(np.diff(s.level_bounds) >= 0)
-    wstage = np.full(num_pages, np.iinfo(np.int64).max, np.int64)
-    wstage[dst] = write
-    bad = wstage[src] <= read
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise AssertionError(
-            f"move {i} reads page {src[i]} at stage {read[i]} but it is overwritten at stage {wstage[src[i]]}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Errors, reports, policy
-
-
-class KVPoolError(RuntimeError):
-    """Base class of the pool's capacity errors (the pool is left unchanged)."""
-
-
-class PoolFullError(KVPoolError):
-    """Not enough free pages (or sequence rows) for an allocation; nothing was changed."""
-
-    def __init__(self, msg: str, requested: int = 0, available: int = 0):
-        super().__init__(msg)
-        self.requested = requested
-        self.available = available
-
-
-class SequenceTooLongError(KVPoolError):
-    """A sequence would exceed ``max_seq_len`` (its page-table row); nothing was changed."""
-
-
-class StalePlanError(RuntimeError):
-    """A defragmentation plan was applied after the pool changed."""
-
-
-@dataclass
-class FragStats:
-    """Fragmentation of the pool (from :meth:`KVPool.fragmentation`).
-
-    ``runs[i]``: maximal runs of consecutive ascending pages in sequence ``seq_ids[i]``'s table
-    (1 = contiguous). ``high_water``: 1 + the highest page in use. ``largest_free_run``: the
-    longest range of consecutive free pages."""
-
-    seq_ids: list
-    tokens: list
-    pages: list
-    runs: list
-    num_pages: int
-    free_pages: int
-    high_water: int
-    free_runs: int
-    largest_free_run: int
-
-    @property
-    def total_runs(self) -> int:
-        return int(sum(self.runs))
-
-    @property
-    def frag_ratio(self) -> float:
-        """Fraction of page boundaries inside sequences that jump: 0 contiguous, 1 no two adjacent."""
-        jumps = sum(max(r - 1, 0) for r in self.runs)
-        bounds = sum(max(p - 1, 0) for p in self.pages)
-        return jumps / bounds if bounds else 0.0
-
-    def runs_per_1k_tokens(self, i: int) -> float:
-        return 1024.0 * self.runs[i] / max(self.tokens[i], 1)
-
-
-@dataclass
-class DefragPlan:
-    """Host plan of :meth:`KVPool.apply_defragment` (valid while the pool is unchanged)."""
-
-    version: int
-    seq_ids: list  # sequences that move
-    new_start: list  # their first page after the move
-    skipped: list  # chosen sequences that found no contiguous room (left as they are)
-    schedule: MoveSchedule
-    moved_pages: np.ndarray  # pages of each moving sequence (its new table: start + arange)
-    live_ids: np.ndarray  # every live sequence and ...
-    live_pages: np.ndarray  # ... its pages (to rebuild the free stack on the device)
-    page_bytes: int  # bytes of one page over all layers
-    plan_seconds: float = 0.0
-    _dev: list | None = field(default=None, repr=False)  # device copies (upload_plan)
-
-    @property
-    def pages_moved(self) -> int:
-        return self.schedule.num_moves
-
-    @property
-    def bytes_moved(self) -> int:
-        """Logical traffic: every moved page read once and written once."""
-        return 2 * self.pages_moved * self.page_bytes
-
-    @property
-    def bytes_extra(self) -> int:
-        """Extra traffic through the scratch buffer."""
-        return 2 * len(self.schedule.scratch_src) * self.page_bytes
-
-
-@dataclass
-class DefragReport:
-    seq_ids: list
-    skipped: list
-    pages_moved: int
-    bytes_moved: int
-    bytes_extra: int
-    levels: int
-    scratch_pages: int
-    launches: int
-    plan_seconds: float
-
-
-@dataclass
-class ThresholdPolicy:
-    """Defragmentation trigger: every ``check_every`` committed steps, read the fragmentation and
-    compact the sequences of at least ``min_tokens`` tokens whose KV is split into more than
-    ``max_runs_per_1k_tokens`` runs per 1024 tokens. Page size 1 with fully scattered slots has
-    ~1024 runs per 1k tokens; contiguous has ~0.
-
-    The default threshold is provisional: measure with ``python -m kdtree_engine.kvpool_bench``
-    (the steps-to-pay-back figure) and set it from that."""
-
-    max_runs_per_1k_tokens: float = 64.0
-    min_tokens: int = 4096
-    check_every: int = 256
-
-    def select(self, stats: FragStats) -> list:
-        return [
-            s for i, s in enumerate(stats.seq_ids)
-            if stats.tokens[i] >= self.min_tokens and stats.runs_per_1k_tokens(i) > self.max_runs_per_1k_tokens
-        ]
 
 
 @dataclass
@@ -897,9 +380,13 @@ class KVPool:
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor, layer: int | None = 0) -> None:
         """Scatter KV rows to slots in one op: ``rows [T, 576]`` into ``layer``, or
-        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``."""
+        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``. ``slots [T]`` int64.
+        Any strides (broadcast rows included); ``rows`` must not be a view of the pool's own cache
+        (``ValueError``: it would be read while written; gather a copy first)."""
         for name, t in (("slots", slots), ("rows", rows)):
             self._check_device(name, t)
+        if rows.untyped_storage().data_ptr() == self._store.untyped_storage().data_ptr():
+            raise ValueError("rows is a view of the pool's own cache: pass a copy (e.g. kv_cache().view(-1, 576)[idx])")
         if rows.dtype != self.dtype:
             raise TypeError(f"rows must be {self.dtype}, got {rows.dtype}")
         if slots.dim() != 1:
@@ -945,14 +432,38 @@ class KVPool:
         page_table = self._table[:, :cols].index_select(0, rows)
         return page_table, self._lens_d.index_select(0, rows)
 
-    def qo_indptr(self, seq_ids) -> torch.Tensor:
-        """``[B+1]`` int32 cumulative tree sizes (verify's ``qo_indptr``), from host tree sizes."""
+    def reserve_step(self, seq_ids, tree: DraftTree) -> VerifyStep:
+        """Reserve the draft trees of a decode step and hand back all its verify inputs.
+
+        ``tree``: the B sequences' trees (:class:`~kdtree_engine.ddtree.DraftTree` on the pool's
+        device, tree b for ``seq_ids[b]``); node j of sequence b goes to position ``P_b + j``
+        (:meth:`reserve_tree`). Returns the :class:`VerifyStep`: slots, page table, lengths,
+        ``qo_indptr``, mask, node tokens and RoPE positions, and the host lengths of the plan.
+        No sync; raises like :meth:`reserve_tree` before changing anything."""
         ids = self._ids(seq_ids)
-        n = self._tree[ids]
-        if (n < 1).any():
-            raise ValueError("every sequence needs a reserved tree")
-        (t,) = self._to_device(np.concatenate([[0], np.cumsum(n)]))
-        return t.to(torch.int32)
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+        if tree.batch_size != len(ids):
+            raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
+        self._check_device("tree", tree.tokens)
+        sizes = np.asarray(tree.num_nodes_host, np.int64)
+        prefix = self._len[ids].copy()
+        slots = self.reserve_tree(ids, sizes)
+        page_table, kv_lens = self.verify_inputs(ids)
+        (prefix_d,) = self._to_device(prefix)
+        vb = compile_tree(tree, prefix_d)
+        return VerifyStep(
+            seq_ids=tuple(int(s) for s in ids),
+            tokens=vb.input_ids,
+            rope_pos=vb.positions,
+            slots=slots,
+            page_table=page_table,
+            kv_lens=kv_lens,
+            qo_indptr=vb.qo_indptr,
+            tree_mask=vb.tree_mask,
+            kv_lens_host=tuple(int(x) for x in prefix + sizes),
+            qo_indptr_host=tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)])),
+        )
 
     # ------------------------------------------------------------------ commit
 
@@ -997,7 +508,8 @@ class KVPool:
             self._check_accepted(ids, accepted, num_accepted)
         rows = self.device_rows(ids)
         if self.use_triton:
-            self._commit_triton(rows, accepted, num_accepted, int(n.max()))
+            launch_commit(self._store, self._table, self._lens_d, self._tree_d, self._stack, self._top, self._done,
+                          self._marks, rows, accepted, num_accepted, int(n.max()))
         else:
             self._commit_torch(rows, accepted, num_accepted, int(n.max()))
         self._pending = _Pending(ids, n.copy(), num_accepted, A)
@@ -1038,7 +550,7 @@ class KVPool:
             top = int(self._top.item())
             lens = self._lens_d[torch.from_numpy(p.ids).to(self.device)].cpu().numpy()
             if top != self._num_free or not np.array_equal(lens, new):
-                raise AssertionError(
+                raise PoolInvariantError(
                     f"host and device disagree after commit (host free {self._num_free}, device top "
                     f"{top}; host lens {new.tolist()}, device {lens.tolist()}): was num_accepted_host "
                     f"the same as num_accepted?")
@@ -1055,27 +567,6 @@ class KVPool:
             path = acc[b, :a]
             if (path < 0).any() or (path >= n).any() or len(np.unique(path)) != a:
                 raise ValueError(f"accepted[{b}, :{a}]={path.tolist()} must be distinct nodes in [0, {n})")
-
-    def _commit_triton(self, rows, accepted, num_accepted, n_max: int) -> None:
-        B, A = accepted.shape
-        ps = self.page_size
-        block_a = _pow2(A)
-        if ps == 1:
-            grid = (B, 1)
-            block_d = 64
-        else:
-            grid = (B, self.num_layers)
-            block_d = max(1, min(64, 4096 // block_a))
-        _commit_kernel[grid](
-            rows, accepted, num_accepted, self._table, self._lens_d, self._tree_d, self._stack,
-            self._top, self._done, self._marks, self._store,
-            accepted.stride(0), self._table.stride(0), self._store.stride(0),
-            B, A, grid[0] * grid[1],
-            PAGE_SIZE=ps, D_ROW=D,
-            BLOCK_B=_pow2(B), BLOCK_A=block_a, BLOCK_N=_pow2(n_max),
-            BLOCK_F=_pow2(_cdiv(n_max, ps) + 1), BLOCK_D=block_d,
-            num_warps=4,
-        )
 
     def _commit_torch(self, rows, accepted, num_accepted, n_max: int) -> None:
         """The commit with torch ops only (fixed shapes, no sync); same result as the kernel."""
@@ -1193,30 +684,37 @@ class KVPool:
         )
 
     def check(self) -> None:
-        """Verify the invariants (one device read); raise ``AssertionError`` naming the first
-        violation: every page is either in exactly one live sequence or on the free stack exactly
-        once; device lengths, tree sizes and stack top equal the host's."""
+        """Verify the invariants (one device read); raise :class:`PoolInvariantError` naming the
+        first violation: every page is either in exactly one live sequence or on the free stack
+        exactly once; device lengths, tree sizes and stack top equal the host's."""
         self._require_idle("check")
         ids = self._ids(self.live_sequences())
         pages, _ = self._read_tables(ids)
         nf = self._num_free
         free = self._stack[:nf].cpu().numpy().astype(np.int64)
         top = int(self._top.item())
-        assert top == nf, f"device stack top {top} != host free count {nf}"
-        assert int(self._done.item()) == 0, "commit counter not reset"
-        assert int(self._marks.abs().sum().item()) == 0, "commit marks not cleared"
+        if top != nf:
+            raise PoolInvariantError(f"device stack top {top} != host free count {nf}")
+        if int(self._done.item()) != 0:
+            raise PoolInvariantError("commit counter not reset")
+        if int(self._marks.abs().sum().item()) != 0:
+            raise PoolInvariantError("commit marks not cleared")
         both = np.concatenate([pages, free])
-        assert both.size == 0 or (both.min() >= 0 and both.max() < self.num_pages), "page id out of range"
+        if both.size and (both.min() < 0 or both.max() >= self.num_pages):
+            raise PoolInvariantError(f"page id out of range [0, {self.num_pages}): {int(both.min())}..{int(both.max())}")
         cnt = np.bincount(both, minlength=self.num_pages)
         if (cnt != 1).any():
             p = int(np.flatnonzero(cnt != 1)[0])
-            raise AssertionError(
+            raise PoolInvariantError(
                 f"page {p} appears {int(cnt[p])} times (in use {int((pages == p).sum())}, free {int((free == p).sum())})")
         lens = self._lens_d.cpu().numpy()
         tree = self._tree_d.cpu().numpy()
-        assert np.array_equal(lens[self._live], self._len[self._live]), "device lengths != host lengths"
-        assert np.array_equal(tree[self._live], self._tree[self._live]), "device tree sizes != host"
-        assert (self._len[self._live] <= self.max_seq_len).all()
+        if not np.array_equal(lens[self._live], self._len[self._live]):
+            raise PoolInvariantError("device lengths != host lengths")
+        if not np.array_equal(tree[self._live], self._tree[self._live]):
+            raise PoolInvariantError("device tree sizes != host")
+        if (self._len[self._live] > self.max_seq_len).any():
+            raise PoolInvariantError(f"a sequence is longer than max_seq_len={self.max_seq_len}")
 
     def shuffle_free_pages(self, seed: int = 0) -> None:
         """Randomly permute the free stack (tests and benchmarks: the state after many steps,
@@ -1363,12 +861,12 @@ class KVPool:
         if ns:
             scratch = torch.empty((self.num_layers, ns, self.page_size, D), dtype=self.dtype, device=self.device)
             seq = torch.arange(ns, device=self.device, dtype=src_d.dtype)
-            _copy_pages(self._store, scratch, ssrc_d, seq, self.use_triton)
+            copy_pages(self._store, scratch, ssrc_d, seq, self.use_triton)
         for k in range(s.levels):
             lo, hi = int(s.level_bounds[k]), int(s.level_bounds[k + 1])
-            _copy_pages(self._store, self._store, src_d[lo:hi], dst_d[lo:hi], self.use_triton)
+            copy_pages(self._store, self._store, src_d[lo:hi], dst_d[lo:hi], self.use_triton)
         if ns:
-            _copy_pages(scratch, self._store, seq, sdst_d, self.use_triton)
+            copy_pages(scratch, self._store, seq, sdst_d, self.use_triton)
 
     def apply_defragment(self, plan: DefragPlan) -> DefragReport:
         """Run a plan: the page moves (scratch gather, one launch per level, scratch scatter),
