@@ -26,7 +26,7 @@ from kdtree_engine.bench.shapes import (
     set_bytes,
 )
 from kdtree_engine.masks import unpack_tree_mask
-from kdtree_engine.verify.api import check_content, check_inputs
+from kdtree_engine.verify.contract import check_content, check_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as in conftest.py
 

@@ -31,7 +31,7 @@ def available_kernels() -> list[str]:
     """Kernels of ``verify_attention`` that import in this build."""
     kernels = ["naive"]
     try:
-        from .verify import flash  # noqa: F401
+        from .verify import triton_flash  # noqa: F401
     except ImportError:
         return kernels
     return kernels + ["flash"]

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreting
-from .verify.api import D_QK
+from .verify.contract import D_QK
 
 __all__ = [
     "KVPool",

@@ -52,7 +52,7 @@ import torch
 from .kvpool import KVPool, _canonical_device
 from .masks import tree_mask_from_parents
 from .testing import random_tree
-from .verify.api import D_QK, D_V, verify_attention
+from .verify import D_QK, D_V, verify_attention
 
 __all__ = ["run_benchmark", "main"]
 
@@ -191,10 +191,10 @@ def _make_tree(heads: int, nodes: int, seed: int, device) -> _Tree:
 
 
 def _flash_plan(args: dict):
-    """A flash plan from ``kdtree_engine.verify.flash.plan_verify`` when its parameters can be
+    """A flash plan from ``kdtree_engine.verify.plan_verify`` when its parameters can be
     filled by name from what we have; else None (the flash call then plans itself)."""
     try:
-        from .verify.flash import plan_verify
+        from .verify import plan_verify
     except Exception as e:
         return None, f"no plan_verify ({type(e).__name__})"
     try:

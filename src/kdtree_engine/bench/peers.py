@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..verify.api import D_QK, D_V
+from ..verify.contract import D_QK, D_V
 from .shapes import BenchCase, Shape
 
 __all__ = ["Impl", "Prepared", "Unavailable", "PlanBindError", "bind_by_name", "TorchSDPA", "SGLangExtend", "FlashInferPrefill", "detect_peers"]

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..verify.api import D_QK, D_ROPE, D_V
+from ..verify.contract import D_QK, D_ROPE, D_V
 
 __all__ = [
     "MLARunner",

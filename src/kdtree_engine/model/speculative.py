@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ddtree import accept_greedy, build_ddtree, compile_tree, tree_from_parents
-from ..verify.api import D_QK
+from ..verify import plan_verify
+from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
 from .mla import MLARunner, StepBatch, StepTimer
 
@@ -401,10 +402,6 @@ def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Seq
 def _flash_plan(runner: MLARunner, kv_lens: list[int], tree_sizes: Sequence[int]):
     """The flash kernel's per-step plan (built once per step, reused by every layer), if it has one."""
     if runner.kernel not in ("flash", "auto") or runner.device.type != "cuda":
-        return None
-    try:
-        from ..verify.flash import plan_verify
-    except ImportError:
         return None
     qo = [0]
     for n in tree_sizes:
