@@ -71,12 +71,18 @@ def _check_writable(name, t, inputs):
                 f"an output must give every element its own memory"
             )
         reach = st * (n - 1) + reach
-    lo, hi = _span(t)
+    storage = t.untyped_storage().data_ptr()
+    lo, hi = None, None
     for other_name, other in inputs:
-        if other is not None and other.numel() > 0:
-            o_lo, o_hi = _span(other)
-            if lo < o_hi and o_lo < hi:
-                raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
+        # byte ranges only for a shared storage (two storages over one allocation, e.g. through
+        # DLPack, are not detected)
+        if other is None or other.numel() == 0 or other.untyped_storage().data_ptr() != storage:
+            continue
+        if lo is None:
+            lo, hi = _span(t)
+        o_lo, o_hi = _span(other)
+        if lo < o_hi and o_lo < hi:
+            raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
 
 
 def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
