@@ -52,13 +52,17 @@ def test_run_matches_verify_attention_and_reference(name, kernel):
 
 def test_replan_reuses_the_workspace():
     """New lengths (other B, tree sizes, prefixes) planned into the same buffers: no reallocation,
-    right answers each time, including a plan that splits KV and one that does not."""
+    right answers each time, including a plan that splits KV, one that does not, and one that
+    reuses the previous schedule (same tile counts)."""
     attn = VerifyAttention(3, 24, 2, DEVICE, num_programs=6)
     ws = attn.workspace
     buffers = [ws.kv_lens_buf, ws.qo_indptr_buf, *ws.tables[1:7]]
     ptrs = [t.data_ptr() for t in buffers]
+    tree = random_tree(24, G)
     specs = [
-        CaseSpec("a", 2, [60, 5, 0], [random_tree(7, G), random_tree(24, G), [-1]], page_size=1, seed=3),
+        CaseSpec("a", 2, [60, 5, 0], [random_tree(7, G), tree, [-1]], page_size=1, seed=3),
+        # one token more per sequence: the same tile counts (the kept schedule, new last-tile ends)
+        CaseSpec("a+1", 2, [61, 6, 1], [[-1, 0, 0, 1, 1, 2, 3], tree, [-1]], page_size=1, seed=3),
         CaseSpec("b", 2, [1], [random_tree(3, G)], page_size=16, seed=4),
         CaseSpec("c", 2, [90, 33], [chain_tree(12), random_tree(2, G)], page_size=1, seed=5),
     ]

@@ -76,6 +76,10 @@ MIN_SPLIT_TILES = 4  # the line schedule does not cut a segment into pieces shor
 # fp32 written per program at ~32 GB/s per SM). Measured on the H200 (docs/perf_log.md, run 9):
 # ~16 us per extra segment against ~4.4 us per 64 x 64 tile.
 SEGMENT_COST_TILES = 3
+# Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
+# tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
+# the lengths and the last tile's end
+SCHEDULE_CACHE = 64
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -269,6 +273,9 @@ class VerifyPlan:
     partials ``[4 * P, BLOCK_M, 512]`` + ``[4 * P, BLOCK_M]`` float32 (P = programs of the grid:
     a schedule has at most 2P more segments than row blocks, so at most 4P partials). Calls that
     share a plan must run one after another on one stream (they share the partials).
+
+    ``schedule_cache``: schedules kept by (row blocks, KV tiles) per sequence (host memory only;
+    0: compute every plan's schedule).
     """
 
     def __init__(
@@ -280,6 +287,7 @@ class VerifyPlan:
         *,
         config: FlashConfig | None = None,
         num_programs: int | None = None,
+        schedule_cache: int = SCHEDULE_CACHE,
     ):
         for name, v, hi in (("max_batch", max_batch, 1 << 20), ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
                             ("num_heads", num_heads, MAX_HEADS), ("num_programs", num_programs or 1, 1 << 20)):
@@ -328,7 +336,12 @@ class VerifyPlan:
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
         self.kv_lens_host = self.qo_indptr_host = None
+        self.kv_lens = self.kv_lens_buf[:0]  # [B] int32 device view of the planned lengths (fixed address)
+        self.qo_indptr = self.qo_indptr_buf[:1]  # [B + 1] int32 device view of the planned row offsets
         self.max_kv_len = self.max_nodes = 0
+        self._schedules: dict[bytes, tuple] = {}  # (row blocks, tiles) -> tables, least recently used first
+        self._cache_size = schedule_cache
+        self._staged = None  # the key whose tables the staging buffer holds
 
     @property
     def num_programs(self) -> int:
@@ -337,16 +350,6 @@ class VerifyPlan:
     @property
     def num_groups(self) -> int:
         return self.tables.num_groups
-
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        """``[B]`` int32 device view of the planned KV lengths (fixed address)."""
-        return self.kv_lens_buf[: self.num_seqs]
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        """``[B + 1]`` int32 device view of the planned row offsets (fixed address)."""
-        return self.qo_indptr_buf[: self.num_seqs + 1]
 
     def plan(self, kv_lens, qo_indptr) -> VerifyPlan:
         """Schedule a step: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]`` as host data (lists,
@@ -361,53 +364,68 @@ class VerifyPlan:
         if B > self.max_batch:
             raise ValueError(f"kv_lens has {B} sequences; this plan holds at most max_batch={self.max_batch}")
         n = qo[1:] - qo[:-1]
-        if n.max() > self.max_tree_nodes:
-            raise ValueError(f"qo_indptr gives a tree of {int(n.max())} nodes; "
+        n_max = int(n.max())
+        if n_max > self.max_tree_nodes:
+            raise ValueError(f"qo_indptr gives a tree of {n_max} nodes; "
                              f"this plan holds at most max_tree_nodes={self.max_tree_nodes}")
-        cfg, H, P = self.config, self.num_heads, self.num_programs
-        bm, bn = cfg.block_m, cfg.block_n
-        R = -(-n * H // bm)
-        pieces = schedule(R, -(-kv // bn), P)
-        seq, row, t0, t1, prog = pieces
-        # partial slots: the pieces of a split row block, consecutive, in program order
+        bm, bn = self.config.block_m, self.config.block_n
+        R, T = -(-n * self.num_heads // bm), -(-kv // bn)
+        key = R.tobytes() + T.tobytes()
+        tables = self._schedules.pop(key, None)
+        if tables is None:
+            tables = self._schedule_tables(R, T)
+            if self._schedules and len(self._schedules) >= self._cache_size:
+                del self._schedules[next(iter(self._schedules))]  # the least recently used
+        if self._cache_size:
+            self._schedules[key] = tables
+        first, seg, seg_tile_end, grp, flash_tables = tables
+        S, num_groups = seg.shape[1], grp.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous plan's copy has left the staging buffer
+        h = self._h
+        h["kv_lens"][:B] = kv
+        h["qo_indptr"][: B + 1] = qo
+        if key != self._staged:  # the tables of the same tile counts are in the staging buffer already
+            h["prog_first_seg"][:] = first
+            h["group_count"][0] = num_groups
+            h["segments"][:, :S] = seg
+            h["groups"][:, :num_groups] = grp
+            self._staged = key
+        h["segments"][3, :S] = np.minimum(seg_tile_end, kv[seg[0]])  # a sequence's last tile ends at its length
+        if self._copied is not None:
+            self._dev.copy_(self._host, non_blocking=True)
+            self._copied.record()
+        if B != self.num_seqs:
+            self.kv_lens = self.kv_lens_buf[:B]
+            self.qo_indptr = self.qo_indptr_buf[: B + 1]
+        self.num_seqs, self.num_rows, self.num_segments = B, int(qo[-1]), S
+        self.kv_lens_host, self.qo_indptr_host = kv, qo
+        self.max_kv_len, self.max_nodes = int(kv.max()), n_max
+        self.tables = flash_tables
+        return self
+
+    def _schedule_tables(self, R: np.ndarray, T: np.ndarray):
+        """The tables of one (row blocks, KV tiles) per sequence: ``prog_first_seg [P + 1]``,
+        segments ``[5, S]`` int32 (kv_end at the tile boundary), the tile ends ``[S]``, groups
+        ``[4, G]`` int32, and the :class:`FlashTables` that carry G to the launcher."""
+        bm, bn, P = self.config.block_m, self.config.block_n, self.num_programs
+        seq, row, t0, t1, prog = schedule(R, T, P)
+        # partial slots: the pieces of a split row block get consecutive slots
         key = (np.cumsum(R) - R)[seq] + row
         split = np.bincount(key, minlength=int(R.sum()))[key] > 1
         slot = np.full(len(seq), -1, dtype=np.int64)
         idx = np.flatnonzero(split)
         idx = idx[np.argsort(key[idx], kind="stable")]
         slot[idx] = np.arange(len(idx))
-        first = np.flatnonzero(np.diff(key[idx], prepend=-1)) if len(idx) else idx
-        num_groups = len(first)
-        if len(seq) > self._h["segments"].shape[1] or len(idx) > self._part_cap or num_groups > self._h["groups"].shape[1]:
+        first = np.flatnonzero(np.diff(key[idx], prepend=-1))
+        if len(seq) > self._h["segments"].shape[1] or len(idx) > self._part_cap or len(first) > self._h["groups"].shape[1]:
             raise RuntimeError(f"schedule exceeds its proven bounds ({len(seq)} segments, {len(idx)} partials, "
-                               f"{num_groups} groups for P={P}, {int(R.sum())} row blocks)")
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous plan's copy has left the staging buffer
-        h = self._h
-        h["kv_lens"][:B] = kv
-        h["qo_indptr"][: B + 1] = qo
-        h["prog_first_seg"][:] = np.searchsorted(prog, np.arange(P + 1))
-        h["group_count"][0] = num_groups
-        sg = h["segments"]
-        sg[0, : len(seq)] = seq
-        sg[1, : len(seq)] = row * bm
-        sg[2, : len(seq)] = t0 * bn
-        sg[3, : len(seq)] = np.minimum(t1 * bn, kv[seq])
-        sg[4, : len(seq)] = slot
-        gp = h["groups"]
-        g_keys = idx[first]
-        gp[0, :num_groups] = seq[g_keys]
-        gp[1, :num_groups] = row[g_keys] * bm
-        gp[2, :num_groups] = first
-        gp[3, :num_groups] = np.diff(first, append=len(idx))
-        if self._copied is not None:
-            self._dev.copy_(self._host, non_blocking=True)
-            self._copied.record()
-        self.num_seqs, self.num_rows, self.num_segments = B, int(qo[-1]), len(seq)
-        self.kv_lens_host, self.qo_indptr_host = kv, qo
-        self.max_kv_len, self.max_nodes = int(kv.max()), int(n.max())
-        self.tables = self._tables._replace(num_groups=num_groups)
-        return self
+                               f"{len(first)} groups for P={P}, {int(R.sum())} row blocks)")
+        segments = np.stack([seq, row * bm, t0 * bn, t1 * bn, slot]).astype(np.int32)
+        g = idx[first]
+        groups = np.stack([seq[g], row[g] * bm, first, np.diff(first, append=len(idx))]).astype(np.int32)
+        first_seg = np.searchsorted(prog, np.arange(P + 1)).astype(np.int32)
+        return first_seg, segments, t1 * bn, groups, self._tables._replace(num_groups=len(first))
 
 
 def plan_verify(
