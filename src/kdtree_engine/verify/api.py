@@ -24,7 +24,7 @@ import torch
 from ..backend import interpreting
 from .contract import D_QK, D_V, check_content, check_inputs, check_lengths
 from .op import KERNELS, launcher, verify_attention_op
-from .plan import FlashConfig, VerifyPlan, plan_verify
+from .plan import FlashConfig, VerifyPlan
 
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
@@ -49,6 +49,23 @@ def _check_backend(device: torch.device) -> None:
             "q is on the CPU: the Triton kernels run there only under the interpreter; "
             "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"
         )
+
+
+# The workspaces verify_attention plans into when it is given no plan, one per (device, heads,
+# stream), grown to the largest batch and tree seen: an unplanned call costs its sync and its plan,
+# not a workspace's allocations. Calls on one stream run in order, so they may share one.
+_UNPLANNED: dict[tuple, VerifyPlan] = {}
+
+
+def _unplanned_workspace(kv, qo, num_heads: int, device: torch.device) -> VerifyPlan:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, num_heads, stream)
+    ws = _UNPLANNED.get(key)
+    B, n_max = kv.shape[0], int((qo[1:] - qo[:-1]).max())
+    if ws is None or B > ws.max_batch or n_max > ws.max_tree_nodes:
+        grown = (1, 1) if ws is None else (ws.max_batch, ws.max_tree_nodes)
+        ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(n_max, grown[1]), num_heads, device)
+    return ws
 
 
 def _check_plan(plan: VerifyPlan, T: int, H: int, B: int, device: torch.device) -> None:
@@ -105,8 +122,8 @@ def verify_attention(
             :func:`~kdtree_engine.verify.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
             be captured in a CUDA graph. Without it one is built here from a host copy of the
-            lengths (one device sync), and the length checks run on that copy. The fast path is
-            :class:`VerifyAttention`.
+            lengths (one device sync), and the length checks run on that copy, into a workspace
+            kept per (device, heads, stream). The fast path is :class:`VerifyAttention`.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
             tensors, the length checks (incl. mask width) when the flash path has host lengths.
@@ -126,7 +143,7 @@ def verify_attention(
     if kernel == "flash":
         if plan is None:  # from a host copy of the lengths: the one sync of an unplanned call
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
-            plan = plan_verify(kv, qo, info.num_heads, q.device)
+            plan = _unplanned_workspace(kv, qo, info.num_heads, q.device).plan(kv, qo)
         else:
             _check_plan(plan, info.num_rows, info.num_heads, info.num_seqs, q.device)
             if validate is None and q.device.type != "cpu":
