@@ -177,7 +177,10 @@ class VerifyAttention:
 
     The workspace (:class:`~kdtree_engine.verify.plan.VerifyPlan`): device lengths
     ``kv_lens [max_batch]`` / ``qo_indptr [max_batch + 1]``, the schedule tables and the partial
-    buffers, all at fixed addresses; the kernels' grids are fixed too (programs without work exit).
+    buffers, all at fixed addresses; the flash kernels' grids are fixed too (programs without work
+    exit). No KV-length maximum is needed: the tables are bounded by the row blocks plus twice the
+    grid, whatever the KV length. The naive kernel's grid is ``[T, H]``: a graph captured around
+    it replays only plans of the same T.
     """
 
     def __init__(self, max_batch: int, max_tree_nodes: int, num_heads: int, device: str | torch.device = "cuda",
