@@ -21,15 +21,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kdtree_engine.verify import flash
+from kdtree_engine.verify import plan, triton_flash
 
 POINTERS = {"q": "*bf16", "kv": "*bf16", "out": "*bf16", "lse": "*fp32", "partial_out": "*fp32", "partial_lse": "*fp32"}
 # strides a launch passes as multiples of 16 (head dims 576 / 512): Triton marks them divisible
 DIVISIBLE = ("stride_qt", "stride_qh", "stride_kvp", "stride_kvs", "stride_ot", "stride_oh", "stride_lt")
 
 
-def compile_config(cfg: flash.FlashConfig, cc: int, heads: int, page_size: int):
-    kern = flash._verify_flash_kernel
+def compile_config(cfg: plan.FlashConfig, cc: int, heads: int, page_size: int):
+    kern = triton_flash._verify_flash_kernel
     constexprs = dict(H=heads, PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       D_LATENT=512, D_ROPE=64, DOT_FP32=False)
     sig = {}
@@ -72,14 +72,14 @@ def ptxas_report(ptx: str, cc: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cc", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 120")
-    p.add_argument("--configs", default=",".join(f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}" for c in flash.CONFIGS))
+    p.add_argument("--configs", default=",".join(f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}" for c in plan.CONFIGS))
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--dump", type=Path, help="write <config>.ttgir / .ptx here")
     a = p.parse_args()
     for text in a.configs.split(","):
         bm, bn, w, s = (int(x) for x in text.split("x"))
-        cfg = flash.FlashConfig(bm, bn, w, s)
+        cfg = plan.FlashConfig(bm, bn, w, s)
         try:
             ck = compile_config(cfg, a.cc, a.heads, a.page_size)
         except Exception as exc:  # report and go on: a config may not compile for this target

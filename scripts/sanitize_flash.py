@@ -10,7 +10,7 @@ import torch
 
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, compare, random_tree
-from kdtree_engine.verify.flash import plan_verify
+from kdtree_engine.verify import plan_verify
 
 gen = torch.Generator().manual_seed(0)
 for page_size in (1, 16):

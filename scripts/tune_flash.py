@@ -20,8 +20,8 @@ from kdtree_engine import reference, verify_attention
 from kdtree_engine.bench.timing import measure_ceilings
 from kdtree_engine.testing import TOLERANCES, compare, random_tree
 from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
-from kdtree_engine.verify import flash
-from kdtree_engine.verify.flash import FlashConfig, plan_verify
+from kdtree_engine.verify import triton_flash
+from kdtree_engine.verify.plan import FlashConfig, plan_verify
 
 
 def time_graph(fn, reps: int = 50) -> float:
@@ -113,7 +113,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ok = compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
                     compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
-                rep = compiled_report(flash._verify_flash_kernel)
+                rep = compiled_report(triton_flash._verify_flash_kernel)
                 t = time_graph(lambda: verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse))
             except Exception as exc:  # a config that does not compile or fit: report, go on
                 print(f"{shape_text:>22} {cfg_text:>12}  ERROR {type(exc).__name__}: {str(exc)[:120]}")

@@ -14,7 +14,7 @@ import torch
 
 from conftest import DEVICE
 from kdtree_engine.bench import cli, timing
-from kdtree_engine.bench.peers import PlanBindError, Prepared, TorchSDPA, bind_by_name
+from kdtree_engine.bench.peers import Prepared, TorchSDPA
 from kdtree_engine.bench.runner import OursImpl, Row, SweepOptions, crossovers, run_sweep
 from kdtree_engine.bench.shapes import (
     DEFAULT_PREFIXES,
@@ -27,7 +27,7 @@ from kdtree_engine.bench.shapes import (
     set_bytes,
 )
 from kdtree_engine.masks import unpack_tree_mask
-from kdtree_engine.verify.api import check_content, check_inputs
+from kdtree_engine.verify.contract import check_content, check_inputs
 
 
 
@@ -202,24 +202,6 @@ def test_crossovers():
     assert crossovers(rows[:4]) == []  # no flash
 
 
-def test_bind_by_name():
-    def plan_a(kv_lens_host, qo_indptr_host, num_heads, *, page_size=1):
-        return ("a", kv_lens_host, num_heads, page_size)
-
-    def plan_b(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale=None):
-        return ("b", q)
-
-    def plan_c(something_unknown):
-        return None
-
-    avail = {"kv_lens_host": 1, "qo_indptr_host": 2, "num_heads": 64, "page_size": 16, "q": "Q",
-             "kv_cache": 0, "page_table": 0, "kv_lens": 0, "qo_indptr": 0, "tree_mask": 0}
-    assert bind_by_name(plan_a, avail) == ("a", 1, 64, 16)
-    assert bind_by_name(plan_b, avail) == ("b", "Q")
-    with pytest.raises(PlanBindError, match="something_unknown"):
-        bind_by_name(plan_c, avail)
-
-
 # ----------------------------------------------------------------------------------------------
 # timing control flow on a fake device clock (the real thing needs a GPU)
 
@@ -367,47 +349,40 @@ def test_cli_tiny_functional_run(tmp_path, capsys):
         assert all(r["pct_floor"] > 0 for r in data["rows"])
 
 
-def test_flash_detected_and_planned_once_per_shape(monkeypatch):
-    """With a ``kdtree_engine.verify.flash`` that has ``plan_verify``, the harness builds the plan
-    once per shape (outside the timed calls) and passes it to every call. A stand-in module
-    (running the naive kernel) replaces the real one here."""
-    import sys
-    import types
+def test_flash_planned_once_per_shape(monkeypatch):
+    """The harness plans flash once per shape (outside the timed calls) and runs every call of the
+    shape on that plan."""
+    from kdtree_engine.bench import runner
 
-    from kdtree_engine.bench.runner import detect_ours
-    from kdtree_engine.verify.naive import verify_attention_naive
+    seen = {"plans": 0, "runs": 0}
+    real_plan, real_run = runner.VerifyAttention.plan, runner.VerifyAttention.run
 
-    seen = {"plans": 0, "calls": []}
-
-    def plan_verify(kv_lens_host, qo_indptr_host, num_heads, *, page_size=1):
+    def plan(self, *args):
         seen["plans"] += 1
-        return types.SimpleNamespace(kv_lens_host=kv_lens_host, qo_indptr_host=qo_indptr_host, heads=num_heads)
+        return real_plan(self, *args)
 
-    def verify_attention_flash(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
-        seen["calls"].append(plan)
-        verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse)
+    def run(self, *args, **kwargs):
+        seen["runs"] += 1
+        return real_run(self, *args, **kwargs)
 
-    mod = types.ModuleType("kdtree_engine.verify.flash")
-    mod.plan_verify, mod.verify_attention_flash = plan_verify, verify_attention_flash
-    monkeypatch.setitem(sys.modules, "kdtree_engine.verify.flash", mod)
-    impls, notes = detect_ours(["flash"])
+    monkeypatch.setattr(runner.VerifyAttention, "plan", plan)
+    monkeypatch.setattr(runner.VerifyAttention, "run", run)
+    impls, notes = runner.detect_ours(["flash"])
     assert [i.name for i in impls] == ["flash"] and notes == {}
     shapes = [Shape(1, 9, 2, 0, 1), Shape(2, 5, 1, 16, 16)]
     opts = SweepOptions(device=DEVICE, repeats=2, min_repeats=1, budget_s=0.01, check_heads=2)
     rows, abort = run_sweep(shapes, impls, opts, None)
     assert abort is None and [r.status for r in rows] == ["ok", "ok"], rows
-    assert seen["plans"] == 2 and all(r.note == "plan" for r in rows)
-    assert seen["calls"] and all(p is not None and p.heads in (1, 2) for p in seen["calls"])
+    assert seen["plans"] == 2 and seen["runs"] >= 4 and all(r.note == "plan" for r in rows)
 
 
-def test_flash_absent_is_left_out_with_a_note(monkeypatch):
-    import sys
-
+def test_ours_in_order_and_only_as_asked():
     from kdtree_engine.bench.runner import detect_ours
 
-    monkeypatch.setitem(sys.modules, "kdtree_engine.verify.flash", None)  # import raises ImportError
-    impls, notes = detect_ours(None)
-    assert [i.name for i in impls] == ["naive"] and "flash" in notes
+    assert [i.name for i in detect_ours(None)[0]] == ["naive", "flash"]
+    assert [i.name for i in detect_ours(["flash", "torch"])[0]] == ["flash"]
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        OursImpl("fast")
 
 
 def test_table_shows_notes_verbatim():
@@ -488,23 +463,3 @@ def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
     assert ok[1].speedup_vs_naive == pytest.approx(1.0)
     skipped = [r for r in rows if r.shape == huge]
     assert [r.status for r in skipped] == ["skip", "skip"] and "GiB free" in skipped[0].note
-
-
-def test_broken_flash_module_is_left_out(monkeypatch):
-    import sys
-
-    from kdtree_engine.bench.runner import detect_ours
-
-    monkeypatch.delitem(sys.modules, "kdtree_engine.verify.flash", raising=False)
-    import importlib
-
-    real = importlib.import_module
-
-    def fake_import(name, *a, **k):
-        if name == "kdtree_engine.verify.flash":
-            raise SyntaxError("invalid syntax (flash.py, line 1)")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(importlib, "import_module", fake_import)
-    impls, notes = detect_ours(None)
-    assert [i.name for i in impls] == ["naive"] and "SyntaxError" in notes["flash"]

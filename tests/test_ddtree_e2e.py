@@ -22,7 +22,7 @@ from kdtree_engine.ddtree import (
     compile_tree,
     filter_probs,
 )
-from kdtree_engine.verify.api import D_QK, D_V
+from kdtree_engine.verify.contract import D_QK, D_V
 from kdtree_engine.verify.reference import reference
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from kdtree_engine.ddtree import (
     tree_links,
 )
 from kdtree_engine.masks import ancestor_matrix, pack_tree_mask, tree_mask_from_parents
-from kdtree_engine.verify.api import check_content, check_inputs, D_QK
+from kdtree_engine.verify.contract import check_content, check_inputs, D_QK
 
 FIELDS = ("tokens", "parents", "depths", "ranks", "scores")
 

@@ -6,14 +6,16 @@ Without CUDA these run through Triton's interpreter at small sizes (conftest.py)
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import DEVICE, HAS_CUDA, requires_cuda
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
-from kdtree_engine.verify import flash
-from kdtree_engine.verify.flash import CONFIGS, plan_verify
+from kdtree_engine.verify import plan as vplan
+from kdtree_engine.verify import triton_flash
+from kdtree_engine.verify.plan import CONFIGS, plan_verify
 
 KERNELS = ["naive", "flash"]
 G = torch.Generator().manual_seed(1234)
@@ -106,20 +108,22 @@ def test_flash_random_batches_and_program_counts(seed):
     ([130] * 4, [2049] * 4, 132), ([2, 9, 1], [7, 300, 1], 5), ([4], [4], 16), ([1, 1], [1, 1], 1),
 ])
 def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, programs):
-    plan = flash.schedule(row_blocks, tiles, programs)
+    pieces = vplan.schedule(row_blocks, tiles, programs)
     total = sum(r * t for r, t in zip(row_blocks, tiles))
-    assert 1 <= len(plan) <= programs
+    assert list(pieces.prog) == sorted(pieces.prog) and set(pieces.prog.tolist()) <= set(range(programs))
     seen = {}
-    for prog in plan:
-        for b, r, t0, t1 in prog:
-            assert 0 <= t0 < t1 <= tiles[b] and 0 <= r < row_blocks[b]
-            for t in range(t0, t1):
-                seen[b, r, t] = seen.get((b, r, t), 0) + 1
+    for b, r, t0, t1 in zip(*(x.tolist() for x in pieces[:4])):
+        assert 0 <= t0 < t1 <= tiles[b] and 0 <= r < row_blocks[b]
+        for t in range(t0, t1):
+            seen[b, r, t] = seen.get((b, r, t), 0) + 1
     assert len(seen) == total and set(seen.values()) == {1}
-    chunk = math.ceil(total / min(programs, total))
-    line = flash._line_schedule(row_blocks, tiles, min(programs, total), chunk, min(flash.MIN_SPLIT_TILES, chunk // 4))
-    assert flash.schedule_cost(plan) <= flash.schedule_cost(line)
-    assert max(sum(t1 - t0 for *_, t0, t1 in prog) for prog in line) <= chunk + 2 * flash.MIN_SPLIT_TILES
+    P = min(programs, total)
+    chunk = math.ceil(total / P)
+    line = vplan._line_schedule(np.array(row_blocks), np.array(tiles), P, chunk, min(vplan.MIN_SPLIT_TILES, chunk // 4))
+    assert vplan.schedule_cost(pieces) <= vplan.schedule_cost(line)
+    assert vplan.schedule_cost(pieces) >= chunk + vplan.SEGMENT_COST_TILES  # no program can do better
+    load = np.bincount(line.prog, weights=line.t1 - line.t0)
+    assert load.max() <= chunk + 2 * vplan.MIN_SPLIT_TILES
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}")
@@ -199,7 +203,7 @@ def test_flash_long_prefix_many_heads_gpu():
 @requires_cuda
 def test_flash_no_recompile_when_page_table_width_or_mask_words_change():
     """Page-table width and mask words change step to step in a decode loop: one compiled kernel."""
-    cache = flash._verify_flash_kernel.device_caches[torch.cuda.current_device()][0]
+    cache = triton_flash._verify_flash_kernel.device_caches[torch.cuda.current_device()][0]
     for width, nodes in ((40, 5), (48, 5), (64, 40), (65, 33)):
         spec = CaseSpec("widths", 4, [300], [random_tree(nodes, G)], page_size=16)
         c = build_case(spec, "cuda")

@@ -12,12 +12,14 @@ from .masks import (
     tree_mask_from_parents,
     unpack_tree_mask,
 )
-from .verify import D_QK, D_ROPE, D_V, reference, verify_attention
+from .verify import D_QK, D_ROPE, D_V, VerifyAttention, plan_verify, reference, verify_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "VerifyAttention",
     "verify_attention",
+    "plan_verify",
     "reference",
     "pack_tree_mask",
     "unpack_tree_mask",

@@ -52,8 +52,8 @@ from .kvpool import KVPool
 from .kvpool.pool import _canonical_device
 from .masks import tree_mask_from_parents
 from .testing import random_tree
-from .verify.api import D_QK, D_V, verify_attention
-from .verify.flash import plan_verify
+from .verify import D_QK, D_V, verify_attention
+from .verify import plan_verify
 
 __all__ = ["run_benchmark", "main"]
 

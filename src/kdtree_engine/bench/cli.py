@@ -23,7 +23,7 @@ import torch
 from ..backend import select_device
 from ..cliargs import ArgumentParser, UsageError, float_above, guarded, int_in, int_list, prepare_output_dir, prepare_output_file
 from ..masks import MAX_TREE_NODES
-from ..verify.api import MAX_HEADS
+from ..verify.contract import MAX_HEADS
 from .shapes import TREES
 
 __all__ = ["main", "build_parser"]

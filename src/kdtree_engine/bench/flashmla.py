@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from ..testing import chain_tree
-from ..verify.api import D_V
+from ..verify.contract import D_V
 from .peers import Impl, Prepared, Unavailable
 from .shapes import BenchCase, Shape
 

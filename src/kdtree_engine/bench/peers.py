@@ -32,14 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..verify.api import D_QK, D_V
+from ..verify.contract import D_QK, D_V
 from .shapes import BenchCase, Shape
 
-__all__ = ["Impl", "Prepared", "Unavailable", "PlanBindError", "bind_by_name", "TorchSDPA", "SGLangExtend", "FlashInferPrefill", "detect_peers"]
-
-
-class PlanBindError(TypeError):
-    """:func:`bind_by_name` could not supply a required parameter."""
+__all__ = ["Impl", "Prepared", "Unavailable", "TorchSDPA", "SGLangExtend", "FlashInferPrefill", "detect_peers"]
 
 
 class Unavailable(Exception):
@@ -302,23 +298,3 @@ def detect_peers(requested: list[str] | None) -> tuple[list[Impl], dict[str, str
         else:
             notes[cls.name] = why
     return impls, notes
-
-
-def bind_by_name(fn: Callable, available: dict[str, Any]) -> Any:
-    """Call ``fn`` with the arguments it names, taken from ``available``; raise ``TypeError``
-    naming any required parameter that ``available`` lacks."""
-    sig = inspect.signature(fn)
-    args, kwargs, missing = [], {}, []
-    for name, p in sig.parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if name in available:
-            if p.kind is p.POSITIONAL_ONLY:
-                args.append(available[name])
-            else:
-                kwargs[name] = available[name]
-        elif p.default is p.empty:
-            missing.append(name)
-    if missing:
-        raise PlanBindError(f"{getattr(fn, '__name__', fn)}{sig}: cannot supply {missing}")
-    return fn(*args, **kwargs)

@@ -140,7 +140,7 @@ def rows_table(rows, *, cpu: bool, title: str | None = None) -> Table:
         ("B", "right"), ("n", "right"), ("H", "right"), ("prefix", "right"), ("ps", "right"), ("dtype", "left"),
         ("tree", "left"), ("kernel", "left"), ("status", "left"), ("median us" + (" (CPU)" if cpu else ""), "right"), ("±", "right"),
         ("TFLOP/s", "right"), ("TB/s", "right"), ("% floor", "right"), ("x naive", "right"), ("how", "left"),
-        ("note", "left"),
+        ("eager us", "right"), ("graph us", "right"), ("host us", "right"), ("no-plan us", "right"), ("note", "left"),
     ]:
         table.add_column(name, justify=just, overflow="fold", max_width=48 if name == "note" else None)
     last = None
@@ -178,6 +178,10 @@ def rows_table(rows, *, cpu: bool, title: str | None = None) -> Table:
             _f(d["pct_floor"], ".1f"),
             _f(d["speedup_vs_naive"], ".1f"),
             how,
+            _us(d.get("eager_us")),
+            _us(d.get("graph_us")),
+            _us(d.get("host_us")),
+            _us(d.get("unplanned_us")),
             note,
         )
     return table
@@ -199,7 +203,8 @@ def write_json(path: Path, payload: dict) -> Path:
 CSV_FIELDS = [
     "batch", "q_len", "heads", "prefix", "page_size", "dtype", "tree", "kernel", "status", "median_us", "min_us",
     "p25_us", "p75_us", "samples", "calls_per_sample", "method", "tflops", "tbps", "pct_floor", "floor_us",
-    "speedup_vs_naive", "crossover_prefix", "flops", "bytes", "n_sets", "l2_warm", "max_abs_err", "check", "note",
+    "speedup_vs_naive", "crossover_prefix", "flops", "bytes", "n_sets", "l2_warm", "max_abs_err",
+    "eager_us", "graph_us", "host_us", "unplanned_us", "check", "note",
 ]
 
 

@@ -8,7 +8,6 @@ import Triton.
 from __future__ import annotations
 
 import gc
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,106 +15,82 @@ from dataclasses import dataclass, field
 import torch
 
 from ..testing import TOLERANCES, compare
-from ..verify.api import check_content, check_inputs, verify_attention
+from ..verify import KERNELS, VerifyAttention, verify_attention
+from ..verify.contract import check_content, check_inputs
 from ..verify.reference import reference
-from .peers import Impl, PlanBindError, Prepared, Unavailable, bind_by_name
+from .peers import Impl, Prepared, Unavailable
 from .shapes import BenchCase, Shape, build_case, case_bytes, choose_sets, set_bytes
-from .timing import Ceilings, Timing, n_samples, time_cpu, time_cuda
+from .timing import Ceilings, Timing, back_to_back_us, host_us_per_call, n_samples, time_cpu, time_cuda
 
 __all__ = ["OursImpl", "detect_ours", "SweepOptions", "Row", "run_sweep", "estimate", "crossovers"]
 
 
 # ----------------------------------------------------------------------------------------------
-# Our kernels, through the public entry point
+# Our kernels, through the public entry points
 
 
 class OursImpl(Impl):
-    """``verify_attention(..., kernel=name)``; for flash with a plan built once per shape."""
+    """Our kernels: ``naive`` through :func:`verify_attention`; ``flash`` through
+    :class:`VerifyAttention`, planned once per shape (outside the timed region) and run per call.
+
+    For flash, :meth:`host_figures` adds the figures of the Python call itself (see
+    :class:`Row`): eager, host-only, and :func:`verify_attention` without a plan.
+    """
 
     has_lse = True
 
-    def __init__(self, kernel: str, plan_verify: Callable | None = None):
+    def __init__(self, kernel: str):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.name = kernel
         self.kernel = kernel
-        self.plan_verify = plan_verify
-        self.description = f"kdtree_engine verify_attention(kernel={kernel!r})"
+        entry = "VerifyAttention plan/run" if kernel == "flash" else "verify_attention"
+        self.description = f"kdtree_engine {entry} (kernel={kernel!r})"
 
     def est_tflops(self) -> float:
         return 20.0 if self.kernel == "naive" else 250.0
 
-    def build_plan(self, case: BenchCase):
-        sh = case.shape
-        s0 = case.sets[0]
-        available = {
-            **case.inputs(0),
-            # plans are built from HOST lengths (a plan_verify that wants device tensors can name
-            # them *_dev / take q and kv_cache); CPU tensors here mean no device sync
-            "kv_lens": case.kv_lens_host,
-            "qo_indptr": case.qo_indptr_host,
-            "kv_lens_dev": case.kv_lens,
-            "qo_indptr_dev": case.qo_indptr,
-            "kv_lens_host": case.kv_lens_host,
-            "qo_indptr_host": case.qo_indptr_host,
-            "num_heads": sh.heads,
-            "heads": sh.heads,
-            "num_rows": sh.rows,
-            "num_seqs": sh.batch,
-            "page_size": sh.page_size,
-            "max_pages": sh.pages_per_seq,
-            "mask_words": case.tree_mask.shape[1],
-            "dtype": s0.q.dtype,
-            "device": s0.q.device,
-            "sm_scale": case.sm_scale,
-            "max_q_len": sh.q_len,
-            "max_kv_len": sh.kv_len,
-        }
-        return bind_by_name(self.plan_verify, available)
-
     def prepare(self, case: BenchCase) -> Prepared:
-        plan, note = None, ""
-        if self.kernel == "flash":
-            if self.plan_verify is None:
-                note = "no plan_verify: flash plans inside each call (syncs), eager timing"
-            else:
-                try:
-                    plan = self.build_plan(case)  # outside the timed region, once per shape
-                    note = "plan"
-                except PlanBindError as e:
-                    note = f"plan_verify not understood ({e}); flash without plan, eager"
-        kernel = self.kernel
+        sh = case.shape
+        if self.kernel == "naive":
+            def run(i: int) -> None:
+                s = case.sets[i]
+                verify_attention(s.q, s.kv_cache, case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask,
+                                 case.sm_scale, kernel="naive", out=s.out, lse=s.lse, validate=False)
+
+            return Prepared(run=run)
+        attn = VerifyAttention(sh.batch, sh.q_len, sh.heads, case.device, kernel="flash")
+        attn.plan(case.kv_lens_host, case.qo_indptr_host)
 
         def run(i: int) -> None:
             s = case.sets[i]
-            verify_attention(
-                s.q, s.kv_cache, case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask, case.sm_scale,
-                kernel=kernel, out=s.out, lse=s.lse, plan=plan, validate=False,
-            )
+            attn.run(s.q, s.kv_cache, case.page_table, case.tree_mask, out=s.out, lse=s.lse, sm_scale=case.sm_scale)
 
-        graphable = kernel == "naive" or plan is not None
-        return Prepared(run=run, graphable=graphable, note=note, keep=[plan])
+        return Prepared(run=run, note="plan", keep=[attn])
+
+    def host_figures(self, case: BenchCase, prepared: Prepared, n_sets: int) -> dict[str, float]:
+        """``eager_us``: one planned call timed back to back, without a head start (the larger of
+        host and GPU time per call); ``host_us``: wall time of 1000 planned calls without a sync,
+        per call; ``unplanned_us``: :func:`verify_attention` without a plan (it plans and syncs
+        every call), back to back. CUDA only."""
+
+        def unplanned(i: int) -> None:
+            s = case.sets[i]
+            verify_attention(s.q, s.kv_cache, case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask,
+                             case.sm_scale, kernel="flash", out=s.out, lse=s.lse, validate=False)
+
+        return {
+            "eager_us": back_to_back_us(prepared.run, n_sets),
+            "host_us": host_us_per_call(prepared.run, n_sets, calls=1000),
+            "unplanned_us": back_to_back_us(unplanned, n_sets),
+        }
 
 
 def detect_ours(requested: list[str] | None) -> tuple[list[Impl], dict[str, str]]:
-    """naive always; flash when ``kdtree_engine.verify.flash`` imports (with ``plan_verify`` if it
-    has one)."""
-    want = set(requested) if requested is not None else {"naive", "flash"}
-    impls: list[Impl] = []
-    notes: dict[str, str] = {}
-    if "naive" in want:
-        impls.append(OursImpl("naive"))
-    if "flash" in want:
-        try:
-            mod = importlib.import_module("kdtree_engine.verify.flash")
-        except ImportError as e:
-            notes["flash"] = f"not available in this build ({e})"
-        except Exception as e:  # present but broken: leave it out, say why, time the rest
-            notes["flash"] = f"failed to import ({type(e).__name__}: {str(e)[:120]})"
-        else:
-            plan_verify = getattr(mod, "plan_verify", None)
-            if plan_verify is None:
-                notes["flash"] = "no plan_verify: timed eagerly, plan built inside each call"
-            impls.append(OursImpl("flash", plan_verify))
-    return impls, notes
+    """Our kernels that were asked for (both when ``requested`` is None), naive first; no notes
+    (ours always import: they are this package)."""
+    want = KERNELS if requested is None else [k for k in KERNELS if k in requested]
+    return [OursImpl(k) for k in want], {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,6 +131,11 @@ class Row:
     check: str = ""
     max_abs_err: float | None = None
     note: str = ""
+    # flash only, CUDA only (None elsewhere): the Python call's own cost (OursImpl.host_figures)
+    eager_us: float | None = None  # a planned call, back to back, eager (max of host and GPU time)
+    graph_us: float | None = None  # a planned call replayed from a CUDA graph (GPU time)
+    host_us: float | None = None  # host wall time per planned call, 1000 calls without a sync
+    unplanned_us: float | None = None  # verify_attention without a plan (plans and syncs), back to back
 
     def to_dict(self) -> dict:
         d = {**self.shape.to_dict(), "kernel": self.kernel, "status": self.status}
@@ -179,6 +159,10 @@ class Row:
             n_sets=self.n_sets,
             l2_warm=self.l2_warm,
             max_abs_err=self.max_abs_err,
+            eager_us=self.eager_us,
+            graph_us=self.graph_us,
+            host_us=self.host_us,
+            unplanned_us=self.unplanned_us,
             check=self.check,
             note="; ".join(x for x in (self.note, t.note if t else "") if x),
         )
@@ -364,6 +348,11 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
             )
         else:
             row.timing = time_cpu(prepared.run, n_sets, repeats=1)
+        if cuda and isinstance(impl, OursImpl) and impl.kernel == "flash":
+            if row.timing.method == "graph":
+                row.graph_us = row.timing.median_us
+            figures = impl.host_figures(case, prepared, n_sets)
+            row.eager_us, row.host_us, row.unplanned_us = figures["eager_us"], figures["host_us"], figures["unplanned_us"]
         if opts.post_check:
             prepared.collect(0)
             ok, detail, worst = check_against(case, sample, impl.has_lse)

@@ -23,7 +23,7 @@ import torch
 
 from ..masks import ancestor_matrix, concat_tree_masks, pack_tree_mask
 from ..testing import chain_tree, random_tree
-from ..verify.api import D_QK, D_V
+from ..verify.contract import D_QK, D_V
 
 __all__ = [
     "Shape",

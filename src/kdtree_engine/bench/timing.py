@@ -45,6 +45,8 @@ __all__ = [
     "capture_graph",
     "copy_tbps",
     "measure_ceilings",
+    "back_to_back_us",
+    "host_us_per_call",
 ]
 
 SLEEP_CYCLES_PER_MS = 2_000_000  # ~2 GHz SM clock; only sizes the head-start spin
@@ -266,6 +268,29 @@ def time_cpu(run: Callable[[int], None], n_sets: int, *, repeats: int = 2) -> Ti
     (The correctness check before it was the warm-up.)"""
     ms = wall_times_ms(lambda j: run(j % n_sets), max(1, repeats))
     return summarize([t * 1e3 for t in ms], 1, "cpu-wall")
+
+
+def back_to_back_us(run: Callable[[int], None], n_sets: int, *, calls: int = 200, warmup: int = 10) -> float:
+    """Microseconds per call of ``run`` called back to back (sets in rotation) between two CUDA
+    events, with no head start: the larger of the host's time per call and the GPU's, i.e. what
+    an eager caller gets (``triton.testing.do_bench``'s view of a Python call)."""
+    for j in range(warmup):
+        run(j % n_sets)
+    return statistics.median(event_times_ms(lambda _k: [run(j % n_sets) for j in range(calls)], 3)) * 1e3 / calls
+
+
+def host_us_per_call(run: Callable[[int], None], n_sets: int, *, calls: int = 1000) -> float:
+    """Host wall microseconds per call of ``calls`` back-to-back calls of ``run`` without a sync
+    (synchronized before and after; the figure is taken before the final sync)."""
+    for j in range(min(calls, 10)):
+        run(j % n_sets)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for j in range(calls):
+        run(j % n_sets)
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt * 1e6 / calls
 
 
 # ----------------------------------------------------------------------------------------------

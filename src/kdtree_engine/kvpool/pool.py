@@ -13,7 +13,7 @@ import torch
 
 from ..backend import interpreting
 from ..ddtree.tree import DraftTree, compile_tree
-from ..verify.api import D_QK
+from ..verify.contract import D_QK
 from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
 from .kernels import copy_pages, launch_commit

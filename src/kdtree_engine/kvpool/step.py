@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..verify import plan_verify
+
 __all__ = ["VerifyStep"]
 
 
@@ -60,7 +62,5 @@ class VerifyStep:
 
     def plan(self, num_heads: int):
         """The flash kernel's plan of this step (built once, reused by every layer) from the host
-        lengths: :func:`kdtree_engine.verify.flash.plan_verify`, no device read."""
-        from ..verify.flash import plan_verify  # loads Triton: on first use only
-
+        lengths: :func:`kdtree_engine.verify.plan_verify`, no device read."""
         return plan_verify(self.kv_lens_host, self.qo_indptr_host, num_heads, self.kv_lens.device)

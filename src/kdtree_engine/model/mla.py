@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kvpool.step import VerifyStep
-from ..verify.api import D_QK, D_ROPE, D_V
+from ..verify.contract import D_QK, D_ROPE, D_V
 
 __all__ = [
     "MLARunner",

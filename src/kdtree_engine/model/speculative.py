@@ -29,7 +29,7 @@ import torch
 
 from ..ddtree import accept_greedy, build_ddtree, tree_from_parents
 from ..kvpool.step import VerifyStep
-from ..verify.api import D_QK
+from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
 from .mla import MLARunner, StepTimer
 

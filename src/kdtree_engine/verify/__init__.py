@@ -1,6 +1,20 @@
-"""Tree-verify attention for MLA: public function, float64 reference, kernels."""
+"""Tree-verify attention for MLA, in layers that import downward only:
 
-from .api import D_QK, D_ROPE, D_V, KERNELS, check_inputs, verify_attention
+- :mod:`.contract`: dimensions and input checks;
+- :mod:`.reference`: the float64 reference (any device);
+- :mod:`.plan`: tile configs, the persistent schedule, the workspace (:class:`VerifyPlan`);
+- :mod:`.triton_naive`, :mod:`.triton_flash`: one module per kernel implementation, each a
+  ``launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan)``;
+- :mod:`.op`: the launchers by name and the ``kdtree::verify_attention`` torch op;
+- :mod:`.api`: :func:`verify_attention` and :class:`VerifyAttention` (plan once, run per layer).
+
+Importing this package does not import Triton; a kernel module loads on first use.
+"""
+
+from .api import KERNELS, VerifyAttention, verify_attention
+from .contract import D_QK, D_ROPE, D_V, check_inputs
+from .plan import VerifyPlan, plan_verify
 from .reference import reference
 
-__all__ = ["verify_attention", "reference", "check_inputs", "D_QK", "D_V", "D_ROPE", "KERNELS"]
+__all__ = ["verify_attention", "VerifyAttention", "plan_verify", "VerifyPlan", "reference", "check_inputs",
+           "D_QK", "D_V", "D_ROPE", "KERNELS"]

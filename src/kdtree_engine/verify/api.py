@@ -1,209 +1,79 @@
-"""Public entry point of tree-verify MLA attention: the contract, its input checks and dispatch.
+"""Public entry points of tree-verify MLA attention: the one-call function and the plan/run object.
 
-The contract (other modules and outside callers use exactly this)::
+The top layer of :mod:`kdtree_engine.verify` (contract <- plan <- kernels <- op <- api)::
 
     out, lse = verify_attention(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
                                 sm_scale=None, *, kernel="auto", out=None, lse=None)
 
-See :func:`verify_attention` for shapes. The kernels live beside this file: ``naive.py`` (the
-oracle), ``flash.py`` (split-KV, heads and tree nodes packed against one read of the KV), and
-``reference.py`` (float64, any device).
+plans on every call (one device sync for the lengths); the fast path plans once per model step
+and runs per layer, FlashInfer's convention::
+
+    attn = VerifyAttention(max_batch, max_tree_nodes, num_heads, device)
+    attn.plan(kv_lens_host, qo_indptr_host)                     # once per step
+    out, lse = attn.run(q, kv_cache, page_table, tree_mask)     # per layer
+
+See :func:`verify_attention` for shapes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..backend import interpreting
-from ..masks import MAX_TREE_NODES
+from .contract import D_QK, D_V, check_content, check_inputs, check_lengths
+from .op import KERNELS, launcher, verify_attention_op
+from .plan import FlashConfig, VerifyPlan
 
-D_QK = 576  # 512 latent (c_kv) + 64 rope (k_pe)
-D_V = 512  # V is the latent part of the same cache row
-D_ROPE = D_QK - D_V
-MAX_HEADS = 128
-KERNELS = ("naive", "flash")
-
-__all__ = ["verify_attention", "VerifyInputs", "check_inputs", "D_QK", "D_V", "D_ROPE", "KERNELS"]
+__all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
-@dataclass(frozen=True)
-class VerifyInputs:
-    """Sizes read off validated inputs (host ints only; reading them costs no device sync)."""
-
-    num_rows: int  # T
-    num_heads: int  # H
-    num_seqs: int  # B
-    num_pages: int
-    page_size: int
-    max_pages: int  # page_table.shape[1]
-    mask_words: int  # W
+def _kernel_name(kernel) -> str:
+    if kernel not in ("auto",) + KERNELS:
+        raise ValueError(f"kernel must be one of 'auto', 'naive', 'flash'; got {kernel!r}")
+    return "flash" if kernel == "auto" else kernel
 
 
-def _check_tensor(name, t, *, dim, dtype=None, dtypes=None, device=None, last=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of q)")
-    if last is not None:
-        if t.shape[-1] != last:
-            raise ValueError(f"{name} must have last dimension {last}, got shape {tuple(t.shape)}")
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+def _scale(sm_scale) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(D_QK)
+    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    return float(sm_scale)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range ``[first, last)`` that a tensor's elements occupy."""
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _check_writable(name, t, inputs):
-    """An output must not write one element twice (zero or interleaved strides) nor into an input."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
-    reach = 1  # elements covered by the inner dims so far
-    for st, n in dims:
-        if st < reach:
-            raise ValueError(
-                f"{name} has overlapping strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
-                f"an output must give every element its own memory"
-            )
-        reach = st * (n - 1) + reach
-    lo, hi = _span(t)
-    for other_name, other in inputs:
-        if other is not None and other.numel() > 0:
-            o_lo, o_hi = _span(other)
-            if lo < o_hi and o_lo < hi:
-                raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
-
-
-def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
-    """Check ranks, sizes, dtypes, devices and layouts of the contract's tensors. No device sync.
-
-    Layouts: every stride of every argument is honoured, except that q, kv_cache and out need
-    their last dimension contiguous, and out / lse must not overlap themselves or an input.
-    Returns the sizes as a :class:`VerifyInputs`. Raises ``TypeError`` / ``ValueError`` naming
-    the offending argument.
-    """
-    _check_tensor("q", q, dim=3, dtypes=(torch.bfloat16, torch.float16), last=D_QK)
-    dev = q.device
-    _check_tensor("kv_cache", kv_cache, dim=3, dtype=q.dtype, device=dev, last=D_QK)
-    _check_tensor("page_table", page_table, dim=2, dtype=torch.int32, device=dev)
-    _check_tensor("kv_lens", kv_lens, dim=1, dtype=torch.int32, device=dev)
-    _check_tensor("qo_indptr", qo_indptr, dim=1, dtype=torch.int32, device=dev)
-    _check_tensor("tree_mask", tree_mask, dim=2, dtype=torch.int32, device=dev)
-    T, H, _ = q.shape
-    B = kv_lens.shape[0]
-    if T < 1:
-        raise ValueError("q has no rows (every sequence needs at least its root node)")
-    if not 1 <= H <= MAX_HEADS:
-        raise ValueError(f"q has {H} heads; 1..{MAX_HEADS} are supported")
-    if B < 1:
-        raise ValueError("kv_lens must hold at least one sequence")
-    if page_table.shape[0] != B:
-        raise ValueError(f"page_table has {page_table.shape[0]} rows but kv_lens has {B} sequences")
-    if page_table.shape[1] < 1:
-        raise ValueError("page_table must have at least one column")
-    if qo_indptr.shape[0] != B + 1:
-        raise ValueError(f"qo_indptr must have B+1={B + 1} entries, got {qo_indptr.shape[0]}")
-    if tree_mask.shape[0] != T:
-        raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows but q has T={T} rows")
-    if tree_mask.shape[1] < 1:
-        raise ValueError("tree_mask must have at least one word per row")
-    if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
-        raise ValueError(f"kv_cache must hold at least one page and one slot, got {tuple(kv_cache.shape)}")
-    inputs = [("q", q), ("kv_cache", kv_cache), ("page_table", page_table), ("kv_lens", kv_lens),
-              ("qo_indptr", qo_indptr), ("tree_mask", tree_mask)]
-    if out is not None:
-        _check_tensor("out", out, dim=3, dtype=q.dtype, device=dev, last=D_V)
-        if tuple(out.shape[:2]) != (T, H):
-            raise ValueError(f"out must have shape {(T, H, D_V)}, got {tuple(out.shape)}")
-        _check_writable("out", out, inputs)
-    if lse is not None:
-        _check_tensor("lse", lse, dim=2, dtype=torch.float32, device=dev)
-        if tuple(lse.shape) != (T, H):
-            raise ValueError(f"lse must have shape {(T, H)}, got {tuple(lse.shape)}")
-        _check_writable("lse", lse, inputs + [("out", out)])
-    return VerifyInputs(
-        num_rows=T,
-        num_heads=H,
-        num_seqs=B,
-        num_pages=kv_cache.shape[0],
-        page_size=kv_cache.shape[1],
-        max_pages=page_table.shape[1],
-        mask_words=tree_mask.shape[1],
-    )
-
-
-def check_lengths(kv_lens_host, qo_indptr_host, info: VerifyInputs):
-    """Content checks on host copies of the lengths: n_b >= 1, kv_len_b >= n_b, fits the table."""
-    kv = torch.as_tensor(kv_lens_host, dtype=torch.int64).cpu()
-    qo = torch.as_tensor(qo_indptr_host, dtype=torch.int64).cpu()
-    if int(qo[0]) != 0 or int(qo[-1]) != info.num_rows:
+def _check_backend(device: torch.device) -> None:
+    if device.type == "cpu" and not interpreting():
         raise ValueError(
-            f"qo_indptr must start at 0 and end at T={info.num_rows}, got {int(qo[0])}..{int(qo[-1])}"
-        )
-    n = qo[1:] - qo[:-1]
-    if bool((n < 1).any()):
-        raise ValueError(f"qo_indptr gives a sequence with no tree node (n_b = {int(n.min())})")
-    if int(n.max()) > MAX_TREE_NODES:
-        raise ValueError(f"a tree has {int(n.max())} nodes; at most {MAX_TREE_NODES} are supported")
-    if int(n.max()) > 32 * info.mask_words:
-        raise ValueError(
-            f"tree_mask has {info.mask_words} words per row, too narrow for a tree of {int(n.max())} nodes"
-        )
-    if bool((kv < n).any()):
-        b = int(torch.nonzero(kv < n)[0])
-        raise ValueError(f"kv_lens[{b}]={int(kv[b])} is shorter than its tree ({int(n[b])} nodes)")
-    if int(kv.max()) > info.max_pages * info.page_size:
-        b = int(kv.argmax())
-        raise ValueError(
-            f"kv_lens[{b}]={int(kv[b])} exceeds page_table capacity "
-            f"({info.max_pages} pages x {info.page_size})"
+            "q is on the CPU: the Triton kernels run there only under the interpreter; "
+            "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"
         )
 
 
-def check_content(page_table, kv_lens, qo_indptr, tree_mask, info: VerifyInputs):
-    """All content checks, on host copies (syncs when the tensors are on a GPU).
+# The workspaces verify_attention plans into when it is given no plan, one per (device, heads,
+# stream), grown to the largest batch and tree seen: an unplanned call costs its sync and its plan,
+# not a workspace's allocations. Calls on one stream run in order, so they may share one.
+_UNPLANNED: dict[tuple, VerifyPlan] = {}
 
-    Lengths as in :func:`check_lengths`; every page a sequence uses is in ``[0, num_pages)``; each
-    node's own bit is set and no bit at or past ``n_b`` is set.
-    """
-    kv = kv_lens.cpu().to(torch.int64)
-    qo = qo_indptr.cpu().to(torch.int64)
-    check_lengths(kv, qo, info)
-    pt = page_table.cpu().to(torch.int64)
-    used = (kv + info.page_size - 1) // info.page_size
-    col = torch.arange(info.max_pages)
-    in_use = col[None, :] < used[:, None]
-    bad = in_use & ((pt < 0) | (pt >= info.num_pages))
-    if bool(bad.any()):
-        b, i = (int(x) for x in torch.nonzero(bad)[0])
+
+def _unplanned_workspace(kv, qo, num_heads: int, device: torch.device) -> VerifyPlan:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, num_heads, stream)
+    ws = _UNPLANNED.get(key)
+    B, n_max = kv.shape[0], int((qo[1:] - qo[:-1]).max())
+    if ws is None or B > ws.max_batch or n_max > ws.max_tree_nodes:
+        grown = (1, 1) if ws is None else (ws.max_batch, ws.max_tree_nodes)
+        ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(n_max, grown[1]), num_heads, device)
+    return ws
+
+
+def _check_plan(plan: VerifyPlan, T: int, H: int, B: int, device: torch.device) -> None:
+    if (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, B) or plan.device != device:
         raise ValueError(
-            f"page_table[{b}, {i}]={int(pt[b, i])} is outside [0, {info.num_pages}) (num_pages of kv_cache)"
+            f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
+            f"got H={H}, T={T}, B={B} on {device}"
         )
-    tm = tree_mask.cpu().to(torch.int64) & 0xFFFFFFFF
-    n = qo[1:] - qo[:-1]
-    seq = torch.repeat_interleave(torch.arange(info.num_seqs), n)
-    node = torch.arange(info.num_rows) - qo[seq]
-    own = (tm[torch.arange(info.num_rows), node // 32] >> (node % 32)) & 1
-    if bool((own == 0).any()):
-        t = int(torch.nonzero(own == 0)[0])
-        raise ValueError(f"tree_mask row {t} does not set its own bit (node {int(node[t])})")
-    bit = torch.arange(32 * info.mask_words)
-    bits = (tm[:, bit // 32] >> (bit % 32)) & 1
-    stray = (bits != 0) & (bit[None, :] >= n[seq][:, None])
-    if bool(stray.any()):
-        t = int(torch.nonzero(stray)[0, 0])
-        raise ValueError(f"tree_mask row {t} sets a bit at or past its tree size n_b={int(n[seq[t]])}")
 
 
 def verify_attention(
@@ -248,11 +118,12 @@ def verify_attention(
 
     Every stride of page_table, kv_lens, qo_indptr and tree_mask is honoured (slices, transposes,
     broadcasts); q and kv_cache need only their last dimension contiguous.
-        plan: optional :class:`kdtree_engine.verify.flash.VerifyPlan` from
-            :func:`~kdtree_engine.verify.flash.plan_verify`, built once per model step from host
+        plan: optional :class:`~kdtree_engine.verify.plan.VerifyPlan` from
+            :func:`~kdtree_engine.verify.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
             be captured in a CUDA graph. Without it one is built here from a host copy of the
-            lengths (one device sync), and the length checks run on that copy.
+            lengths (one device sync), and the length checks run on that copy, into a workspace
+            kept per (device, heads, stream). The fast path is :class:`VerifyAttention`.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
             tensors, the length checks (incl. mask width) when the flash path has host lengths.
@@ -266,40 +137,129 @@ def verify_attention(
         possible with a malformed mask) gets out = 0 and lse = -inf.
     """
     info = check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
-    if kernel not in ("auto",) + KERNELS:
-        raise ValueError(f"kernel must be one of 'auto', 'naive', 'flash'; got {kernel!r}")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D_QK)
-    elif not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    if q.device.type == "cpu" and not interpreting():
-        raise ValueError(
-            "q is on the CPU: the Triton kernels run there only under the interpreter; "
-            "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"
-        )
-    if kernel != "naive" and plan is None:
-        # the flash kernel plans from host lengths: copy them once (the one sync of an unplanned call)
-        from .flash import plan_verify
-
-        plan = plan_verify(kv_lens.cpu(), qo_indptr.cpu(), info.num_heads, q.device)
+    kernel = _kernel_name(kernel)
+    sm_scale = _scale(sm_scale)
+    _check_backend(q.device)
+    if kernel == "flash":
+        if plan is None:  # from a host copy of the lengths: the one sync of an unplanned call
+            kv, qo = check_lengths(kv_lens, qo_indptr, info)
+            plan = _unplanned_workspace(kv, qo, info.num_heads, q.device).plan(kv, qo)
+        else:
+            _check_plan(plan, info.num_rows, info.num_heads, info.num_seqs, q.device)
+            if validate is None and q.device.type != "cpu":
+                check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
     if validate is None:
         validate = q.device.type == "cpu"
-        if not validate and plan is not None:
-            check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)
     if validate:
         check_content(page_table, kv_lens, qo_indptr, tree_mask, info)
     if out is None:
         out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
-    if kernel == "naive":
-        from .naive import verify_attention_naive
-
-        verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse)
-    else:
-        from .flash import verify_attention_flash
-
-        verify_attention_flash(
-            q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=plan
-        )
+    launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
+                     None if plan is None else plan.tables)
     return out, lse
+
+
+class VerifyAttention:
+    """Tree-verify attention planned once per model step and run per layer (FlashInfer's
+    plan/run convention), with a workspace allocated once, so a CUDA graph captured around
+    :meth:`run` replays correctly after a new :meth:`plan` with different lengths.
+
+    Args:
+        max_batch: most sequences B of any step.
+        max_tree_nodes: most tree nodes n_b of any ONE sequence (so T <= max_batch * max_tree_nodes).
+        num_heads: H of every layer, 1..128.
+        device: where the kernels run.
+        kernel: ``"flash"`` / ``"auto"`` (= flash) or ``"naive"`` (the oracle: ignores the schedule).
+        config: flash tile config (default: the best that fits the device).
+        num_programs: the flash grid (tuning / tests); default: the programs the device runs at once.
+
+    The workspace (:class:`~kdtree_engine.verify.plan.VerifyPlan`): device lengths
+    ``kv_lens [max_batch]`` / ``qo_indptr [max_batch + 1]``, the schedule tables and the partial
+    buffers, all at fixed addresses; the flash kernels' grids are fixed too (programs without work
+    exit). No KV-length maximum is needed: the tables are bounded by the row blocks plus twice the
+    grid, whatever the KV length. The naive kernel's grid is ``[T, H]``: a graph captured around
+    it replays only plans of the same T.
+    """
+
+    def __init__(self, max_batch: int, max_tree_nodes: int, num_heads: int, device: str | torch.device = "cuda",
+                 *, kernel: str = "auto", config: FlashConfig | None = None, num_programs: int | None = None):
+        self.kernel = _kernel_name(kernel)
+        self.workspace = VerifyPlan(max_batch, max_tree_nodes, num_heads, device, config=config,
+                                    num_programs=num_programs)
+        self.device = self.workspace.device
+        self.num_heads = num_heads
+        _check_backend(self.device)
+        self._launch = launcher(self.kernel)
+        self._default_scale = _scale(None)
+
+    def plan(self, kv_lens, qo_indptr) -> None:
+        """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
+        ``[B+1]`` as host data (lists, numpy arrays or CPU tensors; a CUDA tensor is copied to the
+        host: one sync). Checks them (``ValueError`` naming the argument, also past the maxima),
+        writes the device lengths and the schedule into the workspace with one non-blocking copy
+        on the current stream, allocates nothing on the device."""
+        self.workspace.plan(kv_lens, qo_indptr)
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """``[B]`` int32 on the device: the planned lengths (a view of a fixed buffer)."""
+        return self.workspace.kv_lens
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        """``[B+1]`` int32 on the device: the planned row offsets (a view of a fixed buffer)."""
+        return self.workspace.qo_indptr
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, tree_mask: torch.Tensor,
+            *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of the planned step; the contract of :func:`verify_attention` with the lengths
+        taken from the plan (:attr:`kv_lens`, :attr:`qo_indptr`).
+
+        Args:
+            q: ``[T, H, 576]`` bf16 / fp16, T = the planned rows, any strides with the last
+                dimension contiguous.
+            kv_cache: ``[num_pages, page_size, 576]``, q's dtype, last dimension contiguous.
+            page_table: ``[B, max_pages]`` int32, any strides; ``max_pages * page_size`` covers
+                the longest planned sequence.
+            tree_mask: ``[T, W]`` int32, any strides; ``32 * W`` covers the largest planned tree.
+            out, lse: optional ``[T, H, 512]`` (q's dtype) / ``[T, H]`` float32 outputs.
+            sm_scale: default ``1/sqrt(576)``.
+
+        Checks shapes, dtypes and devices only (no content, no sync; see
+        :func:`~kdtree_engine.verify.contract.check_content` to validate a step once). For a CUDA
+        graph replayed across plans, pass views of buffers allocated for the maxima (the graph
+        keeps their addresses and strides); rows past the current T are not written.
+
+        Returns ``(out, lse)``.
+        """
+        ws = self.workspace
+        info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
+        _check_plan(ws, info.num_rows, info.num_heads, info.num_seqs, q.device)
+        if 32 * info.mask_words < ws.max_nodes:
+            raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
+                             f"{ws.max_nodes} nodes")
+        if info.max_pages * info.page_size < ws.max_kv_len:
+            raise ValueError(f"page_table holds {info.max_pages} pages x {info.page_size} positions, "
+                             f"fewer than the planned kv_len {ws.max_kv_len}")
+        scale = self._default_scale if sm_scale is None else _scale(sm_scale)
+        t = ws.tables
+        if torch.compiler.is_compiling():
+            cfg = t.config
+            o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
+                                       t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
+                                       t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
+                                       cfg.num_stages)
+            if out is None and lse is None:
+                return o, s
+            out = o if out is None else out.copy_(o)
+            lse = s if lse is None else lse.copy_(s)
+            return out, lse
+        if out is None:
+            out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
+        self._launch(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, scale, out, lse, t)
+        return out, lse

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..masks import unpack_tree_mask
-from .api import D_QK, D_V
+from .contract import D_QK, D_V
 
 __all__ = ["reference", "gather_sequence_kv"]
 

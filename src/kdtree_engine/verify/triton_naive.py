@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .api import D_QK, D_V
+from .contract import D_QK, D_V
+
+__all__ = ["launch"]
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -88,8 +90,9 @@ def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(qo_indptr[1:].contiguous(), rows, right=True).to(torch.int32)
 
 
-def verify_attention_naive(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse):
-    """Launch the naive kernel; inputs already validated by ``verify_attention``. Writes out, lse."""
+def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
+    """Launch the naive kernel (one program per q row and head; ``plan`` unused: the grid is
+    ``[T, H]``). Inputs already checked against the contract. Writes ``out`` and ``lse``."""
     T, H, _ = q.shape
     block_n = 128 if interpreting() else 32
     grid = (T, H)

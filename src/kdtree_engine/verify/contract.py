@@ -1,0 +1,227 @@
+"""The contract of tree-verify MLA attention: its dimensions and the checks of its inputs.
+
+The lowest layer of :mod:`kdtree_engine.verify`: imports only torch and :mod:`kdtree_engine.masks`.
+Shape, dtype, device and layout checks (:func:`check_inputs`) read no tensor content and never
+sync; the content checks (:func:`check_lengths` on host lengths, :func:`check_content` on
+everything) do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..masks import MAX_TREE_NODES
+
+D_QK = 576  # 512 latent (c_kv) + 64 rope (k_pe)
+D_V = 512  # V is the latent part of the same cache row
+D_ROPE = D_QK - D_V
+MAX_HEADS = 128
+
+__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "check_inputs", "check_lengths", "check_content", "host_lengths"]
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """Sizes read off validated inputs (host ints only; reading them costs no device sync)."""
+
+    num_rows: int  # T
+    num_heads: int  # H
+    num_seqs: int  # B
+    num_pages: int
+    page_size: int
+    max_pages: int  # page_table.shape[1]
+    mask_words: int  # W
+
+
+def _check_tensor(name, t, *, dim, dtype=None, dtypes=None, device=None, last=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of q)")
+    if last is not None:
+        if t.shape[-1] != last:
+            raise ValueError(f"{name} must have last dimension {last}, got shape {tuple(t.shape)}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[first, last)`` that a tensor's elements occupy."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _check_writable(name, t, inputs):
+    """An output must not write one element twice (zero or interleaved strides) nor into an input."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    reach = 1  # elements covered by the inner dims so far
+    for st, n in dims:
+        if st < reach:
+            raise ValueError(
+                f"{name} has overlapping strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
+                f"an output must give every element its own memory"
+            )
+        reach = st * (n - 1) + reach
+    storage = t.untyped_storage().data_ptr()
+    lo, hi = None, None
+    for other_name, other in inputs:
+        # byte ranges only for a shared storage (two storages over one allocation, e.g. through
+        # DLPack, are not detected)
+        if other is None or other.numel() == 0 or other.untyped_storage().data_ptr() != storage:
+            continue
+        if lo is None:
+            lo, hi = _span(t)
+        o_lo, o_hi = _span(other)
+        if lo < o_hi and o_lo < hi:
+            raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
+
+
+def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
+    """Check ranks, sizes, dtypes, devices and layouts of the contract's tensors. No device sync.
+
+    Layouts: every stride of every argument is honoured, except that q, kv_cache and out need
+    their last dimension contiguous, and out / lse must not overlap themselves or an input.
+    Returns the sizes as a :class:`VerifyInputs`. Raises ``TypeError`` / ``ValueError`` naming
+    the offending argument.
+    """
+    _check_tensor("q", q, dim=3, dtypes=(torch.bfloat16, torch.float16), last=D_QK)
+    dev = q.device
+    _check_tensor("kv_cache", kv_cache, dim=3, dtype=q.dtype, device=dev, last=D_QK)
+    _check_tensor("page_table", page_table, dim=2, dtype=torch.int32, device=dev)
+    _check_tensor("kv_lens", kv_lens, dim=1, dtype=torch.int32, device=dev)
+    _check_tensor("qo_indptr", qo_indptr, dim=1, dtype=torch.int32, device=dev)
+    _check_tensor("tree_mask", tree_mask, dim=2, dtype=torch.int32, device=dev)
+    T, H, _ = q.shape
+    B = kv_lens.shape[0]
+    if T < 1:
+        raise ValueError("q has no rows (every sequence needs at least its root node)")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"q has {H} heads; 1..{MAX_HEADS} are supported")
+    if B < 1:
+        raise ValueError("kv_lens must hold at least one sequence")
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table has {page_table.shape[0]} rows but kv_lens has {B} sequences")
+    if page_table.shape[1] < 1:
+        raise ValueError("page_table must have at least one column")
+    if qo_indptr.shape[0] != B + 1:
+        raise ValueError(f"qo_indptr must have B+1={B + 1} entries, got {qo_indptr.shape[0]}")
+    if tree_mask.shape[0] != T:
+        raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows but q has T={T} rows")
+    if tree_mask.shape[1] < 1:
+        raise ValueError("tree_mask must have at least one word per row")
+    if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+        raise ValueError(f"kv_cache must hold at least one page and one slot, got {tuple(kv_cache.shape)}")
+    inputs = [("q", q), ("kv_cache", kv_cache), ("page_table", page_table), ("kv_lens", kv_lens),
+              ("qo_indptr", qo_indptr), ("tree_mask", tree_mask)]
+    if out is not None:
+        _check_tensor("out", out, dim=3, dtype=q.dtype, device=dev, last=D_V)
+        if tuple(out.shape[:2]) != (T, H):
+            raise ValueError(f"out must have shape {(T, H, D_V)}, got {tuple(out.shape)}")
+        _check_writable("out", out, inputs)
+    if lse is not None:
+        _check_tensor("lse", lse, dim=2, dtype=torch.float32, device=dev)
+        if tuple(lse.shape) != (T, H):
+            raise ValueError(f"lse must have shape {(T, H)}, got {tuple(lse.shape)}")
+        _check_writable("lse", lse, inputs + [("out", out)])
+    return VerifyInputs(
+        num_rows=T,
+        num_heads=H,
+        num_seqs=B,
+        num_pages=kv_cache.shape[0],
+        page_size=kv_cache.shape[1],
+        max_pages=page_table.shape[1],
+        mask_words=tree_mask.shape[1],
+    )
+
+
+def host_lengths(kv_lens, qo_indptr) -> tuple[np.ndarray, np.ndarray]:
+    """``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]`` as int64 numpy arrays (lists, numpy arrays
+    and CPU tensors are read in place; a CUDA tensor is copied, which syncs)."""
+    if isinstance(kv_lens, torch.Tensor):
+        kv_lens = kv_lens.cpu().numpy()
+    if isinstance(qo_indptr, torch.Tensor):
+        qo_indptr = qo_indptr.cpu().numpy()
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    qo = np.asarray(qo_indptr, dtype=np.int64)
+    if kv.ndim != 1 or kv.shape[0] < 1:
+        raise ValueError(f"kv_lens must be 1-D with at least one sequence, got shape {kv.shape}")
+    if qo.shape != (kv.shape[0] + 1,):
+        raise ValueError(f"qo_indptr must have {kv.shape[0] + 1} entries, got shape {qo.shape}")
+    return kv, qo
+
+
+def check_lengths(kv_lens_host, qo_indptr_host, info: VerifyInputs | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Content checks on host lengths: ``qo_indptr[0] = 0``, ``1 <= n_b <= 1024``,
+    ``kv_len_b >= n_b``; with ``info`` (the sizes of the other tensors) also ``qo_indptr[-1] = T``,
+    a mask wide enough for the largest tree, and ``kv_len_b <= max_pages * page_size``.
+
+    Returns the lengths as int64 numpy arrays (see :func:`host_lengths`). Raises ``ValueError``.
+    """
+    kv, qo = host_lengths(kv_lens_host, qo_indptr_host)
+    if qo[0] != 0 or (info is not None and qo[-1] != info.num_rows):
+        want = "" if info is None else f" and end at T={info.num_rows}"
+        raise ValueError(f"qo_indptr must start at 0{want}, got {int(qo[0])}..{int(qo[-1])}")
+    n = qo[1:] - qo[:-1]
+    if n.min() < 1:
+        raise ValueError(f"qo_indptr gives a sequence with no tree node (n_b = {int(n.min())})")
+    n_max = int(n.max())
+    if n_max > MAX_TREE_NODES:
+        raise ValueError(f"a tree has {n_max} nodes; at most {MAX_TREE_NODES} are supported")
+    short = kv < n
+    if short.any():
+        b = int(short.argmax())
+        raise ValueError(f"kv_lens[{b}]={int(kv[b])} is shorter than its tree ({int(n[b])} nodes)")
+    if info is not None:
+        if n_max > 32 * info.mask_words:
+            raise ValueError(
+                f"tree_mask has {info.mask_words} words per row, too narrow for a tree of {n_max} nodes"
+            )
+        if kv.max() > info.max_pages * info.page_size:
+            b = int(kv.argmax())
+            raise ValueError(
+                f"kv_lens[{b}]={int(kv[b])} exceeds page_table capacity "
+                f"({info.max_pages} pages x {info.page_size})"
+            )
+    return kv, qo
+
+
+def check_content(page_table, kv_lens, qo_indptr, tree_mask, info: VerifyInputs):
+    """All content checks, on host copies (syncs when the tensors are on a GPU).
+
+    Lengths as in :func:`check_lengths`; every page a sequence uses is in ``[0, num_pages)``; each
+    node's own bit is set and no bit at or past ``n_b`` is set.
+    """
+    kv, qo = (torch.from_numpy(x) for x in check_lengths(kv_lens, qo_indptr, info))
+    pt = page_table.cpu().to(torch.int64)
+    used = (kv + info.page_size - 1) // info.page_size
+    col = torch.arange(info.max_pages)
+    in_use = col[None, :] < used[:, None]
+    bad = in_use & ((pt < 0) | (pt >= info.num_pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"page_table[{b}, {i}]={int(pt[b, i])} is outside [0, {info.num_pages}) (num_pages of kv_cache)"
+        )
+    tm = tree_mask.cpu().to(torch.int64) & 0xFFFFFFFF
+    n = qo[1:] - qo[:-1]
+    seq = torch.repeat_interleave(torch.arange(info.num_seqs), n)
+    node = torch.arange(info.num_rows) - qo[seq]
+    own = (tm[torch.arange(info.num_rows), node // 32] >> (node % 32)) & 1
+    if bool((own == 0).any()):
+        t = int(torch.nonzero(own == 0)[0])
+        raise ValueError(f"tree_mask row {t} does not set its own bit (node {int(node[t])})")
+    bit = torch.arange(32 * info.mask_words)
+    bits = (tm[:, bit // 32] >> (bit % 32)) & 1
+    stray = (bits != 0) & (bit[None, :] >= n[seq][:, None])
+    if bool(stray.any()):
+        t = int(torch.nonzero(stray)[0, 0])
+        raise ValueError(f"tree_mask row {t} sets a bit at or past its tree size n_b={int(n[seq[t]])}")

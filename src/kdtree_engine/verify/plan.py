@@ -1,0 +1,456 @@
+"""The flash kernels' plan: tile configs, the persistent schedule, and the workspace it lives in.
+
+The layer above :mod:`.contract`: imports torch, numpy, :mod:`kdtree_engine.backend` and the
+contract; never Triton, never a kernel.
+
+MLA in absorbed form has one latent KV head, so the ``n_b x H`` query rows of sequence b form one
+matrix problem ``[n_b*H, 576] x [576, kv_len_b]``, packed into row blocks of ``BLOCK_M`` rows and
+KV tiles of ``BLOCK_N`` positions. The kernel is persistent: the plan cuts all (sequence, row
+block, KV tile) work into as many near-equal shares as the GPU runs programs at once (see
+:func:`schedule`); a share is a list of segments, each a row block against a KV range. A row
+block whose KV is cut into several segments writes partials, merged by the combine kernel.
+
+A :class:`VerifyPlan` owns every buffer the kernels read besides the caller's tensors, allocated
+once at construction for its maxima; :meth:`VerifyPlan.plan` writes a new step's schedule into
+them (host numpy, one non-blocking copy from pinned staging) and allocates nothing on the device,
+so a CUDA graph captured around a launch stays valid across plans.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..backend import interpreting
+from ..masks import MAX_TREE_NODES
+from .contract import D_QK, D_V, MAX_HEADS, check_lengths
+
+__all__ = [
+    "FlashConfig",
+    "CONFIGS",
+    "INTERPRETER_CONFIG",
+    "MIN_SPLIT_TILES",
+    "SEGMENT_COST_TILES",
+    "pick_config",
+    "resident_programs",
+    "Pieces",
+    "schedule",
+    "schedule_cost",
+    "FlashTables",
+    "VerifyPlan",
+    "plan_verify",
+]
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes(self, elem: int = 2) -> int:
+        """Upper estimate of the shared memory: q block, two K tiles (Triton 3.6 allocates two for
+        1-3 stages), the P tile. Compiler reports (``scripts/compile_report.py``, sm_90 and
+        sm_120): 64x64x8x2 221,184 B (estimate 229,376), 64x32x8x3 147,712 (151,552), 32x16x4x2
+        69,632 (74,752), 32x32x4x1 102,400 (112,640)."""
+        return elem * (self.block_m * D_QK + 2 * self.block_n * D_QK + self.block_m * self.block_n)
+
+
+# Ordered by preference; the first that fits the device's shared memory is used: 64x64x8x2 on
+# Hopper (227 KB), 64x32x8x3 on A100-class parts (163 KB), 32x16x4x2 within 99 KB (sm_120 and
+# other consumer parts). BLOCK_N=64 gives the QK wgmma N=32 instead of 16: measured on the H200 in
+# docs/perf_log.md (run 7).
+CONFIGS = (
+    FlashConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    FlashConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
+    FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=2),
+)
+INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+MIN_SPLIT_TILES = 4  # the line schedule does not cut a segment into pieces shorter than this (tiles)
+# A segment's fixed cost in KV tiles: q block load, pipeline fill, epilogue (a partial: 128 KB of
+# fp32 written per program at ~32 GB/s per SM). Measured on the H200 (docs/perf_log.md, run 9):
+# ~16 us per extra segment against ~4.4 us per 64 x 64 tile.
+SEGMENT_COST_TILES = 3
+# Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
+# tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
+# the lengths and the last tile's end
+SCHEDULE_CACHE = 64
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessor count, max shared memory per block in bytes, opt-in)."""
+    if device.type != "cuda":
+        return 4, 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def pick_config(device: torch.device) -> FlashConfig:
+    """The first of :data:`CONFIGS` that fits the device (the interpreter's own config on the CPU)."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    _, smem = _device_limits(device)
+    for cfg in CONFIGS:
+        if cfg.shared_bytes() <= smem:
+            return cfg
+    return CONFIGS[-1]
+
+
+def resident_programs(cfg: FlashConfig, device: torch.device) -> int:
+    """Programs of ``cfg`` the device runs at once: SMs x blocks per SM (shared memory, and the
+    register file at 255 registers per thread)."""
+    num_sms, smem = _device_limits(device)
+    return num_sms * max(1, min(smem // cfg.shared_bytes(), 8 // cfg.num_warps))
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedule (host, numpy: no Python loop over tiles, segments or programs)
+
+
+class Pieces(NamedTuple):
+    """A schedule: piece i is row block ``row[i]`` of sequence ``seq[i]`` against KV tiles
+    ``[t0[i], t1[i])``, run by program ``prog[i]``. int64 arrays ``[n]``, sorted by program."""
+
+    seq: np.ndarray
+    row: np.ndarray
+    t0: np.ndarray
+    t1: np.ndarray
+    prog: np.ndarray
+
+
+def schedule_cost(pieces: Pieces) -> int:
+    """Estimated time of a schedule in tiles: its longest program, a segment costing extra."""
+    if len(pieces.prog) == 0:
+        return 0
+    load = np.bincount(pieces.prog, weights=pieces.t1 - pieces.t0 + SEGMENT_COST_TILES)
+    return int(load.max())
+
+
+def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES) -> Pieces:
+    """Cut the work (sequence b: ``row_blocks[b]`` row blocks x ``tiles[b]`` KV tiles) into pieces
+    run by programs ``0 .. num_programs - 1`` (some may get none): the cheapest (by
+    :func:`schedule_cost`; ties to the first) of
+
+    - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
+    - whole segments (:func:`_whole_segments`: KV columns of a width W, each with every row block
+      of its sequence, dealt longest first to the least-loaded program) for W = the smallest width
+      that gives at most one segment per program, W = one program's share, and W = whole
+      sequences. When the smallest width is at most one program's share, it is taken at once:
+      every program of another schedule has at least that many tiles and a segment.
+    """
+    R = np.asarray(row_blocks, dtype=np.int64)
+    T = np.asarray(tiles, dtype=np.int64)
+    total = int((R * T).sum())
+    if total == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return Pieces(e, e, e, e, e)
+    P = max(1, min(num_programs, total))
+    chunk = -(-total // P)
+    n_blocks, longest = int(R.sum()), int(T.max())
+    widths = []
+    if n_blocks <= P:
+        lo = _smallest_width(R, T, P, total, n_blocks)
+        if lo <= chunk:
+            return _whole_segments(R, T, P, lo)
+        widths.append(lo)
+    widths += [w for w in (chunk, longest) if w not in widths]
+    candidates = [_line_schedule(R, T, P, chunk, min(min_tiles, chunk // 4))]
+    candidates += [_whole_segments(R, T, P, w) for w in sorted(widths)]
+    costs = [schedule_cost(c) for c in candidates]
+    return candidates[costs.index(min(costs))]
+
+
+def _smallest_width(R: np.ndarray, T: np.ndarray, P: int, total: int, n_blocks: int) -> int:
+    """Smallest W with ``sum_b R_b * ceil(T_b / W) <= P`` (exists: ``n_blocks <= P``). It lies in
+    ``[ceil(total / P), ceil(total / (P - n_blocks))]`` (``ceil(x/W) < x/W + 1``) and below max T."""
+    lo = -(-total // P)
+    hi = int(T.max()) if n_blocks == P else min(int(T.max()), -(-total // (P - n_blocks)))
+    while True:  # one numpy evaluation for up to 64 widths at a time; one pass in most cases
+        ws = np.unique(np.linspace(lo, hi, min(64, hi - lo + 1)).astype(np.int64))
+        fits = (R[:, None] * -(-T[:, None] // ws[None, :])).sum(0) <= P
+        j = int(fits.argmax())  # fits[-1] holds: hi fits
+        if j == 0 or ws[j] - ws[j - 1] == 1:
+            return int(ws[j])
+        lo, hi = int(ws[j - 1]) + 1, int(ws[j])
+
+
+def _whole_segments(R: np.ndarray, T: np.ndarray, P: int, width: int) -> Pieces:
+    """KV columns of ``width`` tiles x row blocks, dealt longest first (sequence order on ties) to
+    the least-loaded program (lowest index on ties): the first P segments one per program, the
+    rest through a heap (a Python loop over the segments past the first P)."""
+    cols = -(-T // width)
+    n = R * cols  # segments per sequence
+    seq = np.repeat(np.arange(len(R)), n)
+    local = np.arange(len(seq)) - np.repeat(np.cumsum(n) - n, n)
+    Rs = R[seq]
+    t0 = (local // Rs) * width
+    t1 = np.minimum(t0 + width, T[seq])
+    if len(seq) <= P:
+        return Pieces(seq, local % Rs, t0, t1, np.arange(len(seq)))
+    cost = t1 - t0 + SEGMENT_COST_TILES
+    order = np.argsort(-cost, kind="stable")
+    prog = np.empty(len(seq), dtype=np.int64)
+    prog[order[:P]] = np.arange(P)
+    heap = list(zip(cost[order[:P]].tolist(), range(P)))
+    heapq.heapify(heap)
+    rest = order[P:].tolist()
+    for i, c in zip(rest, cost[rest].tolist()):
+        load, p = heap[0]
+        prog[i] = p
+        heapq.heapreplace(heap, (load + c, p))
+    by = np.argsort(prog, kind="stable")
+    return Pieces(seq[by], (local % Rs)[by], t0[by], t1[by], prog[by])
+
+
+def _line_schedule(R: np.ndarray, T: np.ndarray, P: int, chunk: int, snap: int) -> Pieces:
+    """The work on a line (per sequence, KV columns of about ``chunk`` tiles; within a column the
+    sequence's row blocks one after another, so programs side by side read the same KV); program
+    p takes ``[p * total / P, (p + 1) * total / P)``, cut at tile granularity; a cut that would
+    leave a piece shorter than ``snap`` tiles moves to the segment's edge."""
+    ncol = -(-T // chunk)
+    width = -(-T // np.maximum(ncol, 1))
+    n = R * ncol  # items (column x row block) per sequence
+    seq = np.repeat(np.arange(len(R)), n)
+    local = np.arange(len(seq)) - np.repeat(np.cumsum(n) - n, n)
+    Rs, ws = R[seq], width[seq]
+    c0 = (local // Rs) * ws
+    c1 = np.minimum(c0 + ws, T[seq])
+    end = np.cumsum(c1 - c0)
+    start = end - (c1 - c0)
+    total = int(end[-1])
+    bnd = np.arange(1, P, dtype=np.int64) * total // P  # program p ends at bnd[p]
+    k = np.searchsorted(end, bnd, side="right")  # the item holding bnd: start[k] <= bnd < end[k]
+    s, e = start[k], end[k]
+    cuts = np.where(bnd - s < snap, s, np.where(e - bnd < snap, e, bnd))
+    points = np.union1d(start, cuts)  # every piece starts at an item start or a cut
+    points = points[points < total]
+    length = np.diff(points, append=total)
+    item = np.searchsorted(end, points, side="right")
+    t0 = c0[item] + points - start[item]
+    return Pieces(seq[item], local[item] % Rs[item], t0, t0 + length, np.searchsorted(cuts, points, side="right"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The workspace
+
+
+class FlashTables(NamedTuple):
+    """What a flash launch reads besides the caller's tensors (views into a plan's buffers).
+
+    ``segments`` and ``groups`` are int32 tables with one field per row; every row starts 16-byte
+    aligned (Triton specialises pointers on alignment).
+    """
+
+    config: FlashConfig
+    prog_first_seg: torch.Tensor  # [P + 1] int32: program p runs segments [first[p], first[p+1]); P = the grid
+    segments: torch.Tensor  # [5, S] int32: seq, row0, kv_start, kv_end, partial slot (-1: writes out/lse)
+    groups: torch.Tensor  # [4, G] int32: seq, row0, first partial slot, split count
+    group_count: torch.Tensor  # [1] int32: groups in use (the combine kernel's grid is fixed)
+    partial_out: torch.Tensor  # [4 * P, BLOCK_M, 512] float32
+    partial_lse: torch.Tensor  # [4 * P, BLOCK_M] float32 (log2 units)
+    num_groups: int | None  # groups in use, when the host knows it (None: launch the combine anyway)
+
+    @property
+    def num_programs(self) -> int:
+        return self.prog_first_seg.shape[0] - 1
+
+
+def _pad4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+class VerifyPlan:
+    """The flash kernels' work list in buffers allocated once, for at most ``max_batch`` sequences
+    of at most ``max_tree_nodes`` tree nodes each and ``num_heads`` heads (see :meth:`plan`).
+
+    Device buffers (fixed addresses for the object's life): one int32 block holding the lengths
+    (``kv_lens [max_batch]``, ``qo_indptr [max_batch + 1]``) and the schedule tables, and the
+    partials ``[4 * P, BLOCK_M, 512]`` + ``[4 * P, BLOCK_M]`` float32 (P = programs of the grid:
+    a schedule has at most 2P more segments than row blocks, so at most 4P partials). Calls that
+    share a plan must run one after another on one stream (they share the partials).
+
+    ``schedule_cache``: schedules kept by (row blocks, KV tiles) per sequence (host memory only;
+    0: compute every plan's schedule).
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_tree_nodes: int,
+        num_heads: int,
+        device: str | torch.device = "cuda",
+        *,
+        config: FlashConfig | None = None,
+        num_programs: int | None = None,
+        schedule_cache: int = SCHEDULE_CACHE,
+    ):
+        for name, v, hi in (("max_batch", max_batch, 1 << 20), ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
+                            ("num_heads", num_heads, MAX_HEADS), ("num_programs", num_programs or 1, 1 << 20)):
+            if not isinstance(v, int) or not 1 <= v <= hi:
+                raise ValueError(f"{name} must be an int in 1..{hi}, got {v!r}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        cfg = config or pick_config(device)
+        P = num_programs or resident_programs(cfg, device)
+        self.max_batch, self.max_tree_nodes, self.num_heads = max_batch, max_tree_nodes, num_heads
+        self.device, self.config = device, cfg
+        self.max_row_blocks = max_batch * -(-max_tree_nodes * num_heads // cfg.block_m)
+        seg_cap = _pad4(self.max_row_blocks + 2 * P)
+        self._part_cap, grp_cap = 4 * P, _pad4(2 * P)
+        sizes = {"kv_lens": max_batch, "qo_indptr": max_batch + 1, "prog_first_seg": P + 1, "group_count": 1,
+                 "segments": 5 * seg_cap, "groups": 4 * grp_cap}
+        offsets, n = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = n
+            n += _pad4(size)
+        pin = device.type == "cuda"
+        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = self._host if device.type == "cpu" else torch.zeros(n, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event() if pin else None
+
+        def view(buf, name, shape):
+            return buf[offsets[name] : offsets[name] + sizes[name]].reshape(shape)  # a view: contiguous
+
+        self._h = {name: view(self._host_np, name, (-1,)) for name in sizes}
+        self._h["segments"] = self._h["segments"].reshape(5, seg_cap)
+        self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
+        self.kv_lens_buf = view(self._dev, "kv_lens", (max_batch,))
+        self.qo_indptr_buf = view(self._dev, "qo_indptr", (max_batch + 1,))
+        self._tables = FlashTables(
+            config=cfg,
+            prog_first_seg=view(self._dev, "prog_first_seg", (P + 1,)),
+            segments=view(self._dev, "segments", (5, seg_cap)),
+            groups=view(self._dev, "groups", (4, grp_cap)),
+            group_count=view(self._dev, "group_count", (1,)),
+            partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
+            num_groups=0,
+        )
+        self.tables = self._tables  # with the host's group count of the current plan
+        self.num_seqs = self.num_rows = self.num_segments = 0
+        self.kv_lens_host = self.qo_indptr_host = None
+        self.kv_lens = self.kv_lens_buf[:0]  # [B] int32 device view of the planned lengths (fixed address)
+        self.qo_indptr = self.qo_indptr_buf[:1]  # [B + 1] int32 device view of the planned row offsets
+        self.max_kv_len = self.max_nodes = 0
+        self._schedules: dict[bytes, tuple] = {}  # (row blocks, tiles) -> tables, least recently used first
+        self._cache_size = schedule_cache
+        self._staged = None  # the key whose tables the staging buffer holds
+
+    @property
+    def num_programs(self) -> int:
+        return self._tables.num_programs
+
+    @property
+    def num_groups(self) -> int:
+        return self.tables.num_groups
+
+    def plan(self, kv_lens, qo_indptr) -> VerifyPlan:
+        """Schedule a step: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]`` as host data (lists,
+        numpy arrays or CPU tensors; a CUDA tensor is copied, one sync). Checks the lengths
+        (``ValueError`` naming the argument, incl. B > max_batch or a tree > max_tree_nodes),
+        writes lengths and schedule into the fixed buffers with one non-blocking copy on the
+        current stream (kernels queued before it finish reading the old plan first), and
+        allocates nothing on the device. Returns self.
+        """
+        kv, qo = check_lengths(kv_lens, qo_indptr)
+        B = kv.shape[0]
+        if B > self.max_batch:
+            raise ValueError(f"kv_lens has {B} sequences; this plan holds at most max_batch={self.max_batch}")
+        n = qo[1:] - qo[:-1]
+        n_max = int(n.max())
+        if n_max > self.max_tree_nodes:
+            raise ValueError(f"qo_indptr gives a tree of {n_max} nodes; "
+                             f"this plan holds at most max_tree_nodes={self.max_tree_nodes}")
+        bm, bn = self.config.block_m, self.config.block_n
+        R, T = -(-n * self.num_heads // bm), -(-kv // bn)
+        key = R.tobytes() + T.tobytes()
+        tables = self._schedules.pop(key, None)
+        if tables is None:
+            tables = self._schedule_tables(R, T)
+            if self._schedules and len(self._schedules) >= self._cache_size:
+                del self._schedules[next(iter(self._schedules))]  # the least recently used
+        if self._cache_size:
+            self._schedules[key] = tables
+        first, seg, seg_tile_end, grp, flash_tables = tables
+        S, num_groups = seg.shape[1], grp.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous plan's copy has left the staging buffer
+        h = self._h
+        h["kv_lens"][:B] = kv
+        h["qo_indptr"][: B + 1] = qo
+        if key != self._staged:  # the tables of the same tile counts are in the staging buffer already
+            h["prog_first_seg"][:] = first
+            h["group_count"][0] = num_groups
+            h["segments"][:, :S] = seg
+            h["groups"][:, :num_groups] = grp
+            self._staged = key
+        h["segments"][3, :S] = np.minimum(seg_tile_end, kv[seg[0]])  # a sequence's last tile ends at its length
+        if self._copied is not None:
+            self._dev.copy_(self._host, non_blocking=True)
+            self._copied.record()
+        if B != self.num_seqs:
+            self.kv_lens = self.kv_lens_buf[:B]
+            self.qo_indptr = self.qo_indptr_buf[: B + 1]
+        self.num_seqs, self.num_rows, self.num_segments = B, int(qo[-1]), S
+        self.kv_lens_host, self.qo_indptr_host = kv, qo
+        self.max_kv_len, self.max_nodes = int(kv.max()), n_max
+        self.tables = flash_tables
+        return self
+
+    def _schedule_tables(self, R: np.ndarray, T: np.ndarray):
+        """The tables of one (row blocks, KV tiles) per sequence: ``prog_first_seg [P + 1]``,
+        segments ``[5, S]`` int32 (kv_end at the tile boundary), the tile ends ``[S]``, groups
+        ``[4, G]`` int32, and the :class:`FlashTables` that carry G to the launcher."""
+        bm, bn, P = self.config.block_m, self.config.block_n, self.num_programs
+        seq, row, t0, t1, prog = schedule(R, T, P)
+        # partial slots: the pieces of a split row block get consecutive slots
+        key = (np.cumsum(R) - R)[seq] + row
+        split = np.bincount(key, minlength=int(R.sum()))[key] > 1
+        slot = np.full(len(seq), -1, dtype=np.int64)
+        idx = np.flatnonzero(split)
+        idx = idx[np.argsort(key[idx], kind="stable")]
+        slot[idx] = np.arange(len(idx))
+        first = np.flatnonzero(np.diff(key[idx], prepend=-1))
+        if len(seq) > self._h["segments"].shape[1] or len(idx) > self._part_cap or len(first) > self._h["groups"].shape[1]:
+            raise RuntimeError(f"schedule exceeds its proven bounds ({len(seq)} segments, {len(idx)} partials, "
+                               f"{len(first)} groups for P={P}, {int(R.sum())} row blocks)")
+        segments = np.stack([seq, row * bm, t0 * bn, t1 * bn, slot]).astype(np.int32)
+        g = idx[first]
+        groups = np.stack([seq[g], row[g] * bm, first, np.diff(first, append=len(idx))]).astype(np.int32)
+        first_seg = np.searchsorted(prog, np.arange(P + 1)).astype(np.int32)
+        return first_seg, segments, t1 * bn, groups, self._tables._replace(num_groups=len(first))
+
+
+def plan_verify(
+    kv_lens,
+    qo_indptr,
+    num_heads: int,
+    device: str | torch.device = "cuda",
+    *,
+    config: FlashConfig | None = None,
+    num_programs: int | None = None,
+) -> VerifyPlan:
+    """A :class:`VerifyPlan` sized for exactly these lengths, planned once (host lengths: no sync).
+
+    Args:
+        kv_lens: ``[B]`` KV length per sequence (list / numpy / CPU tensor; a CUDA tensor is
+            copied, which syncs).
+        qo_indptr: ``[B+1]`` q row offsets (host).
+        num_heads: H.
+        device: where the kernel runs.
+        config: kernel tile config (default: the best that fits the device).
+        num_programs: the grid (tuning / tests); default: the programs the device runs at once.
+            Small work is spread too: at prefix 1k-4k, 12-48 programs of 4+ tiles took 39-42 us
+            where one tile per program took 29-33 us (H200, docs/perf_log.md run 11).
+    """
+    kv, qo = check_lengths(kv_lens, qo_indptr)
+    max_nodes = int((qo[1:] - qo[:-1]).max())
+    return VerifyPlan(kv.shape[0], max_nodes, num_heads, device, config=config,
+                      num_programs=num_programs).plan(kv, qo)

@@ -1,0 +1,233 @@
+"""VerifyAttention (plan once, run per layer): against verify_attention and the float64 reference,
+re-planned into the same workspace, refusing plans past its maxima, through the torch op under
+torch.compile, and (GPU) replayed from a CUDA graph after new plans."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, requires_cuda
+from kdtree_engine import VerifyAttention, reference, verify_attention
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
+
+G = torch.Generator().manual_seed(77)
+CASES = {
+    "ragged-page1": CaseSpec("ragged-page1", 3, [40, 0, 17], [random_tree(9, G), [-1], random_tree(20, G)],
+                             page_size=1, seed=1),
+    "ragged-page16": CaseSpec("ragged-page16", 2, [3, 50], [random_tree(5, G), chain_tree(33)], page_size=16,
+                              seed=2, spare_pages=4),
+}
+
+
+def assert_matches_reference(c, out, lse):
+    r_out, r_lse = reference(**c)
+    res = compare(out, r_out, *TOLERANCES["bf16"]["out"])
+    assert res.ok, f"out: {res} {res.detail}"
+    res = compare(lse, r_lse, *TOLERANCES["bf16"]["lse"])
+    assert res.ok, f"lse: {res} {res.detail}"
+
+
+def nan_outputs(c):
+    T, H, _ = c["q"].shape
+    return (torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=DEVICE),
+            torch.full((T, H), math.nan, dtype=torch.float32, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "naive"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_run_matches_verify_attention_and_reference(name, kernel):
+    c = build_case(CASES[name], DEVICE)
+    assert bool(c["kv_cache"].isnan().any())  # poisoned slots must not leak
+    attn = VerifyAttention(4, 40, c["q"].shape[1], DEVICE, kernel=kernel, num_programs=7)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu().tolist())
+    out, lse = nan_outputs(c)
+    got = attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    assert_matches_reference(c, out, lse)
+    want_out, want_lse = verify_attention(**c, kernel=kernel)
+    if kernel == "naive":  # the same kernel on the same inputs: bitwise
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_replan_reuses_the_workspace():
+    """New lengths (other B, tree sizes, prefixes) planned into the same buffers: no reallocation,
+    right answers each time, including a plan that splits KV, one that does not, and one that
+    reuses the previous schedule (same tile counts)."""
+    attn = VerifyAttention(3, 24, 2, DEVICE, num_programs=6)
+    ws = attn.workspace
+    buffers = [ws.kv_lens_buf, ws.qo_indptr_buf, *ws.tables[1:7]]
+    ptrs = [t.data_ptr() for t in buffers]
+    tree = random_tree(24, G)
+    specs = [
+        CaseSpec("a", 2, [60, 5, 0], [random_tree(7, G), tree, [-1]], page_size=1, seed=3),
+        # one token more per sequence: the same tile counts (the kept schedule, new last-tile ends)
+        CaseSpec("a+1", 2, [61, 6, 1], [[-1, 0, 0, 1, 1, 2, 3], tree, [-1]], page_size=1, seed=3),
+        CaseSpec("b", 2, [1], [random_tree(3, G)], page_size=16, seed=4),
+        CaseSpec("c", 2, [90, 33], [chain_tree(12), random_tree(2, G)], page_size=1, seed=5),
+    ]
+    split = []
+    for spec in specs:
+        c = build_case(spec, DEVICE)
+        attn.plan(spec.kv_lens, c["qo_indptr"].cpu())
+        split.append(ws.num_groups > 0)
+        out, lse = nan_outputs(c)
+        attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out=out, lse=lse)
+        assert_matches_reference(c, out, lse)
+        assert attn.kv_lens.tolist() == spec.kv_lens
+        assert [t.data_ptr() for t in buffers] == ptrs
+    assert any(split) and not all(split)
+
+
+@pytest.mark.parametrize("kv_lens, qo_indptr, match", [
+    ([10] * 4, [0, 1, 2, 3, 4], "kv_lens has 4 sequences; this plan holds at most max_batch=3"),
+    ([40], [0, 17], "qo_indptr gives a tree of 17 nodes; this plan holds at most max_tree_nodes=16"),
+    ([4, 4], [0, 2], "qo_indptr must have 3 entries"),
+    ([1, 4], [0, 2, 3], "kv_lens\\[0\\]=1 is shorter than its tree"),
+    ([4, 4], [0, 2, 2], "qo_indptr gives a sequence with no tree node"),
+    ([4, 4], [1, 2, 3], "qo_indptr must start at 0"),
+])
+def test_plan_beyond_the_maxima_or_malformed_is_refused(kv_lens, qo_indptr, match):
+    attn = VerifyAttention(3, 16, 2, DEVICE)
+    with pytest.raises(ValueError, match=match):
+        attn.plan(kv_lens, qo_indptr)
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(max_batch=0), "max_batch must be an int in 1"),
+    (dict(max_tree_nodes=1025), "max_tree_nodes must be an int in 1..1024"),
+    (dict(num_heads=129), "num_heads must be an int in 1..128"),
+    (dict(kernel="fast"), "kernel must be one of"),
+])
+def test_bad_construction_is_refused(args, match):
+    kw = dict(max_batch=2, max_tree_nodes=8, num_heads=2, device=DEVICE) | args
+    with pytest.raises(ValueError, match=match):
+        VerifyAttention(**kw)
+
+
+def test_run_checks_shapes_against_the_plan():
+    c = build_case(CaseSpec("s", 2, [5, 3], [[-1, 0, 0], [-1, 0]], page_size=4, seed=6), DEVICE)
+    attn = VerifyAttention(2, 8, 2, DEVICE)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    args = (c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    with pytest.raises(ValueError, match="plan was built for H=2, T=5, B=2"):
+        attn.run(c["q"][:4], *args[1:3], c["tree_mask"][:4])
+    with pytest.raises(ValueError, match="page_table has 1 rows"):
+        attn.run(*args[:2], c["page_table"][:1], args[3])
+    with pytest.raises(ValueError, match="fewer than the planned kv_len 8"):
+        attn.run(*args[:2], c["page_table"][:, :1], args[3])
+    with pytest.raises(ValueError, match="sm_scale"):
+        attn.run(*args, sm_scale=0.0)
+    attn.plan([40, 3], [0, 3, 5])  # a tree of 3 nodes still fits one mask word; the pages do not
+    with pytest.raises(ValueError, match="fewer than the planned kv_len 40"):
+        attn.run(*args)
+
+
+def _op_args(attn, c, scale):
+    ws = attn.workspace
+    t, cfg = ws.tables, ws.tables.config
+    return (c["q"], c["kv_cache"], c["page_table"], ws.kv_lens, ws.qo_indptr, c["tree_mask"], t.prog_first_seg,
+            t.segments, t.groups, t.group_count, t.partial_out, t.partial_lse, scale, "flash", cfg.block_m,
+            cfg.block_n, cfg.num_warps, cfg.num_stages)
+
+
+def test_op_fake_tensor_shapes():
+    """The op's fake implementation: out [T, H, 512] in q's dtype, lse [T, H] float32, no kernel run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kdtree_engine.verify.op import verify_attention_op
+
+    c = build_case(CaseSpec("f", 3, [9], [random_tree(6, G)], page_size=1, seed=7), DEVICE)
+    attn = VerifyAttention(1, 8, 3, DEVICE)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in _op_args(attn, c, 0.04)]
+        out, lse = verify_attention_op(*fake)
+    assert (tuple(out.shape), out.dtype) == ((6, 3, 512), torch.bfloat16)
+    assert (tuple(lse.shape), lse.dtype) == ((6, 3), torch.float32)
+
+
+def test_opcheck():
+    from kdtree_engine.verify.op import verify_attention_op
+
+    c = build_case(CaseSpec("o", 2, [20], [random_tree(5, G)], page_size=1, seed=8), DEVICE)
+    attn = VerifyAttention(1, 8, 2, DEVICE, num_programs=4)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    torch.library.opcheck(verify_attention_op, _op_args(attn, c, 1 / math.sqrt(576)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiles_fullgraph_and_matches_eager(backend):
+    """A model-step-like function (projection, verify, projection) compiles with fullgraph=True (a
+    graph break raises) and gives the eager result; a new plan reuses the compiled graph."""
+    torch._dynamo.reset()
+    spec = CaseSpec("g", 2, [30, 4], [random_tree(6, G), random_tree(3, G)], page_size=1, seed=9)
+    c = build_case(spec, DEVICE)
+    attn = VerifyAttention(2, 8, 2, DEVICE, num_programs=5)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+
+    def step(q, kv_cache, page_table, tree_mask):
+        out, lse = attn.run(q * 1.0, kv_cache, page_table, tree_mask)
+        return out.float().sum(-1), lse
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    args = (c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    want = step(*args)
+    got = compiled(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_matches_reference(c, attn.run(*args)[0], got[1])
+    # new lengths, same row count: the same graph, the plan's new content
+    c2 = build_case(CaseSpec("g2", 2, [7, 50], [random_tree(4, G), random_tree(5, G)], page_size=1, seed=10),
+                    DEVICE)
+    attn.plan(c2["kv_lens"].cpu(), c2["qo_indptr"].cpu())
+    got2 = compiled(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])
+    assert_matches_reference(c2, attn.run(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])[0], got2[1])
+
+
+@requires_cuda
+def test_cuda_graph_replays_after_new_plans():
+    """Capture run once at the maxima's buffers, then plan new lengths (other B, tree sizes and
+    prefixes within the maxima), write the step's inputs into the same buffers, and replay."""
+    H, max_b, max_n, max_pages = 16, 4, 40, 7000
+    attn = VerifyAttention(max_b, max_n, H, "cuda")
+    q_buf = torch.zeros(max_b * max_n, H, 576, dtype=torch.bfloat16, device="cuda")
+    mask_buf = torch.zeros(max_b * max_n, 2, dtype=torch.int32, device="cuda")
+    pt_buf = torch.zeros(max_b, max_pages, dtype=torch.int32, device="cuda")
+    kv_buf = torch.zeros(max_b * max_pages + 8, 1, 576, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(max_b * max_n, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(max_b * max_n, H, dtype=torch.float32, device="cuda")
+    first = CaseSpec("g0", H, [5000, 300, 9, 0], [random_tree(9, G), random_tree(40, G), [-1], random_tree(17, G)])
+
+    def load(spec):
+        c = build_case(spec, "cuda")
+        T, B = c["q"].shape[0], len(spec.trees)
+        q_buf[:T].copy_(c["q"])
+        mask_buf[:T].zero_()
+        mask_buf[:T, : c["tree_mask"].shape[1]].copy_(c["tree_mask"])
+        kv_buf[: c["kv_cache"].shape[0]].copy_(c["kv_cache"])
+        pt_buf[:B, : c["page_table"].shape[1]].copy_(c["page_table"])
+        attn.plan(spec.kv_lens, c["qo_indptr"].cpu())
+        return c, T, B
+
+    c, T, B = load(first)
+    views = (q_buf[:T], kv_buf, pt_buf[:B], mask_buf[:T])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            attn.run(*views, out=out[:T], lse=lse[:T])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(*views, out=out[:T], lse=lse[:T])
+    for spec in [first,
+                 CaseSpec("g1", H, [6900, 1], [random_tree(33, G), [-1, 0]], seed=1),
+                 CaseSpec("g2", H, [17, 4000, 2500, 64], [random_tree(5, G), random_tree(40, G), chain_tree(40),
+                                                            random_tree(21, G)], seed=2),
+                 CaseSpec("g3", H, [100], [[-1]], seed=3)]:
+        c, T, B = load(spec)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(c, out[:T], lse[:T])
