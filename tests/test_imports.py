@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import kdtree_engine
 
 ROOT = Path(kdtree_engine.__file__).parent
@@ -101,8 +99,6 @@ def test_no_import_cycle_outside_verify():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.xfail(strict=True, reason="verify/api <-> verify/flash, verify/naive: the verify layout of the issue "
-                   "'Plan once, run per layer' removes it; remove this mark when it lands")
 def test_no_import_cycle_anywhere():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

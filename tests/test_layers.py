@@ -1,4 +1,4 @@
-"""The verify package imports downward only: contract <- reference, plan <- kernels <- op <- api.
+"""The verify package imports downward only: contract <- reference, plan <- combine <- kernels <- op <- api.
 
 Every import of every module (function-level ones included) is read with ``ast``; a module may
 import only modules of a lower layer. Each module also imports on its own in a fresh interpreter
@@ -19,11 +19,13 @@ LAYERS = {
     "contract": 0,
     "reference": 1,
     "plan": 1,
-    "triton_naive": 2,
-    "triton_flash": 2,
-    "op": 3,
-    "api": 4,
-    "__init__": 5,
+    "combine": 2,
+    "triton_naive": 3,
+    "triton_flash": 3,
+    "hopper": 3,
+    "op": 4,
+    "api": 5,
+    "__init__": 6,
 }
 
 

@@ -17,7 +17,7 @@ import sys
 from . import __version__
 from .backend import select_device
 from .cliargs import ArgumentParser, UsageError, existing_file, guarded, prepare_output_dir
-from .verify import KERNELS
+from .verify import KERNELS, available_kernels
 
 
 def refs_generate(args) -> int:
@@ -42,7 +42,7 @@ def refs_check(args) -> int:
     device = select_device(args.device)
     from .bundles import BundleError, check_bundle, load_bundle
 
-    kernels = list(KERNELS) if args.kernel == "all" else [args.kernel]
+    kernels = list(available_kernels(device)) if args.kernel == "all" else [args.kernel]
     failures = 0
     for file in args.files:
         try:

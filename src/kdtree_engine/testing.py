@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
-from .verify.contract import D_QK, D_V
+from .verify.contract import D_QK
 
 __all__ = [
     "CaseSpec",

@@ -23,12 +23,13 @@ import torch
 from ..backend import select_device
 from ..cliargs import ArgumentParser, UsageError, float_above, guarded, int_in, int_list, prepare_output_dir, prepare_output_file
 from ..masks import MAX_TREE_NODES
+from ..verify import KERNELS
 from ..verify.contract import MAX_HEADS
 from .shapes import TREES
 
 __all__ = ["main", "build_parser"]
 
-OURS = ("naive", "flash")
+OURS = KERNELS
 PEERS = ("torch", "sglang", "flashinfer")
 ALL_KERNELS = OURS + PEERS
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     requested = a.kernels
-    ours, why_not = detect_ours([k for k in requested if k in OURS] if requested else None)
+    ours, why_not = detect_ours([k for k in requested if k in OURS] if requested else None, device)
     peers, why_not_peers = detect_peers([k for k in requested if k in PEERS] if requested else None)
     why_not.update(why_not_peers)
     if a.flashmla:

@@ -27,7 +27,6 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F

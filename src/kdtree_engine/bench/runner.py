@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..testing import TOLERANCES, compare
-from ..verify import KERNELS, VerifyAttention, verify_attention
+from ..verify import KERNELS, VerifyAttention, available_kernels, verify_attention
 from ..verify.contract import check_content, check_inputs
 from ..verify.reference import reference
 from .peers import Impl, Prepared, Unavailable
@@ -30,10 +30,11 @@ __all__ = ["OursImpl", "detect_ours", "SweepOptions", "Row", "run_sweep", "estim
 
 
 class OursImpl(Impl):
-    """Our kernels: ``naive`` through :func:`verify_attention`; ``flash`` through
-    :class:`VerifyAttention`, planned once per shape (outside the timed region) and run per call.
+    """Our kernels: ``naive`` through :func:`verify_attention`; the planned kernels (``flash``,
+    ``hopper``) through :class:`VerifyAttention`, planned once per shape (outside the timed
+    region) and run per call.
 
-    For flash, :meth:`host_figures` adds the figures of the Python call itself (see
+    For the planned kernels, :meth:`host_figures` adds the figures of the Python call itself (see
     :class:`Row`): eager, host-only, and :func:`verify_attention` without a plan.
     """
 
@@ -44,7 +45,7 @@ class OursImpl(Impl):
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.name = kernel
         self.kernel = kernel
-        entry = "VerifyAttention plan/run" if kernel == "flash" else "verify_attention"
+        entry = "verify_attention" if kernel == "naive" else "VerifyAttention plan/run"
         self.description = f"kdtree_engine {entry} (kernel={kernel!r})"
 
     def est_tflops(self) -> float:
@@ -59,7 +60,7 @@ class OursImpl(Impl):
                                  case.sm_scale, kernel="naive", out=s.out, lse=s.lse, validate=False)
 
             return Prepared(run=run)
-        attn = VerifyAttention(sh.batch, sh.q_len, sh.heads, case.device, kernel="flash")
+        attn = VerifyAttention(sh.batch, sh.q_len, sh.heads, case.device, kernel=self.kernel)
         attn.plan(case.kv_lens_host, case.qo_indptr_host)
 
         def run(i: int) -> None:
@@ -77,7 +78,7 @@ class OursImpl(Impl):
         def unplanned(i: int) -> None:
             s = case.sets[i]
             verify_attention(s.q, s.kv_cache, case.page_table, case.kv_lens, case.qo_indptr, case.tree_mask,
-                             case.sm_scale, kernel="flash", out=s.out, lse=s.lse, validate=False)
+                             case.sm_scale, kernel=self.kernel, out=s.out, lse=s.lse, validate=False)
 
         return {
             "eager_us": back_to_back_us(prepared.run, n_sets),
@@ -86,11 +87,13 @@ class OursImpl(Impl):
         }
 
 
-def detect_ours(requested: list[str] | None) -> tuple[list[Impl], dict[str, str]]:
-    """Our kernels that were asked for (both when ``requested`` is None), naive first; no notes
-    (ours always import: they are this package)."""
+def detect_ours(requested: list[str] | None, device: str = "cuda") -> tuple[list[Impl], dict[str, str]]:
+    """Our kernels that were asked for (all that run on ``device`` when ``requested`` is None),
+    naive first, and a note for each one asked for that does not run there."""
+    runs = available_kernels(device)
     want = KERNELS if requested is None else [k for k in KERNELS if k in requested]
-    return [OursImpl(k) for k in want], {}
+    notes = {k: "needs an sm_90 GPU and Triton's Gluon" for k in want if k not in runs}
+    return [OursImpl(k) for k in want if k in runs], notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class Row:
     check: str = ""
     max_abs_err: float | None = None
     note: str = ""
-    # flash only, CUDA only (None elsewhere): the Python call's own cost (OursImpl.host_figures)
+    # planned kernels only, CUDA only (None elsewhere): the Python call's own cost (OursImpl.host_figures)
     eager_us: float | None = None  # a planned call, back to back, eager (max of host and GPU time)
     graph_us: float | None = None  # a planned call replayed from a CUDA graph (GPU time)
     host_us: float | None = None  # host wall time per planned call, 1000 calls without a sync
@@ -178,7 +181,7 @@ H200_MATMUL_FPS = 680e12
 
 def estimate_call_s(shape: Shape, impl: Impl) -> float:
     """Rough time of one call on an H200."""
-    if isinstance(impl, OursImpl) and impl.kernel == "flash":
+    if isinstance(impl, OursImpl) and impl.kernel != "naive":
         return 5e-6 + shape.floor_s(H200_COPY_BPS, H200_MATMUL_FPS) / 0.35
     return 5e-6 + max(shape.flops / (impl.est_tflops() * 1e12), shape.bytes / H200_COPY_BPS)
 
@@ -194,8 +197,8 @@ def estimate(shape: Shape, impl: Impl, opts: SweepOptions) -> float:
 
 
 def is_slow_kind(impl: Impl) -> bool:
-    """Everything but our flash kernel: capped by ``slow_max_ms``."""
-    return not (isinstance(impl, OursImpl) and impl.kernel == "flash")
+    """Everything but our planned kernels: capped by ``slow_max_ms``."""
+    return not (isinstance(impl, OursImpl) and impl.kernel != "naive")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +351,7 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
             )
         else:
             row.timing = time_cpu(prepared.run, n_sets, repeats=1)
-        if cuda and isinstance(impl, OursImpl) and impl.kernel == "flash":
+        if cuda and isinstance(impl, OursImpl) and impl.kernel != "naive":
             if row.timing.method == "graph":
                 row.graph_us = row.timing.median_us
             figures = impl.host_figures(case, prepared, n_sets)

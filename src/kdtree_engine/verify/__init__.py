@@ -3,18 +3,22 @@
 - :mod:`.contract`: dimensions and input checks;
 - :mod:`.reference`: the float64 reference (any device);
 - :mod:`.plan`: tile configs, the persistent schedule, the workspace (:class:`VerifyPlan`);
-- :mod:`.triton_naive`, :mod:`.triton_flash`: one module per kernel implementation, each a
+- :mod:`.combine`: the kernel that merges a plan's KV splits (shared by the planned kernels);
+- :mod:`.triton_naive`, :mod:`.triton_flash`, :mod:`.hopper`: one module per kernel implementation
+  (the Triton oracle, the portable Triton flash kernel, the Gluon sm_90a kernel), each a
   ``launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan)``;
-- :mod:`.op`: the launchers by name and the ``kdtree::verify_attention`` torch op;
+- :mod:`.op`: the launchers by name, which kernel ``"auto"`` runs, and the
+  ``kdtree::verify_attention`` torch op;
 - :mod:`.api`: :func:`verify_attention` and :class:`VerifyAttention` (plan once, run per layer).
 
 Importing this package does not import Triton; a kernel module loads on first use.
 """
 
 from .api import KERNELS, VerifyAttention, verify_attention
+from .op import available_kernels
 from .contract import D_QK, D_ROPE, D_V, check_inputs
 from .plan import VerifyPlan, plan_verify
 from .reference import reference
 
 __all__ = ["verify_attention", "VerifyAttention", "plan_verify", "VerifyPlan", "reference", "check_inputs",
-           "D_QK", "D_V", "D_ROPE", "KERNELS"]
+           "D_QK", "D_V", "D_ROPE", "KERNELS", "available_kernels"]

@@ -23,7 +23,7 @@ import torch
 
 from ..backend import interpreting
 from .contract import D_QK, D_V, check_content, check_inputs, check_lengths
-from .op import KERNELS, launcher, verify_attention_op
+from .op import KERNELS, launcher, resolve, verify_attention_op
 from .plan import FlashConfig, VerifyPlan
 
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
@@ -31,8 +31,8 @@ __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 def _kernel_name(kernel) -> str:
     if kernel not in ("auto",) + KERNELS:
-        raise ValueError(f"kernel must be one of 'auto', 'naive', 'flash'; got {kernel!r}")
-    return "flash" if kernel == "auto" else kernel
+        raise ValueError(f"kernel must be one of {('auto',) + KERNELS}; got {kernel!r}")
+    return kernel
 
 
 def _scale(sm_scale) -> float:
@@ -111,7 +111,10 @@ def verify_attention(
             or past n_b are zero. Prefix positions are visible to every node. Node order is free.
             Build it with :mod:`kdtree_engine.masks`.
         sm_scale: softmax scale; default ``1/sqrt(576)``.
-        kernel: ``"naive"`` (the oracle), ``"flash"`` or ``"auto"`` (flash).
+        kernel: ``"naive"`` (the oracle), ``"flash"`` (Triton, portable), ``"hopper"`` (Gluon,
+            sm_90 only) or ``"auto"``: hopper where it runs (an sm_90 GPU with Triton's Gluon,
+            16-byte aligned q / kv_cache, the default tiles), else flash; see
+            :func:`~kdtree_engine.verify.op.resolve`.
         out: optional ``[T, H, 512]`` output buffer in q's dtype (last dim contiguous), written
             through its strides; it must not overlap itself or an input.
         lse: optional ``[T, H]`` float32 buffer, any non-overlapping strides.
@@ -140,7 +143,7 @@ def verify_attention(
     kernel = _kernel_name(kernel)
     sm_scale = _scale(sm_scale)
     _check_backend(q.device)
-    if kernel == "flash":
+    if kernel != "naive":
         if plan is None:  # from a host copy of the lengths: the one sync of an unplanned call
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             plan = _unplanned_workspace(kv, qo, info.num_heads, q.device).plan(kv, qo)
@@ -156,8 +159,9 @@ def verify_attention(
         out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
-    launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
-                     None if plan is None else plan.tables)
+    tables = None if plan is None else plan.tables
+    kernel = resolve(kernel, q, kv_cache, None if tables is None else tables.config)
+    launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
     return out, lse
 
 
@@ -171,7 +175,8 @@ class VerifyAttention:
         max_tree_nodes: most tree nodes n_b of any ONE sequence (so T <= max_batch * max_tree_nodes).
         num_heads: H of every layer, 1..128.
         device: where the kernels run.
-        kernel: ``"flash"`` / ``"auto"`` (= flash) or ``"naive"`` (the oracle: ignores the schedule).
+        kernel: ``"auto"`` (hopper where it runs, else flash, decided per call), ``"flash"``,
+            ``"hopper"`` or ``"naive"`` (the oracle: ignores the schedule).
         config: flash tile config (default: the best that fits the device).
         num_programs: the flash grid (tuning / tests); default: the programs the device runs at once.
 
@@ -191,7 +196,6 @@ class VerifyAttention:
         self.device = self.workspace.device
         self.num_heads = num_heads
         _check_backend(self.device)
-        self._launch = launcher(self.kernel)
         self._default_scale = _scale(None)
 
     def plan(self, kv_lens, qo_indptr) -> None:
@@ -246,11 +250,12 @@ class VerifyAttention:
                              f"fewer than the planned kv_len {ws.max_kv_len}")
         scale = self._default_scale if sm_scale is None else _scale(sm_scale)
         t = ws.tables
+        kernel = resolve(self.kernel, q, kv_cache, t.config)
         if torch.compiler.is_compiling():
             cfg = t.config
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
-                                       t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
+                                       t.partial_lse, scale, kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
                                        cfg.num_stages)
             if out is None and lse is None:
                 return o, s
@@ -261,5 +266,5 @@ class VerifyAttention:
             out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
-        self._launch(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, scale, out, lse, t)
+        launcher(kernel)(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, scale, out, lse, t)
         return out, lse

@@ -1,8 +1,8 @@
 """Hopper (sm_90a) tree-verify kernel, written in Gluon: a drop-in for the Triton flash kernel's plan.
 
-Same work list as :func:`kdtree_engine.verify.flash.verify_attention_flash` (the plan's segments
+Same work list as :func:`kdtree_engine.verify.triton_flash.launch` (the plan's segments
 ``seq, row0, kv_start, kv_end, partial slot``, ``prog_first_seg``, partials ``[P, 64, 512]`` fp32 with
-log2-sum-exp, and the flash module's combine kernel), different tile code:
+log2-sum-exp, and :mod:`.combine`), different tile code:
 
 - one program = a list of segments, each 64 packed query rows (row r = node r // H, head r % H)
   x a KV range, 8 warps = 2 warpgroups; Q ``[64, 512] + [64, 64]`` stays in shared memory;
@@ -38,7 +38,9 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-D_LAT, D_ROPE = 512, 64
+from .combine import combine
+from .contract import D_ROPE, D_V as D_LAT
+
 LOG2E = 1.4426950408889634
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 64, 8
 # row sums per element instead of a cross-warpgroup reduction per tile (see the kernel's docstring):
@@ -265,6 +267,12 @@ def available(device: torch.device | str | None = None) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def supports_plan(config) -> bool:
+    """True when a plan's tile config suits this kernel: 64-row blocks (the partial buffers' rows)
+    and KV tiles a multiple of 64 (segments start on a 64-position boundary)."""
+    return config.block_m == BLOCK_M and config.block_n % BLOCK_N == 0
+
+
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """True when the inputs' layout suits the kernel's 16-byte cp.async copies: q and kv_cache
     16-byte aligned with their two outer strides multiples of 16 elements (Triton specialises on
@@ -274,31 +282,24 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and all(s % 16 == 0 for s in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))))
 
 
-def verify_attention_hopper(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
-    """Launch the Hopper kernel and the flash module's combine; same arguments as
-    ``verify_attention_flash`` (inputs already validated by ``verify_attention``).
+def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
+    """Launch the Hopper kernel on the plan's segments, then the combine kernel.
 
-    ``plan`` is the flash plan (:func:`kdtree_engine.verify.flash.plan_verify`) built with
-    ``block_m = 64`` (the Hopper default config 64x64x8x2): the kernel consumes its segments and
-    writes its partial buffers; the combine is the flash module's.
+    Same arguments as :func:`kdtree_engine.verify.triton_flash.launch` (inputs already checked
+    against the contract and the plan); ``plan`` is a :class:`~kdtree_engine.verify.plan.FlashTables`
+    whose config has ``block_m = 64`` and ``block_n`` a multiple of 64 (the Hopper default
+    64x64x8x2), and ``q`` / ``kv_cache`` must satisfy :func:`supports`. Writes ``out`` and ``lse``.
     """
     if not HAVE_GLUON:
-        raise RuntimeError("the Hopper verify kernel needs Triton's Gluon (triton.experimental.gluon)")
-    T, H, _ = q.shape
-    if (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, kv_lens.shape[0]) or plan.device != q.device:
-        raise ValueError(
-            f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
-            f"got H={H}, T={T}, B={kv_lens.shape[0]} on {q.device}"
-        )
-    if plan.config.block_m != BLOCK_M or plan.config.block_n % BLOCK_N:
+        raise ValueError("kernel='hopper' needs Triton's Gluon (triton.experimental.gluon, Triton >= 3.6)")
+    if not supports_plan(plan.config):
         # block_m: the partial buffers' rows; block_n: segments start on a BLOCK_N boundary, so a tile
         # never straddles a page when the page size is a multiple of BLOCK_N (one page id per tile)
-        raise ValueError(f"the Hopper kernel needs a plan with block_m={BLOCK_M} and block_n a multiple of "
+        raise ValueError(f"kernel='hopper' needs a plan with block_m={BLOCK_M} and block_n a multiple of "
                          f"{BLOCK_N}, got {plan.config.block_m}x{plan.config.block_n}")
     if not supports(q, kv_cache):
-        raise ValueError("q / kv_cache layout not supported by the Hopper kernel (see hopper.supports)")
-    if plan.num_programs == 0:  # every sequence has an empty KV (and so no rows)
-        return
+        raise ValueError("kernel='hopper' needs q and kv_cache 16-byte aligned with outer strides that are "
+                         "multiples of 16 elements (see kdtree_engine.verify.hopper.supports)")
     sg = plan.segments
     _hopper_verify_kernel[(plan.num_programs,)](
         q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
@@ -308,17 +309,7 @@ def verify_attention_hopper(q, kv_cache, page_table, kv_lens, qo_indptr, tree_ma
         tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
-        H=H, PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
+        H=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
         L_ELEM=L_ELEM, num_warps=NUM_WARPS,
     )
-    if plan.num_groups:
-        from .flash import _combine_kernel
-
-        g = plan.groups
-        _combine_kernel[(plan.num_groups, BLOCK_M)](
-            plan.partial_out, plan.partial_lse, out, lse, qo_indptr,
-            g[0], g[1], g[2], g[3],
-            qo_indptr.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            H=H, BLOCK_M=BLOCK_M, D_LATENT=D_LAT,
-            num_warps=4,
-        )
+    combine(q, qo_indptr, out, lse, plan)

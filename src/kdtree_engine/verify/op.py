@@ -12,6 +12,7 @@ implementation gives those shapes without running anything.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,21 +20,66 @@ import torch
 from .contract import D_V
 from .plan import FlashConfig, FlashTables
 
-__all__ = ["KERNELS", "launcher", "verify_attention_op"]
+__all__ = ["KERNELS", "PLANNED", "available_kernels", "launcher", "resolve", "verify_attention_op"]
 
-KERNELS = ("naive", "flash")
+KERNELS = ("naive", "flash", "hopper")
+PLANNED = ("flash", "hopper")  # the kernels that run a plan's schedule (the naive one ignores it)
+_LAUNCHERS: dict[str, Callable] = {}
 
 
 def launcher(kernel: str) -> Callable:
     """The ``launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
     plan)`` function of ``kernel`` (imports its module, and Triton, on first use)."""
+    launch = _LAUNCHERS.get(kernel)
+    if launch is not None:
+        return launch
     if kernel == "naive":
         from .triton_naive import launch
     elif kernel == "flash":
         from .triton_flash import launch
+    elif kernel == "hopper":
+        from .hopper import launch
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    _LAUNCHERS[kernel] = launch
     return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_runs_on(device: torch.device) -> bool:
+    from .hopper import available
+
+    return available(device)
+
+
+def available_kernels(device: torch.device | str) -> tuple[str, ...]:
+    """The kernels that run on ``device``: naive and flash everywhere (the CPU through Triton's
+    interpreter), hopper on an sm_90 GPU with Triton's Gluon."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if _hopper_runs_on(device):
+            return KERNELS
+    return ("naive", "flash")
+
+
+def resolve(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, config: FlashConfig | None) -> str:
+    """The kernel a call runs. ``"auto"``: ``"hopper"`` on an sm_90 GPU with Triton's Gluon when
+    the plan's tiles (``config``) and the layouts of ``q`` / ``kv_cache`` suit it (it was faster
+    than the Triton flash kernel on every shape measured on the H200: docs/perf_log.md, run 14),
+    else ``"flash"``. A named kernel is returned as it is."""
+    if kernel == "hopper" and not (q.is_cuda and _hopper_runs_on(q.device)):
+        raise ValueError(f"kernel='hopper' needs an sm_90 GPU and Triton's Gluon; q is on {q.device} "
+                         "(kernel='auto' picks it where it runs)")
+    if kernel != "auto":
+        return kernel
+    if q.is_cuda and config is not None and _hopper_runs_on(q.device):
+        from .hopper import supports, supports_plan
+
+        if supports_plan(config) and supports(q, kv_cache):
+            return "hopper"
+    return "flash"
 
 
 @torch.library.custom_op("kdtree::verify_attention", mutates_args=("partial_out", "partial_lse"))

@@ -1,0 +1,80 @@
+"""The combine kernel: merges the KV splits of a plan's split row blocks into ``out`` / ``lse``.
+
+Shared by every kernel that consumes a :class:`~kdtree_engine.verify.plan.VerifyPlan` (the Triton
+flash kernel, the Hopper kernel): a segment that covers only part of its row block's KV writes a
+normalised partial ``[BLOCK_M, 512]`` fp32 and its log2-sum-exp; one program per (split group, row)
+merges them. No atomics: bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .contract import D_V
+from .plan import FlashTables
+
+__all__ = ["combine"]
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _combine_kernel(
+    partial_out, partial_lse, out, lse, qo_indptr,
+    group_seq, group_row0, group_first, group_count, num_groups,
+    stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
+    H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr,
+):
+    """Merge the KV splits of one packed row: one program per (split group, row of the block); the
+    grid covers the plan's capacity, programs past ``num_groups[0]`` groups exit."""
+    i_g = tl.program_id(0)
+    i_r = tl.program_id(1)
+    if i_g < tl.load(num_groups):  # the grid covers the capacity; the rest exit
+        i_b = tl.load(group_seq + i_g)
+        row = tl.load(group_row0 + i_g) + i_r
+        qo_start = tl.load(qo_indptr + i_b * stride_qo)
+        n_nodes = tl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+        if row < n_nodes * H:
+            first = tl.load(group_first + i_g)
+            count = tl.load(group_count + i_g)
+            o_d = tl.arange(0, D_LATENT)
+            b_m = tl.full([], float("-inf"), tl.float32)
+            b_l = tl.zeros([], tl.float32)
+            b_acc = tl.zeros([D_LATENT], tl.float32)
+            for s in range(count):
+                o_p = (first + s).to(tl.int64) * BLOCK_M + i_r
+                b_lse2 = tl.load(partial_lse + o_p)
+                b_m_new = tl.maximum(b_m, b_lse2)
+                b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+                b_w = tl.exp2(b_lse2 - b_m_use)
+                b_alpha = tl.exp2(b_m - b_m_use)
+                b_part = tl.load(partial_out + o_p * D_LATENT + o_d)
+                b_acc = b_acc * b_alpha + b_w * b_part
+                b_l = b_l * b_alpha + b_w
+                b_m = b_m_new
+            has_key = b_l > 0
+            b_l_safe = tl.where(has_key, b_l, 1.0)
+            o_t = (qo_start + row // H).to(tl.int64)
+            head = row % H
+            tl.store(out + o_t * stride_ot + head * stride_oh + o_d, (b_acc / b_l_safe).to(out.dtype.element_ty))
+            tl.store(lse + o_t * stride_lt + head * stride_lh, tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf")))
+
+
+
+def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
+    """Merge the KV splits of the plan's split row blocks into ``out`` / ``lse`` (the combine
+    kernel; shared by every kernel that writes the plan's partials). Skipped only when the host
+    knows no row block was split and no CUDA graph is being captured (a captured graph must merge
+    whatever a later plan splits)."""
+    if plan.num_groups == 0 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    g = plan.groups
+    _combine_kernel[(g.shape[1], plan.config.block_m)](
+        plan.partial_out, plan.partial_lse, out, lse, qo_indptr,
+        g[0], g[1], g[2], g[3], plan.group_count,
+        qo_indptr.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        H=q.shape[1], BLOCK_M=plan.config.block_m, D_LATENT=D_V,
+        num_warps=4,
+    )
