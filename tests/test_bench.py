@@ -16,6 +16,7 @@ from conftest import DEVICE
 from kdtree_engine.bench import cli, timing
 from kdtree_engine.bench.peers import Prepared, TorchSDPA
 from kdtree_engine.bench.runner import OursImpl, Row, SweepOptions, crossovers, run_sweep
+from kdtree_engine.verify import available_kernels
 from kdtree_engine.bench.shapes import (
     DEFAULT_PREFIXES,
     LONG_PREFIXES,
@@ -379,7 +380,8 @@ def test_flash_planned_once_per_shape(monkeypatch):
 def test_ours_in_order_and_only_as_asked():
     from kdtree_engine.bench.runner import detect_ours
 
-    assert [i.name for i in detect_ours(None)[0]] == ["naive", "flash"]
+    assert [i.name for i in detect_ours(None, DEVICE)[0]] == list(available_kernels(DEVICE))
+    assert detect_ours(["hopper"], "cpu") == ([], {"hopper": "needs an sm_90 GPU and Triton's Gluon"})
     assert [i.name for i in detect_ours(["flash", "torch"])[0]] == ["flash"]
     with pytest.raises(ValueError, match="kernel must be one of"):
         OursImpl("fast")

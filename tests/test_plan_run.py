@@ -231,3 +231,22 @@ def test_cuda_graph_replays_after_new_plans():
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(c, out[:T], lse[:T])
+
+
+@pytest.mark.parametrize("first_inference", [True, False])
+def test_inference_mode_and_normal_mode_mix(first_inference):
+    """A workspace made under torch.inference_mode() is re-planned outside it (and the other way
+    round; verify_attention's own workspace is shared by every call on a device). On CUDA the plan
+    copies into device buffers, which must not be inference tensors (seen failing on the H200)."""
+    spec = CaseSpec("inf", 2, [9, 3], [random_tree(4, G), random_tree(2, G)], page_size=1, seed=4)
+    c = build_case(spec, DEVICE)
+    ref_out, _ = reference(**{k: v.cpu() for k, v in c.items()})
+    attn = None
+    for inference in (first_inference, not first_inference):
+        with torch.inference_mode(inference):
+            attn = attn or VerifyAttention(2, 4, 2, DEVICE)
+            attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+            out, _ = attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+            assert compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok
+            out, _ = verify_attention(**c)
+            assert compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok

@@ -250,12 +250,11 @@ class VerifyAttention:
                              f"fewer than the planned kv_len {ws.max_kv_len}")
         scale = self._default_scale if sm_scale is None else _scale(sm_scale)
         t = ws.tables
-        kernel = resolve(self.kernel, q, kv_cache, t.config)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the op resolves "auto" when it runs (it reads data pointers)
             cfg = t.config
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
-                                       t.partial_lse, scale, kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
+                                       t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
                                        cfg.num_stages)
             if out is None and lse is None:
                 return o, s
@@ -266,5 +265,6 @@ class VerifyAttention:
             out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
+        kernel = resolve(self.kernel, q, kv_cache, t.config)
         launcher(kernel)(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, scale, out, lse, t)
         return out, lse

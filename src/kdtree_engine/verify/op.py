@@ -104,13 +104,15 @@ def verify_attention_op(
     num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention on checked inputs with a plan's tables (see :class:`FlashTables`;
-    the naive kernel ignores them). Returns ``(out [T, H, 512] q.dtype, lse [T, H] float32)``.
+    the naive kernel ignores them); ``kernel`` may be ``"auto"`` (see :func:`resolve`). Returns
+    ``(out [T, H, 512] q.dtype, lse [T, H] float32)``.
     The combine kernel always runs (the host count of split groups does not cross the op)."""
     T, H, _ = q.shape
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
                          group_count, partial_out, partial_lse, num_groups=None)
+    kernel = resolve(kernel, q, kv_cache, tables.config)
     launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
     return out, lse
 

@@ -309,30 +309,33 @@ class VerifyPlan:
         for name, size in sizes.items():
             offsets[name] = n
             n += _pad4(size)
-        pin = device.type == "cuda"
-        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
-        self._dev = self._host if device.type == "cpu" else torch.zeros(n, dtype=torch.int32, device=device)
-        self._copied = torch.cuda.Event() if pin else None
+        # normal tensors even when built under torch.inference_mode(): a plan made there is
+        # updated in place by later plans outside it (and the other way round)
+        with torch.inference_mode(False):
+            pin = device.type == "cuda"
+            self._host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+            self._host_np = self._host.numpy()
+            self._dev = self._host if device.type == "cpu" else torch.zeros(n, dtype=torch.int32, device=device)
+            self._copied = torch.cuda.Event() if pin else None
 
-        def view(buf, name, shape):
-            return buf[offsets[name] : offsets[name] + sizes[name]].reshape(shape)  # a view: contiguous
+            def view(buf, name, shape):
+                return buf[offsets[name] : offsets[name] + sizes[name]].reshape(shape)  # a view: contiguous
 
-        self._h = {name: view(self._host_np, name, (-1,)) for name in sizes}
-        self._h["segments"] = self._h["segments"].reshape(5, seg_cap)
-        self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
-        self.kv_lens_buf = view(self._dev, "kv_lens", (max_batch,))
-        self.qo_indptr_buf = view(self._dev, "qo_indptr", (max_batch + 1,))
-        self._tables = FlashTables(
-            config=cfg,
-            prog_first_seg=view(self._dev, "prog_first_seg", (P + 1,)),
-            segments=view(self._dev, "segments", (5, seg_cap)),
-            groups=view(self._dev, "groups", (4, grp_cap)),
-            group_count=view(self._dev, "group_count", (1,)),
-            partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
-            partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
-            num_groups=0,
-        )
+            self._h = {name: view(self._host_np, name, (-1,)) for name in sizes}
+            self._h["segments"] = self._h["segments"].reshape(5, seg_cap)
+            self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
+            self.kv_lens_buf = view(self._dev, "kv_lens", (max_batch,))
+            self.qo_indptr_buf = view(self._dev, "qo_indptr", (max_batch + 1,))
+            self._tables = FlashTables(
+                config=cfg,
+                prog_first_seg=view(self._dev, "prog_first_seg", (P + 1,)),
+                segments=view(self._dev, "segments", (5, seg_cap)),
+                groups=view(self._dev, "groups", (4, grp_cap)),
+                group_count=view(self._dev, "group_count", (1,)),
+                partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
+                partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
+                num_groups=0,
+            )
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
         self.kv_lens_host = self.qo_indptr_host = None
