@@ -22,10 +22,20 @@ from kdtree_engine.ddtree import (
     tree_from_parents,
     tree_links,
 )
+from kdtree_engine.ddtree.tree import _expand_topk_torch
 from kdtree_engine.masks import ancestor_matrix, pack_tree_mask, tree_mask_from_parents
 from kdtree_engine.verify.api import check_content, check_inputs, D_QK
 
 FIELDS = ("tokens", "parents", "depths", "ranks", "scores")
+
+# the expansion's two implementations: the Triton kernel (CUDA, or the CPU under the interpreter,
+# as in these tests) and the tensor-op fallback for the CPU without the interpreter
+EXPANSIONS = {
+    "kernel": expand_topk,
+    "torch": lambda top, budget, roots: _expand_topk_torch(
+        top.logprobs, top.token_ids, roots, budget, min(top.logprobs.shape[1], budget)
+    ),
+}
 
 
 def assert_same_tree(a: DraftTree, b: DraftTree, fields=FIELDS):
@@ -171,11 +181,12 @@ HEAP = [
 
 
 @pytest.mark.parametrize("kind,B,L,V,budget", HEAP, ids=[f"{c[0]}-B{c[1]}-L{c[2]}-V{c[3]}-N{c[4]}" for c in HEAP])
-def test_vectorised_matches_heap(kind, B, L, V, budget, device):
+@pytest.mark.parametrize("expansion", sorted(EXPANSIONS))
+def test_vectorised_matches_heap(kind, B, L, V, budget, expansion, device):
     x = logits_case(kind, B, L, V, seed=L * V).to(device)
     roots = torch.arange(B, device=device)
     top = draft_topk(x, min(budget, V))
-    fast = expand_topk(top, budget, roots)
+    fast = EXPANSIONS[expansion](top, budget, roots)
     ref = expand_topk_reference(top, budget, roots)
     assert_same_tree(fast, ref)
     assert fast.tokens.device == x.device

@@ -36,7 +36,9 @@ from functools import lru_cache
 
 import torch
 
+from ..backend import interpreting
 from ..masks import MAX_TREE_NODES, mask_words
+from .kernels import _bits, expand
 
 __all__ = [
     "LOGPROB_SCALE",
@@ -280,8 +282,18 @@ def _plan(k: int, depth_cap: int, budget: int, device: str):
     return pairs, kept, depth_col, slot_col, parent_base, slot_k
 
 
-def _bits(x: int) -> int:
-    return max(int(x).bit_length(), 1)
+@lru_cache(maxsize=256)
+def _kernel_plan(k: int, depth_cap: int, budget: int, device: str):
+    """The expansion kernel's tables: ``sec_tab`` (every depth's candidates as ``parent slot * K +
+    rank``, concatenated), ``pair_off`` / ``kept_off`` (``[depth_cap + 1]`` int64 offsets of each
+    depth's candidates / kept nodes), the most candidates of one depth, the kept nodes in all."""
+    pairs, kept = _plan(k, depth_cap, budget, device)[:2]
+    dev = torch.device(device)
+    sec_tab = torch.cat([pi * k + pr for pi, pr in pairs])
+    sizes = [pi.numel() for pi, _ in pairs]
+    pair_off = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(dev)
+    kept_off = torch.tensor([0] + kept, dtype=torch.int64).cumsum(0).to(dev)
+    return sec_tab, pair_off, kept_off, max(sizes), sum(kept)
 
 
 def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
@@ -291,9 +303,11 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     it keeps the ``budget`` best nodes of that depth (the global ``budget`` best are among them,
     since a node's parent beats it), choosing among the children of the previous depth's kept
     nodes that can still rank; the kept nodes of all depths are then merged by the global key.
-    A node's whole within-depth key is one int64, ``(-score) << S | parent_slot * K + rank``, so
-    a depth costs two gathers, an add and a top-k. Shapes are static for given (B, L, K, budget):
-    the function can be captured in a CUDA graph.
+    A node's whole within-depth key is one int64, ``(-score) << S | parent_slot * K + rank``.
+    On CUDA (and on the CPU under Triton's interpreter) one kernel launch, one program per
+    sequence: per depth a gather, an add and a sort of the candidate keys, then one sort for the
+    merge; otherwise tensor ops (``6 L + 15`` launches). Shapes are static for given
+    (B, L, K, budget), no host sync: the function can be captured in a CUDA graph.
 
     Args:
         top: from :func:`draft_topk`, ``[B, L, K]``.
@@ -310,6 +324,31 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     depth_cap = min(L, budget) if K > 0 else 0
     if depth_cap == 0:
         return _root_only(roots)
+    if dev.type == "cuda" or interpreting():
+        sec_tab, pair_off, kept_off, max_pairs, total = _kernel_plan(K, depth_cap, budget, str(dev))
+        tokens, parents, depths, ranks, scores = expand(
+            lp.contiguous(), ids.contiguous(), roots.contiguous(), sec_tab, pair_off, kept_off,
+            budget, depth_cap, max_pairs, total,
+        )
+        n = tokens.shape[1]
+        return DraftTree(
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
+            num_nodes_host=(n,) * B,
+            max_depth=depth_cap,
+            ranks=ranks,
+            scores=scores,
+        )
+    return _expand_topk_torch(lp, ids, roots, budget, depth_cap)
+
+
+def _expand_topk_torch(lp, ids, roots, budget: int, depth_cap: int) -> DraftTree:
+    """:func:`expand_topk` with tensor ops (about ``6 L + 15`` launches), for the CPU without the
+    interpreter; the kernel computes the same keys and sorts."""
+    B, L, K = lp.shape
+    dev = lp.device
     pairs, kept, depth_col, slot_col, parent_base, slot_k = _plan(K, depth_cap, budget, str(dev))
 
     # within-depth key: (-score) << S | sec, sec = parent slot * K + rank < budget * K <= 2**S;
