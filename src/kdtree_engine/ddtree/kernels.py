@@ -1,7 +1,9 @@
-"""Triton kernels of the DDTree step: the acceptance walk and the best-first expansion.
+"""Triton kernels of the DDTree step: the draft top-K's finish, the best-first expansion, the
+acceptance walk.
 
-One launch each, one program per sequence, fixed shapes, no host sync: both can be captured in a
-CUDA graph per (batch, budget) bucket. The public functions (:mod:`.tree`, :mod:`.accept`) call
+One launch each, one program per row or sequence (several under the interpreter, which runs
+programs one after another), fixed shapes, no host sync: all can be captured in a CUDA graph
+per (batch, budget) bucket. The public functions (:mod:`.tree`, :mod:`.accept`) call
 the launchers below; this module imports nothing of theirs.
 """
 
@@ -13,7 +15,139 @@ import triton.language as tl
 
 from ..backend import interpreting
 
-__all__ = ["walk", "expand"]
+__all__ = ["walk", "expand", "finish_topk"]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+_INT64_MAX = 2**63 - 1
+
+
+@triton.jit
+def _ranked(b_key, p_tmp, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
+    """``(keys, ranks)`` of ``[S, N]`` keys, distinct within a row except padding (INT64_MAX): on a
+    GPU the rows sorted by ``tl.sort`` and ranks 0..N-1; under the interpreter, whose ``tl.sort``
+    takes minutes (a Python call per element), the keys as they are and their ranks by counting,
+    CHUNK columns at a time through the scratch rows ``p_tmp`` (``[S, 1]`` pointers, N entries)."""
+    N: tl.constexpr = b_key.shape[1]
+    if RANK_SORT:
+        tl.store(p_tmp + tl.arange(0, N)[None, :], b_key)
+        rank = tl.zeros(b_key.shape, tl.int32)
+        for j in range(0, N, CHUNK):
+            b_j = tl.load(p_tmp + j + tl.arange(0, CHUNK)[None, :])  # [S, CH]
+            rank += tl.sum((b_j[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
+        return b_key, rank
+    else:
+        rank = tl.zeros(b_key.shape, tl.int32) + tl.arange(0, N)[None, :]
+        return tl.sort(b_key, dim=1), rank
+
+
+
+def _seqs_per_program(batch: int, block: int) -> int:
+    """Sequences per program: one on a GPU (small trees: up to 1024 elements per program); under
+    the interpreter, which runs programs one after another, the batch in few programs."""
+    if interpreting():
+        return min(triton.next_power_of_2(batch), max(1, 2**16 // block))
+    return min(triton.next_power_of_2(batch), max(1, 1024 // block))
+
+
+# ----------------------------------------------------------------------------------------------
+# the draft top-K: log-sum-exp, tie order and fixed point after torch.topk
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round of float32 ``x``: nearest integer, halves to even (exact: no rounding inside)."""
+    f = tl.floor(x)
+    r = x - f
+    odd = (f - 2.0 * tl.floor(0.5 * f)) != 0.0
+    return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit(do_not_specialize=["num_rows", "vocab", "stride_row"])
+def _finish_topk_kernel(
+    logits, vals, ids, out_lp, out_ids, tmp,
+    num_rows, vocab, stride_row,
+    K: tl.constexpr,
+    SCALE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RANK_SORT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Rows ``i_p * ROWS ..`` of :func:`kdtree_engine.ddtree.draft_topk` after ``torch.topk``.
+
+    logits: ``[R, V]`` any float dtype (row stride ``stride_row``, unit column stride).
+    vals, ids: ``[R, K]`` contiguous, the top-K logits and their token ids in any order.
+    out_lp, out_ids: ``[R, K]`` int64: ``round(SCALE * max(x - lse, FLOOR))`` and the ids,
+    ordered by logit (descending) then id (ascending); the log-sum-exp is online, float32.
+    """
+    i_p = tl.program_id(0)
+    o_r = i_p * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < num_rows
+    p_x = logits + o_r.to(tl.int64)[:, None] * stride_row  # [R, 1]
+    b_old = tl.full([ROWS, BLOCK_V], float("-inf"), tl.float32)  # running max per lane
+    b_s = tl.zeros([ROWS, BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)[None, :]
+        b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
+        b_m = tl.maximum(b_old, b_x)
+        b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
+        b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
+        b_old = b_m
+    m = tl.max(b_old, axis=1)  # [R]
+    m = tl.where(m > float("-inf"), m, 0.0)
+    lse = m + tl.log(tl.sum(b_s * tl.exp(b_old - m[:, None]), axis=1))  # [R]
+
+    o_k = tl.arange(0, BLOCK_K)[None, :]
+    m_k = m_r[:, None] & (o_k < K)  # [R, BK]
+    p_k = o_r.to(tl.int64)[:, None] * K + o_k
+    b_v = tl.load(vals + p_k, mask=m_k, other=0.0).to(tl.float32) + 0.0  # -0.0 -> +0.0
+    b_bits = b_v.to(tl.int32, bitcast=True)
+    b_ord = (b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # increases with the value
+    b_id = tl.load(ids + p_k, mask=m_k, other=0)
+    # ascending key = logit descending, then id ascending
+    b_key, b_pos = _ranked(tl.where(m_k, ((-b_ord) << 32) | b_id, _INT64_MAX), tmp + o_r.to(tl.int64)[:, None] * BLOCK_K, RANK_SORT, CHUNK)
+    b_ord = (-(b_key >> 32)).to(tl.int32)
+    b_v = (b_ord ^ ((b_ord >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    b_lp = _round_half_even(tl.maximum(b_v - lse[:, None], FLOOR) * SCALE)
+    p_out = o_r.to(tl.int64)[:, None] * K + b_pos
+    m_out = m_r[:, None] & (b_pos < K)
+    tl.store(out_lp + p_out, b_lp.to(tl.int64), mask=m_out)
+    tl.store(out_ids + p_out, b_key & 0xFFFFFFFF, mask=m_out)
+
+
+def finish_topk(logits, vals, ids, scale: int, floor: float):
+    """Launch :func:`_finish_topk_kernel` on ``logits [R, V]`` (unit column stride) and the
+    ``[R, K]`` output of ``torch.topk``; returns ``(logprobs, token_ids)``, each ``[R, K]`` int64."""
+    R, V = logits.shape
+    K = vals.shape[1]
+    dev = logits.device
+    out_lp = torch.empty(R, K, dtype=torch.int64, device=dev)
+    out_ids = torch.empty(R, K, dtype=torch.int64, device=dev)
+    block_k = triton.next_power_of_2(K)
+    block_v = min(triton.next_power_of_2(V), 4096)
+    rows = _seqs_per_program(R, max(block_v, block_k))
+    grid = triton.cdiv(R, rows)
+    rank_sort = interpreting()
+    tmp = torch.empty(grid * rows * block_k if rank_sort else 1, dtype=torch.int64, device=dev)
+    _finish_topk_kernel[(grid,)](
+        logits, vals.contiguous(), ids.contiguous(), out_lp, out_ids, tmp,
+        R, V, logits.stride(0),
+        K=K,
+        SCALE=float(scale),
+        FLOOR=float(floor),
+        ROWS=rows,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+        RANK_SORT=rank_sort,
+        CHUNK=min(block_k, max(1, 2**20 // (rows * block_k))),
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    return out_lp, out_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,14 +209,6 @@ def _walk_kernel(
     tl.store(lengths + o_s, length, mask=m_s)
 
 
-def _seqs_per_program(batch: int, block: int) -> int:
-    """Sequences per program: one on a GPU (small trees: up to 1024 elements per program); under
-    the interpreter, which runs programs one after another, the batch in few programs."""
-    if interpreting():
-        return min(triton.next_power_of_2(batch), max(1, 2**16 // block))
-    return min(triton.next_power_of_2(batch), max(1, 1024 // block))
-
-
 def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
     """Launch :func:`_walk_kernel` on contiguous int64 ``[B, n]`` trees; ``target`` is ``[B, n]``
     (``starts`` None) or flat ``[T]`` with sequence b at ``starts[b]``.
@@ -111,28 +237,6 @@ def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
 
 # ----------------------------------------------------------------------------------------------
 # the best-first expansion
-
-_INT64_MAX = 2**63 - 1
-
-
-@triton.jit
-def _ranked(b_key, p_tmp, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
-    """``(keys, ranks)`` of ``[S, N]`` keys, distinct within a row except padding (INT64_MAX): on a
-    GPU the rows sorted by ``tl.sort`` and ranks 0..N-1; under the interpreter, whose ``tl.sort``
-    takes minutes (a Python call per element), the keys as they are and their ranks by counting,
-    CHUNK columns at a time through the scratch rows ``p_tmp`` (``[S, 1]`` pointers, N entries)."""
-    N: tl.constexpr = b_key.shape[1]
-    if RANK_SORT:
-        tl.store(p_tmp + tl.arange(0, N)[None, :], b_key)
-        rank = tl.zeros(b_key.shape, tl.int32)
-        for j in range(0, N, CHUNK):
-            b_j = tl.load(p_tmp + j + tl.arange(0, CHUNK)[None, :])  # [S, CH]
-            rank += tl.sum((b_j[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
-        return b_key, rank
-    else:
-        rank = tl.zeros(b_key.shape, tl.int32) + tl.arange(0, N)[None, :]
-        return tl.sort(b_key, dim=1), rank
-
 
 @triton.jit(do_not_specialize=["num_seqs", "depth_cap", "n_draft", "stride_top", "stride_scratch", "stride_out"])
 def _expand_kernel(

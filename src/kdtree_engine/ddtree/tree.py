@@ -3,7 +3,7 @@
 DDTree (arXiv 2604.12989) turns the per-position distributions of a block drafter (draft logits
 ``[L, V]`` for the next ``L`` positions) into a draft tree under a node budget, by best-first
 expansion on the cumulative log-probability of a path. This module builds the trees of a batch
-on the device with tensor ops only (no host sync, static shapes), keeps a deliberately simple
+on the device (Triton kernels of :mod:`.kernels`; no host sync, static shapes), keeps a deliberately simple
 heap reference beside it, and compiles a tree into the tensors of
 :func:`kdtree_engine.verify_attention`.
 
@@ -38,7 +38,7 @@ import torch
 
 from ..backend import interpreting
 from ..masks import MAX_TREE_NODES, mask_words
-from .kernels import _bits, expand
+from .kernels import _bits, expand, finish_topk
 
 __all__ = [
     "LOGPROB_SCALE",
@@ -213,11 +213,26 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
             log-softmax is taken in float32 over V.
         k: 1 <= k <= V.
 
-    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host sync.
+    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host
+    sync. On CUDA (and on the CPU under Triton's interpreter): ``torch.topk`` on the logits as
+    they are, then one kernel (log-sum-exp of each row, the tie order, the fixed point);
+    otherwise tensor ops on a float32 copy.
     """
     logits = _check_logits("draft_logits", draft_logits)
-    V = logits.shape[-1]
+    B, L, V = logits.shape
     _check_int("k", k, 1, V)
+    if logits.device.type == "cuda" or interpreting():
+        rows = logits.reshape(B * L, V)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        vals, ids = rows.topk(k, dim=-1, sorted=False)  # [B*L, k]
+        lp, ids = finish_topk(rows, vals, ids, LOGPROB_SCALE, LOGPROB_FLOOR)
+        return DraftTopK(token_ids=ids.view(B, L, k), logprobs=lp.view(B, L, k))
+    return _draft_topk_torch(logits, k)
+
+
+def _draft_topk_torch(logits: torch.Tensor, k: int) -> DraftTopK:
+    """:func:`draft_topk` with tensor ops (``logits [B, L, V]``), for the CPU without the interpreter."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
     vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
@@ -297,7 +312,7 @@ def _kernel_plan(k: int, depth_cap: int, budget: int, device: str):
 
 
 def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
-    """Best-first DDTree expansion of a batch, with tensor ops on the top-K's device (no host sync).
+    """Best-first DDTree expansion of a batch on the top-K's device (no host sync).
 
     Equivalent to :func:`expand_topk_reference` (same nodes, same order, same parents). Per depth d
     it keeps the ``budget`` best nodes of that depth (the global ``budget`` best are among them,
