@@ -1,4 +1,5 @@
-"""A small flash + combine launch for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
+"""Small launches of every kernel this GPU runs (flash, hopper on sm_90, naive) and the combine,
+for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_flash.py
 Ragged batch, page sizes 1 and 16, one program running every segment in turn and four programs
@@ -10,7 +11,7 @@ import torch
 
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, compare, random_tree
-from kdtree_engine.verify import plan_verify
+from kdtree_engine.verify import available_kernels, plan_verify
 
 gen = torch.Generator().manual_seed(0)
 for page_size in (1, 16):
@@ -18,7 +19,10 @@ for page_size in (1, 16):
                     page_size=page_size)
     c = build_case(spec, "cuda")
     r_out, r_lse = reference(**c)
-    for kernel, programs in (("flash", 1), ("flash", 4), ("naive", None)):
+    runs = available_kernels("cuda")
+    for kernel, programs in (("flash", 1), ("flash", 4), ("hopper", 1), ("hopper", 4), ("naive", None)):
+        if kernel not in runs:
+            continue
         plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 5, "cuda", num_programs=programs) if programs else None
         out, lse = verify_attention(**c, kernel=kernel, plan=plan)
         torch.cuda.synchronize()

@@ -658,7 +658,7 @@ def load_flashmla():
 def triton_flash_fn(inp, scale):
     import kdtree_engine
     try:
-        from kdtree_engine.verify.flash import plan_verify
+        from kdtree_engine.verify import plan_verify
         plan = plan_verify(inp["kv_lens_host"], inp["qo_host"], inp["H"], "cuda")
     except ImportError:
         plan = None
@@ -693,18 +693,18 @@ def main():
                 row[name + "_us"] = time_graph(lambda: run_ours(inp, plan, scale, l_elem=True, ablate=ab), budget_s=0.3)
             try:  # the package module (its default variant) on the package plan, checked against the spike kernel
                 from kdtree_engine.verify import hopper as hmod
-                from kdtree_engine.verify.flash import plan_verify
+                from kdtree_engine.verify import plan_verify
                 pplan = plan_verify(inp["kv_lens_host"], inp["qo_host"], H, "cuda")
                 T = inp["q"].shape[0]
                 o1 = torch.full((T, H, D_V), float("nan"), dtype=torch.bfloat16, device="cuda")
                 l1 = torch.full((T, H), float("nan"), dtype=torch.float32, device="cuda")
                 margs = (inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
-                         inp["tree_mask"], scale, o1, l1, pplan)
-                hmod.verify_attention_hopper(*margs)
+                         inp["tree_mask"], scale, o1, l1, pplan.tables)
+                hmod.launch(*margs)
                 o2, l2 = run_ours(inp, plan, scale, l_elem=True)
                 row["module_l_elem"] = hmod.L_ELEM
                 row["module_vs_spike_max_abs"] = float((o1.float() - o2.float()).abs().max())
-                row["module_us"] = time_graph(lambda: hmod.verify_attention_hopper(*margs), budget_s=0.3)
+                row["module_us"] = time_graph(lambda: hmod.launch(*margs), budget_s=0.3)
             except Exception as e:  # noqa: BLE001
                 row["module_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             res["ablation"].append(row)
@@ -803,14 +803,14 @@ def main():
         # the package module (verify/hopper.py) on the package's own plan, if importable
         try:
             from kdtree_engine.verify import hopper as hmod
-            from kdtree_engine.verify.flash import plan_verify
+            from kdtree_engine.verify import plan_verify
             pplan = plan_verify(inp["kv_lens_host"], inp["qo_host"], H, "cuda")
             margs = (inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
-                     inp["tree_mask"], scale, out, lse, pplan)
+                     inp["tree_mask"], scale, out, lse, pplan.tables)
             out.fill_(float("nan"))
-            hmod.verify_attention_hopper(*margs)
+            hmod.launch(*margs)
             row["module_check"] = compare(out, lse, ro, rl)
-            row["module_us"] = time_graph(lambda: hmod.verify_attention_hopper(*margs))
+            row["module_us"] = time_graph(lambda: hmod.launch(*margs))
             row["module_programs"] = pplan.num_programs
         except Exception as e:  # noqa: BLE001
             row["module_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -849,7 +849,7 @@ def main():
     if not a.quick:
         try:
             from kdtree_engine.verify import hopper as hmod
-            from kdtree_engine.verify.flash import plan_verify
+            from kdtree_engine.verify import plan_verify
             for H in (16, 64, 128):
                 for n in (9, 33):
                     for B in (1, 4):
@@ -860,12 +860,12 @@ def main():
                             o1 = torch.empty(T, H, D_V, dtype=torch.bfloat16, device="cuda")
                             l1 = torch.empty(T, H, dtype=torch.float32, device="cuda")
                             margs = (inp["q"], inp["kv_cache"], inp["page_table"], inp["kv_lens"], inp["qo_indptr"],
-                                     inp["tree_mask"], scale, o1, l1, pplan)
-                            hmod.verify_attention_hopper(*margs)
+                                     inp["tree_mask"], scale, o1, l1, pplan.tables)
+                            hmod.launch(*margs)
                             fn, o2, l2 = triton_flash_fn(inp, scale)
                             fn()
                             diff = float((o1.float() - o2.float()).abs().max())
-                            r = dict(H=H, nodes=n, B=B, prefix=P, page=1, module_us=time_graph(lambda: hmod.verify_attention_hopper(*margs), budget_s=0.2),
+                            r = dict(H=H, nodes=n, B=B, prefix=P, page=1, module_us=time_graph(lambda: hmod.launch(*margs), budget_s=0.2),
                                      triton_us=time_graph(fn, budget_s=0.2), max_abs_diff_vs_triton=diff)
                             res["sweep"].append(r)
                             print(json.dumps(r), flush=True)
