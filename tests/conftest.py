@@ -4,9 +4,14 @@
 module imports Triton (the interpreter is chosen when Triton loads).
 """
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from kdtree_engine import reference, verify_attention  # loads no Triton (select_device comes first)
 from kdtree_engine.backend import select_device
+from kdtree_engine.testing import TOLERANCES, compare
 
 DEVICE = select_device()
 HAS_CUDA = DEVICE == "cuda"
@@ -17,3 +22,18 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+def run_checked(c, kernel, dtype_name, **kw):
+    """``verify_attention(**c, kernel=kernel, **kw)`` with NaN-prefilled outputs, compared with the
+    float64 reference at ``dtype_name``'s tolerances; returns ``(out, lse)``."""
+    T, H, _ = c["q"].shape
+    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=c["q"].device)
+    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=c["q"].device)
+    verify_attention(**c, kernel=kernel, out=out, lse=lse, **kw)
+    r_out, r_lse = reference(**c)
+    res_out = compare(out, r_out, *TOLERANCES[dtype_name]["out"])
+    res_lse = compare(lse, r_lse, *TOLERANCES[dtype_name]["lse"])
+    assert res_out.ok, f"out: {res_out} {res_out.detail}"
+    assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
+    return out, lse

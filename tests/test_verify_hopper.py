@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, run_checked
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, random_tree, star_tree
 from kdtree_engine.testing import compare
@@ -40,23 +40,6 @@ SHAPES = {
 }
 
 
-def run_hopper(c, plan):
-    T, H, _ = c["q"].shape
-    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=c["q"].device)
-    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=c["q"].device)
-    return verify_attention(**c, kernel="hopper", out=out, lse=lse, plan=plan)
-
-
-def check(c, plan, dtype_name="bf16"):
-    out, lse = run_hopper(c, plan)
-    r_out, r_lse = reference(**c)
-    res_out = compare(out, r_out, *TOLERANCES[dtype_name]["out"])
-    res_lse = compare(lse, r_lse, *TOLERANCES[dtype_name]["lse"])
-    assert res_out.ok, f"out: {res_out} {res_out.detail}"
-    assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
-    return out, lse
-
-
 def test_import_never_fails():
     assert isinstance(hopper.HAVE_GLUON, bool)
     assert hopper.available("cpu") is False
@@ -80,7 +63,7 @@ def test_hopper_matches_reference(shape, num_programs, l_elem, monkeypatch):
     spec = CaseSpec(shape, seed=zlib.crc32(shape.encode()) % 1000, **SHAPES[shape])
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), spec.num_heads, "cuda", num_programs=num_programs)
-    check(c, plan, spec.dtype)
+    run_checked(c, "hopper", spec.dtype, plan=plan)
 
 
 @requires_hopper
@@ -88,8 +71,8 @@ def test_hopper_deterministic_and_nan_never_leaks():
     spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=16, spare_pages=5)
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda", num_programs=50)
-    out1, lse1 = check(c, plan)
-    out2, lse2 = run_hopper(c, plan)
+    out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
+    out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, HAS_CUDA, requires_cuda
+from conftest import DEVICE, HAS_CUDA, requires_cuda, run_checked
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
 from kdtree_engine.verify import plan as vplan
@@ -38,20 +38,6 @@ SHAPES = {
     "fp16": dict(num_heads=8, prefix_lens=[P], trees=[random_tree(17, G)], dtype="fp16", page_size=16),
     "h128": dict(num_heads=128, prefix_lens=[9], trees=[random_tree(3, G)], page_size=1),
 }
-
-
-def run_checked(c, kernel, dtype_name, **kw):
-    """Run with NaN-prefilled outputs and compare against the reference."""
-    T, H, _ = c["q"].shape
-    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=c["q"].device)
-    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=c["q"].device)
-    verify_attention(**c, kernel=kernel, out=out, lse=lse, **kw)
-    r_out, r_lse = reference(**c)
-    res_out = compare(out, r_out, *TOLERANCES[dtype_name]["out"])
-    res_lse = compare(lse, r_lse, *TOLERANCES[dtype_name]["lse"])
-    assert res_out.ok, f"out: {res_out} {res_out.detail}"
-    assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
-    return out, lse
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
