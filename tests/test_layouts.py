@@ -1,4 +1,4 @@
-"""Every tensor argument of verify_attention in every layout a caller can produce.
+"""Every tensor argument of verify_attention (and of VerifyAttention.run) in every layout a caller can produce.
 
 Each argument is handed in holding the right values in another layout (column-major, a step
 slice, a slice of a wider buffer, a broadcast with zero strides); the result must equal the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kdtree_engine import reference, verify_attention
+from kdtree_engine import VerifyAttention, reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, compare, random_tree
 
 KERNELS = ("naive", "flash")
@@ -157,3 +157,20 @@ def test_output_aliasing_an_input_refused(case):
     lse = out.view(torch.float32)[:, :, 0]  # [T, H] float32 inside out's memory
     with pytest.raises(ValueError, match="lse overlaps out"):
         verify_attention(**c, out=out, lse=lse)
+
+
+@pytest.mark.parametrize("layout", ("transposed", "step", "wide"))
+@pytest.mark.parametrize("arg", ("q", "kv_cache", "page_table", "tree_mask"))
+def test_plan_run_input_layout(case, arg, layout):
+    """VerifyAttention.run honours the same layouts (its lengths come from the host plan)."""
+    c, ref_out, ref_lse = case
+    x = relayout(c[arg], layout)
+    if x is None or (x.stride(), x.storage_offset()) == (c[arg].stride(), c[arg].storage_offset()):
+        pytest.skip(f"{arg} of shape {tuple(c[arg].shape)} has no distinct {layout} layout")
+    B = c["kv_lens"].shape[0]
+    attn = VerifyAttention(B, 64, c["q"].shape[1], DEVICE)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    args = {k: c[k] for k in ("q", "kv_cache", "page_table", "tree_mask")}
+    args[arg] = x
+    out, lse = attn.run(**args)
+    check_against_reference(out, lse, ref_out, ref_lse)
