@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import kdtree_engine
-from conftest import HAS_CUDA
+from conftest import DEVICE, HAS_CUDA
 from kdtree_engine.cli import main as kdtree_main
+from kdtree_engine.verify import available_kernels
 
 REFS = Path(__file__).parent / "refs"
 GOOD = REFS / "verify_attn_h8_p1_b4.kdtr"
@@ -103,6 +104,8 @@ if not HAS_CUDA:  # asking for a device that is not there is a user error too
     BAD["bench-no-cuda"] = (["bench", "--device", "cuda", "--no-files"], ["cuda"])
     BAD["demo-no-cuda"] = (["demo", "--device", "cuda"], ["cuda"])
     BAD["refs-check-no-cuda"] = (["refs", "check", "--device", "cuda", str(GOOD)], ["cuda"])
+if "hopper" not in available_kernels(DEVICE):  # a kernel this device does not run
+    BAD["refs-check-kernel-not-here"] = (["refs", "check", "--kernel", "hopper", str(GOOD)], ["--kernel", "hopper", "does not run"])
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

@@ -42,7 +42,11 @@ def refs_check(args) -> int:
     device = select_device(args.device)
     from .bundles import BundleError, check_bundle, load_bundle
 
-    kernels = list(available_kernels(device)) if args.kernel == "all" else [args.kernel]
+    runs = available_kernels(device)
+    if args.kernel not in ("all",) + runs:
+        raise UsageError(f"argument --kernel: {args.kernel} does not run on {device} "
+                         f"(this device runs {', '.join(runs)})")
+    kernels = list(runs) if args.kernel == "all" else [args.kernel]
     failures = 0
     for file in args.files:
         try:
