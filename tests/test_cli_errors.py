@@ -106,6 +106,7 @@ if not HAS_CUDA:  # asking for a device that is not there is a user error too
     BAD["refs-check-no-cuda"] = (["refs", "check", "--device", "cuda", str(GOOD)], ["cuda"])
 if "hopper" not in available_kernels(DEVICE):  # a kernel this device does not run
     BAD["refs-check-kernel-not-here"] = (["refs", "check", "--kernel", "hopper", str(GOOD)], ["--kernel", "hopper", "does not run"])
+    BAD["demo-kernel-not-here"] = (["demo", "--kernel", "hopper"], ["--kernel", "hopper", "does not run"])
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
