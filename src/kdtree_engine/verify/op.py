@@ -20,10 +20,9 @@ import torch
 from .contract import D_V
 from .plan import FlashConfig, FlashTables
 
-__all__ = ["KERNELS", "PLANNED", "available_kernels", "launcher", "resolve", "verify_attention_op"]
+__all__ = ["KERNELS", "available_kernels", "launcher", "resolve", "verify_attention_op"]
 
 KERNELS = ("naive", "flash", "hopper")
-PLANNED = ("flash", "hopper")  # the kernels that run a plan's schedule (the naive one ignores it)
 _LAUNCHERS: dict[str, Callable] = {}
 
 
