@@ -13,6 +13,7 @@ import torch
 from conftest import DEVICE, HAS_CUDA, requires_cuda, run_checked
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
+from kdtree_engine.verify import available_kernels
 from kdtree_engine.verify import plan as vplan
 from kdtree_engine.verify import triton_flash
 from kdtree_engine.verify.plan import CONFIGS, plan_verify
@@ -203,7 +204,10 @@ def test_flash_no_recompile_when_page_table_width_or_mask_words_change():
 
 
 @requires_cuda
-def test_flash_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("kernel", ["flash", "hopper"])
+def test_cuda_graph_capture_and_replay(kernel):
+    if kernel not in available_kernels("cuda"):
+        pytest.skip(f"{kernel} does not run on this GPU")
     spec = CaseSpec("graph", 16, [5000, 300], [random_tree(9, G), random_tree(17, G)], page_size=1)
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda")
@@ -213,11 +217,11 @@ def test_flash_cuda_graph_capture_and_replay():
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # compile and warm up outside the capture
-            verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
+            verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
+        verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
     # replay on fresh data written into the same input buffers
     fresh = build_case(CaseSpec("graph2", 16, [5000, 300], spec.trees, page_size=1, seed=5), "cuda")
     for k in ("q", "kv_cache"):
