@@ -21,6 +21,15 @@ from kdtree_engine.ddtree import (
     tree_from_parents,
 )
 
+from kdtree_engine.ddtree.accept import _accept_tokens_torch, _padded_targets
+
+# the walk's two implementations: the Triton kernel (CUDA, or the CPU under the interpreter, as in
+# these tests) and the tensor-op fallback for the CPU without the interpreter
+WALKS = {
+    "kernel": accept_tokens,
+    "torch": lambda tree, tgt: _accept_tokens_torch(tree, _padded_targets(tree, tgt)),
+}
+
 RESULT_FIELDS = ("accepted", "lengths", "bonus", "accepted_tokens", "new_tokens")
 
 
@@ -79,12 +88,13 @@ CASES = [
 
 @pytest.mark.parametrize("B,L,V,budget", CASES, ids=[f"B{c[0]}-L{c[1]}-V{c[2]}-N{c[3]}" for c in CASES])
 @pytest.mark.parametrize("p_match", [0.0, 0.8, 1.0])
-def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, device):
+@pytest.mark.parametrize("walk", sorted(WALKS))
+def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, walk, device):
     g = torch.Generator().manual_seed(B * 100 + budget)
     x = torch.randn(B, L, V, generator=g).to(device)
     tree = build_ddtree(x, budget, torch.randint(0, V, (B,), generator=g).to(device))
     tgt = matching_targets(tree, p_match, V, g)
-    got = accept_tokens(tree, tgt.reshape(-1))  # flat [T] rows
+    got = WALKS[walk](tree, tgt.reshape(-1))  # flat [T] rows
     assert_same_result(got, accept_reference(tree, tgt))
     assert got.accepted.shape == (B, tree.max_depth + 1)
     if p_match == 1.0:  # every node has a matching child until a leaf: the path ends at a leaf
@@ -93,7 +103,8 @@ def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, device):
             assert not bool((tree.parents[b] == last).any())
 
 
-def test_walk_on_ragged_shuffled_trees(device):
+@pytest.mark.parametrize("walk", sorted(WALKS))
+def test_walk_on_ragged_shuffled_trees(walk, device):
     g = torch.Generator().manual_seed(7)
     sizes = [1, 9, 70, 33, 2]
     parents, tokens = [], []
@@ -110,8 +121,9 @@ def test_walk_on_ragged_shuffled_trees(device):
     for p_match in (0.5, 1.0):
         tgt = matching_targets(tree, p_match, 1000, g)
         flat = torch.cat([tgt[b, :n] for b, n in enumerate(sizes)])  # verify rows, qo_indptr order
-        assert_same_result(accept_tokens(tree, flat), accept_reference(tree, tgt))
-        assert_same_result(accept_tokens(tree, tgt), accept_reference(tree, tgt))
+        assert_same_result(WALKS[walk](tree, flat), accept_reference(tree, tgt))
+        assert_same_result(WALKS[walk](tree, tgt), accept_reference(tree, tgt))
+        assert_same_result(WALKS[walk](tree, tgt.t().contiguous().t()), accept_reference(tree, tgt))
 
 
 def test_greedy_uses_first_argmax_and_flat_rows(device):

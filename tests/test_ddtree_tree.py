@@ -22,10 +22,20 @@ from kdtree_engine.ddtree import (
     tree_from_parents,
     tree_links,
 )
+from kdtree_engine.ddtree.tree import _draft_topk_torch, _expand_topk_torch
 from kdtree_engine.masks import ancestor_matrix, pack_tree_mask, tree_mask_from_parents
 from kdtree_engine.verify.contract import check_content, check_inputs, D_QK
 
 FIELDS = ("tokens", "parents", "depths", "ranks", "scores")
+
+# the expansion's two implementations: the Triton kernel (CUDA, or the CPU under the interpreter,
+# as in these tests) and the tensor-op fallback for the CPU without the interpreter
+EXPANSIONS = {
+    "kernel": expand_topk,
+    "torch": lambda top, budget, roots: _expand_topk_torch(
+        top.logprobs, top.token_ids, roots, budget, min(top.logprobs.shape[1], budget)
+    ),
+}
 
 
 def assert_same_tree(a: DraftTree, b: DraftTree, fields=FIELDS):
@@ -94,10 +104,16 @@ def logits_case(kind: str, B: int, L: int, V: int, seed: int) -> torch.Tensor:
 # top-K
 
 
+# the top-K's two implementations: torch.topk + one kernel (CUDA, or the CPU under the
+# interpreter, as in these tests) and tensor ops for the CPU without the interpreter
+TOPKS = {"kernel": draft_topk, "torch": _draft_topk_torch}
+
+
 @pytest.mark.parametrize("kind", ["randn", "ties", "floor"])
-def test_draft_topk_order_and_values(kind):
+@pytest.mark.parametrize("impl", sorted(TOPKS))
+def test_draft_topk_order_and_values(kind, impl):
     x = logits_case(kind, 2, 3, 11, seed=3)
-    top = draft_topk(x, 5)
+    top = TOPKS[impl](x, 5)
     lsm = torch.log_softmax(x.double(), -1)
     for b, d in itertools.product(range(2), range(3)):
         row = x[b, d].tolist()
@@ -110,6 +126,23 @@ def test_draft_topk_order_and_values(kind):
         tol = 64 + 4 * LOGPROB_SCALE * torch.finfo(torch.float32).eps * float(x[b, d].abs().max())
         assert (top.logprobs[b, d] - want).abs().max() <= tol
         assert bool((top.logprobs[b, d, 1:] <= top.logprobs[b, d, :-1]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_topk_kernel_equals_tensor_ops(dtype, device):
+    """Same ids in the same order (except which tokens tied at the k-th logit enter: torch.topk's
+    choice); fixed-point log-probs within float32 log-sum-exp rounding (the kernel sums online,
+    torch.logsumexp in its own order). Strided and -inf logits included."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 5, 3000, generator=g) * 3).to(dtype)
+    x[0, 1, ::7] = float("-inf")
+    x = x.to(device)[:, :, ::2]  # strided rows
+    for k in (1, 17, 300):
+        a, b = draft_topk(x, k), _draft_topk_torch(x, k)
+        above = x.float().gather(-1, b.token_ids) > x.float().topk(k, dim=-1).values[..., -1:]
+        assert torch.equal(a.token_ids[above], b.token_ids[above])
+        lse_ulp = LOGPROB_SCALE * torch.finfo(torch.float32).eps * 16  # |lse| < 16 here
+        assert (a.logprobs - b.logprobs).abs().max() <= 2 * lse_ulp
 
 
 def test_draft_topk_bad_inputs():
@@ -171,11 +204,12 @@ HEAP = [
 
 
 @pytest.mark.parametrize("kind,B,L,V,budget", HEAP, ids=[f"{c[0]}-B{c[1]}-L{c[2]}-V{c[3]}-N{c[4]}" for c in HEAP])
-def test_vectorised_matches_heap(kind, B, L, V, budget, device):
+@pytest.mark.parametrize("expansion", sorted(EXPANSIONS))
+def test_vectorised_matches_heap(kind, B, L, V, budget, expansion, device):
     x = logits_case(kind, B, L, V, seed=L * V).to(device)
     roots = torch.arange(B, device=device)
     top = draft_topk(x, min(budget, V))
-    fast = expand_topk(top, budget, roots)
+    fast = EXPANSIONS[expansion](top, budget, roots)
     ref = expand_topk_reference(top, budget, roots)
     assert_same_tree(fast, ref)
     assert fast.tokens.device == x.device

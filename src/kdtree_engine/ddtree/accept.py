@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend import interpreting
+from .kernels import walk
 from .tree import DraftTree, _jump_iters
 
 __all__ = [
@@ -210,8 +212,8 @@ def target_tokens_sampled(
 # the walk
 
 
-def _padded_targets(tree: DraftTree, target_tokens: torch.Tensor) -> torch.Tensor:
-    """Target tokens ``[B, n]`` from flat rows ``[T]`` (row of (b, j) = qo_indptr[b] + j) or ``[B, n]``."""
+def _check_targets(tree: DraftTree, target_tokens: torch.Tensor) -> bool:
+    """Validate ``target_tokens`` (``[T]`` flat rows or ``[B, n]``) against ``tree``; True when flat."""
     if not isinstance(target_tokens, torch.Tensor):
         raise TypeError(f"target_tokens must be a torch.Tensor, got {type(target_tokens).__name__}")
     if target_tokens.is_floating_point():
@@ -222,10 +224,19 @@ def _padded_targets(tree: DraftTree, target_tokens: torch.Tensor) -> torch.Tenso
     if target_tokens.dim() == 2:
         if tuple(target_tokens.shape) != (B, n):
             raise ValueError(f"target_tokens must be [T] or [{B}, {n}], got {tuple(target_tokens.shape)}")
-        return target_tokens.to(torch.int64)
+        return False
     T = sum(tree.num_nodes_host)
     if target_tokens.dim() != 1 or target_tokens.shape[0] != T:
         raise ValueError(f"target_tokens must be [T={T}] or [{B}, {n}], got {tuple(target_tokens.shape)}")
+    return True
+
+
+def _padded_targets(tree: DraftTree, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Target tokens ``[B, n]`` from flat rows ``[T]`` (row of (b, j) = qo_indptr[b] + j) or ``[B, n]``."""
+    if not _check_targets(tree, target_tokens):
+        return target_tokens.to(torch.int64)
+    B, n = tree.batch_size, tree.width
+    T = target_tokens.shape[0]
     if tree.uniform:
         return target_tokens.view(B, n).to(torch.int64)
     start = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
@@ -241,11 +252,34 @@ def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
         target_tokens: ``[T]`` (flat verify rows, row of node j of tree b = qo_indptr[b] + j) or
             ``[B, n]``; int.
 
-    Returns an :class:`AcceptResult`. Tensor ops only, ``log2(max_depth)`` rounds; no host sync.
+    Returns an :class:`AcceptResult`. On CUDA (and on the CPU under Triton's interpreter) one
+    kernel launch, one program per sequence walking ``max_depth`` steps; otherwise tensor ops,
+    ``log2(max_depth)`` pointer-jumping rounds. No host sync either way.
     """
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
-    tgt = _padded_targets(tree, target_tokens)  # [B, n]
+    if tree.device.type == "cuda" or interpreting():
+        tgt = target_tokens.to(torch.int64)
+        starts = None
+        if not _check_targets(tree, target_tokens):
+            tgt = tgt.contiguous() if tgt.stride(1) != 1 else tgt
+        elif tree.uniform:
+            tgt = tgt.contiguous().view(tree.batch_size, tree.width)
+        else:
+            tgt = tgt.contiguous()
+            starts = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
+        acc, acc_tokens, new_tokens, lengths, bonus = walk(
+            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, tgt, starts, tree.max_depth
+        )
+        return AcceptResult(
+            accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens
+        )
+    return _accept_tokens_torch(tree, _padded_targets(tree, target_tokens))
+
+
+def _accept_tokens_torch(tree: DraftTree, tgt: torch.Tensor) -> AcceptResult:
+    """:func:`accept_tokens` with tensor ops (``tgt``: ``[B, n]`` int64): a node is accepted iff
+    every edge of its root path matches, an AND by pointer jumping; one accepted node per depth."""
     B, n = tree.batch_size, tree.width
     D = tree.max_depth
     dev = tree.device

@@ -5,13 +5,17 @@ Per budget (draft nodes per tree, root excluded) and batch, on random logits (ne
 =================  ============================================================================
 topk               :func:`draft_topk` on the draft logits ``[B, L, V]`` (device; log-softmax,
                    top-K, tie order)
-expand             :func:`expand_topk`, the vectorised best-first expansion (device, eager)
+expand             :func:`expand_topk`, the best-first expansion (device kernel, eager)
 expand_graph       the same, replayed from a CUDA graph (CUDA only)
+construct          topk + expand: the draft tree from the draft logits, eager
+construct_graph    the same, replayed from a CUDA graph (CUDA only)
 expand_host        :func:`expand_topk_reference`: one device->host copy of the top-K, a Python
                    heap per sequence, the tree copied back (what a host-side DDTree costs)
 compile            :func:`compile_tree` (masks, positions, links)
 accept_greedy      :func:`accept_greedy` on target logits ``[T, V]`` (argmax + walk)
+accept_greedy_graph  the same, replayed from a CUDA graph (CUDA only)
 accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9
+accept_sample_graph  the same, replayed from a CUDA graph (CUDA only; the default generator)
 walk               :func:`accept_tokens` alone (target tokens given)
 step               topk + expand + compile + accept_greedy, eager
 step_graph         the same four captured in one CUDA graph (CUDA only)
@@ -24,7 +28,10 @@ median. Draft logits rotate through 4 buffers (> 60 MB L2 at Kimi's vocabulary);
 are ``B*(budget+1) x V`` (bf16), larger than L2. Before timing, the vectorised tree is checked
 against the host heap (a mismatch is reported in the row and on stderr, never hidden).
 
-Prints a machine line, then a table; ``--json PATH`` writes the rows; ``--plot PATH`` a PNG.
+Prints a machine line, then a table per batch, then the issue-13 targets (:data:`TARGETS`: the
+stage, batch and budget each is measured at, eager and graph); ``--json PATH`` writes the rows
+(and the targets); ``--plot PATH`` a PNG. ``--targets`` runs only the batches and budget of the
+targets.
 """
 
 from __future__ import annotations
@@ -49,13 +56,24 @@ STAGES = (
     "topk",
     "expand",
     "expand_graph",
+    "construct",
+    "construct_graph",
     "expand_host",
     "compile",
     "accept_greedy",
+    "accept_greedy_graph",
     "accept_sample",
+    "accept_sample_graph",
     "walk",
     "step",
     "step_graph",
+)
+
+# issue 13: (name, stage, batch, budget, target us) at V = 163840, L = 16
+TARGETS = (
+    ("top-k + expansion", "construct", 1, 512, 100.0),
+    ("greedy acceptance", "accept_greedy", 1, 512, 50.0),
+    ("sampling acceptance", "accept_sample", 16, 512, 1000.0),
 )
 
 
@@ -162,8 +180,15 @@ def run_benchmark(
             compile_tree(t, prefix)
             return accept_greedy(t, target)
 
+        def construct(i: int = 0):
+            return expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
+
+        def sample(generator=None):
+            return accept_sampling(tree, target, temperature=0.7, top_k=50, top_p=0.9, generator=generator)
+
         stage("topk", lambda: _time_wall(lambda i: draft_topk(drafts[i % n_rot], k), dev, reps, warmup))
         stage("expand", lambda: _time_wall(lambda i: expand_topk(top, budget, roots), dev, reps, warmup))
+        stage("construct", lambda: _time_wall(construct, dev, reps, warmup))
         stage("expand_host", lambda: _time_wall(lambda i: expand_topk_reference(top, budget, roots), dev, reps, warmup))
         stage(
             "compile",
@@ -174,18 +199,16 @@ def run_benchmark(
             sgen = torch.Generator(device=dev).manual_seed(seed)
             stage(
                 "accept_sample",
-                lambda: _time_wall(
-                    lambda i: accept_sampling(tree, target, temperature=0.7, top_k=50, top_p=0.9, generator=sgen),
-                    dev,
-                    reps,
-                    warmup,
-                ),
+                lambda: _time_wall(lambda i: sample(sgen), dev, reps, warmup),
             )
             stage("walk", lambda: _time_wall(lambda i: accept_tokens(tree, tgt_tokens), dev, reps, warmup))
             stage("step", lambda: _time_wall(step, dev, reps, warmup))
         if cuda and graphs:
             stage("expand_graph", lambda: _time_graph(lambda: expand_topk(top, budget, roots), dev, reps, warmup))
+            stage("construct_graph", lambda: _time_graph(construct, dev, reps, warmup))
             if target is not None:
+                stage("accept_greedy_graph", lambda: _time_graph(lambda: accept_greedy(tree, target), dev, reps, warmup))
+                stage("accept_sample_graph", lambda: _time_graph(sample, dev, reps, warmup))
                 stage("step_graph", lambda: _time_graph(step, dev, reps, warmup))
         del target
         rows.append(row)
@@ -207,6 +230,33 @@ def _print_row(row: dict, header: bool) -> None:
         print(" ".join(f"{c:>13}" for c in cols) + "  ok")
     vals = [str(row["budget"]), str(row["nodes"])] + [_fmt(row.get(s)) for s in STAGES]
     print(" ".join(f"{v:>13}" for v in vals) + f"  {'yes' if row.get('matches_reference') else 'NO'}")
+
+
+def target_table(rows: list[dict]) -> list[dict]:
+    """One entry per :data:`TARGETS` item found among ``rows``: eager and graph us, and whether
+    the better of the two meets the target (graph replay is how a decode step runs it)."""
+    out = []
+    for name, stage, batch, budget, target in TARGETS:
+        for r in rows:
+            if r["batch"] == batch and r["budget"] == budget:
+                eager, graph = r.get(stage), r.get(stage + "_graph")
+                best = min((t for t in (eager, graph) if t is not None), default=None)
+                out.append({
+                    "target": name, "stage": stage, "batch": batch, "budget": budget, "vocab": r["vocab"],
+                    "eager_us": eager, "graph_us": graph, "target_us": target,
+                    "met": best is not None and best <= target,
+                })
+    return out
+
+
+def _print_targets(entries: list[dict]) -> None:
+    print("issue-13 targets (us)")
+    print(f"{'target':>20} {'B':>3} {'budget':>6} {'V':>7} {'eager':>9} {'graph':>9} {'target':>8}  met")
+    for e in entries:
+        print(
+            f"{e['target']:>20} {e['batch']:>3} {e['budget']:>6} {e['vocab']:>7} {_fmt(e['eager_us']):>9}"
+            f" {_fmt(e['graph_us']):>9} {_fmt(e['target_us']):>8}  {'yes' if e['met'] else 'NO'}"
+        )
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -241,15 +291,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--targets", action="store_true", help="only the batches and budget of the issue-13 targets")
     ap.add_argument("--json", default=None, help="write all rows to this JSON file")
     ap.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
     args = ap.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    batches, budgets = args.batch, args.budgets
+    if args.targets:
+        batches = sorted({t[2] for t in TARGETS})
+        budgets = sorted({t[3] for t in TARGETS})
     rows = []
-    for b in args.batch:
+    for b in batches:
         rows += run_benchmark(
             args.device,
-            tuple(args.budgets),
+            tuple(budgets),
             args.vocab,
             args.depth,
             b,
@@ -259,9 +314,12 @@ def main(argv=None) -> int:
             graphs=not args.no_graphs,
         )
         print()
+    targets = target_table(rows)
+    if targets:
+        _print_targets(targets)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(rows[0]["device"]), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine_info(rows[0]["device"]), "rows": rows, "targets": targets}, f, indent=1)
     if args.plot:
         try:
             _plot(rows, args.plot)

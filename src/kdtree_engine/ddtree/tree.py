@@ -3,7 +3,7 @@
 DDTree (arXiv 2604.12989) turns the per-position distributions of a block drafter (draft logits
 ``[L, V]`` for the next ``L`` positions) into a draft tree under a node budget, by best-first
 expansion on the cumulative log-probability of a path. This module builds the trees of a batch
-on the device with tensor ops only (no host sync, static shapes), keeps a deliberately simple
+on the device (Triton kernels of :mod:`.kernels`; no host sync, static shapes), keeps a deliberately simple
 heap reference beside it, and compiles a tree into the tensors of
 :func:`kdtree_engine.verify_attention`.
 
@@ -36,7 +36,9 @@ from functools import lru_cache
 
 import torch
 
+from ..backend import interpreting
 from ..masks import MAX_TREE_NODES, mask_words
+from .kernels import _bits, expand, finish_topk
 
 __all__ = [
     "LOGPROB_SCALE",
@@ -206,15 +208,29 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
 
     Args:
         draft_logits: ``[B, L, V]`` (or ``[L, V]`` for one sequence), any float dtype, any
-            strides; the log-softmax is taken over V in a contiguous float32 copy (a copy only when
-            the logits are not already that), so every layout gives the same bits.
+            strides (a row not contiguous in V is copied first, so every layout gives the same bits).
         k: 1 <= k <= V.
 
-    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host sync.
+    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host
+    sync. On CUDA (and on the CPU under Triton's interpreter): ``torch.topk`` on the logits as
+    they are, then one kernel (log-sum-exp of each row, the tie order, the fixed point);
+    otherwise tensor ops on a float32 copy.
     """
     logits = _check_logits("draft_logits", draft_logits)
-    V = logits.shape[-1]
+    B, L, V = logits.shape
     _check_int("k", k, 1, V)
+    if logits.device.type == "cuda" or interpreting():
+        rows = logits.reshape(B * L, V)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        vals, ids = rows.topk(k, dim=-1, sorted=False)  # [B*L, k]
+        lp, ids = finish_topk(rows, vals, ids, LOGPROB_SCALE, LOGPROB_FLOOR)
+        return DraftTopK(token_ids=ids.view(B, L, k), logprobs=lp.view(B, L, k))
+    return _draft_topk_torch(logits, k)
+
+
+def _draft_topk_torch(logits: torch.Tensor, k: int) -> DraftTopK:
+    """:func:`draft_topk` with tensor ops (``logits [B, L, V]``), for the CPU without the interpreter."""
     x = logits.float().contiguous()  # one reduction order for every layout
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
     vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
@@ -279,20 +295,32 @@ def _plan(k: int, depth_cap: int, budget: int, device: str):
     return pairs, kept, depth_col, slot_col, parent_base, slot_k
 
 
-def _bits(x: int) -> int:
-    return max(int(x).bit_length(), 1)
+@lru_cache(maxsize=256)
+def _kernel_plan(k: int, depth_cap: int, budget: int, device: str):
+    """The expansion kernel's tables: ``sec_tab`` (every depth's candidates as ``parent slot * K +
+    rank``, concatenated), ``pair_off`` / ``kept_off`` (``[depth_cap + 1]`` int64 offsets of each
+    depth's candidates / kept nodes), the most candidates of one depth, the kept nodes in all."""
+    pairs, kept = _plan(k, depth_cap, budget, device)[:2]
+    dev = torch.device(device)
+    sec_tab = torch.cat([pi * k + pr for pi, pr in pairs])
+    sizes = [pi.numel() for pi, _ in pairs]
+    pair_off = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(dev)
+    kept_off = torch.tensor([0] + kept, dtype=torch.int64).cumsum(0).to(dev)
+    return sec_tab, pair_off, kept_off, max(sizes), sum(kept)
 
 
 def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
-    """Best-first DDTree expansion of a batch, with tensor ops on the top-K's device (no host sync).
+    """Best-first DDTree expansion of a batch on the top-K's device (no host sync).
 
     Equivalent to :func:`expand_topk_reference` (same nodes, same order, same parents). Per depth d
     it keeps the ``budget`` best nodes of that depth (the global ``budget`` best are among them,
     since a node's parent beats it), choosing among the children of the previous depth's kept
     nodes that can still rank; the kept nodes of all depths are then merged by the global key.
-    A node's whole within-depth key is one int64, ``(-score) << S | parent_slot * K + rank``, so
-    a depth costs two gathers, an add and a top-k. Shapes are static for given (B, L, K, budget):
-    the function can be captured in a CUDA graph.
+    A node's whole within-depth key is one int64, ``(-score) << S | parent_slot * K + rank``.
+    On CUDA (and on the CPU under Triton's interpreter) one kernel launch, one program per
+    sequence: per depth a gather, an add and a sort of the candidate keys, then one sort for the
+    merge; otherwise tensor ops (``6 L + 15`` launches). Shapes are static for given
+    (B, L, K, budget), no host sync: the function can be captured in a CUDA graph.
 
     Args:
         top: from :func:`draft_topk`, ``[B, L, K]``.
@@ -309,6 +337,31 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     depth_cap = min(L, budget) if K > 0 else 0
     if depth_cap == 0:
         return _root_only(roots)
+    if dev.type == "cuda" or interpreting():
+        sec_tab, pair_off, kept_off, max_pairs, total = _kernel_plan(K, depth_cap, budget, str(dev))
+        tokens, parents, depths, ranks, scores = expand(
+            lp.contiguous(), ids.contiguous(), roots.contiguous(), sec_tab, pair_off, kept_off,
+            budget, depth_cap, max_pairs, total,
+        )
+        n = tokens.shape[1]
+        return DraftTree(
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
+            num_nodes_host=(n,) * B,
+            max_depth=depth_cap,
+            ranks=ranks,
+            scores=scores,
+        )
+    return _expand_topk_torch(lp, ids, roots, budget, depth_cap)
+
+
+def _expand_topk_torch(lp, ids, roots, budget: int, depth_cap: int) -> DraftTree:
+    """:func:`expand_topk` with tensor ops (about ``6 L + 15`` launches), for the CPU without the
+    interpreter; the kernel computes the same keys and sorts."""
+    B, L, K = lp.shape
+    dev = lp.device
     pairs, kept, depth_col, slot_col, parent_base, slot_k = _plan(K, depth_cap, budget, str(dev))
 
     # within-depth key: (-score) << S | sec, sec = parent slot * K + rank < budget * K <= 2**S;
