@@ -54,11 +54,11 @@ def test_supports_refuses_unaligned_strides():
 
 
 @requires_hopper
-@pytest.mark.parametrize("l_elem", [False, True])
-@pytest.mark.parametrize("num_programs", [None, 7])
+@pytest.mark.parametrize("num_programs", [None, 7, 1])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_hopper_matches_reference(shape, num_programs, l_elem, monkeypatch):
-    monkeypatch.setattr(hopper, "L_ELEM", l_elem)
+def test_hopper_matches_reference(shape, num_programs):
+    """``num_programs=1``: one program runs every segment in turn, so every barrier phase carries over
+    from segment to segment (odd and even tile counts mixed)."""
     spec = CaseSpec(shape, seed=zlib.crc32(shape.encode()) % 1000, **SHAPES[shape])
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), spec.num_heads, "cuda", num_programs=num_programs)

@@ -2,20 +2,23 @@
 
 Same work list as :func:`kdtree_engine.verify.triton_flash.launch` (the plan's segments
 ``seq, row0, kv_start, kv_end, partial slot``, ``prog_first_seg``, partials ``[P, 64, 512]`` fp32 with
-log2-sum-exp, and :mod:`.combine`), different tile code:
+log2-sum-exp, and :mod:`.combine`), different tile code: one persistent program per SM runs its
+segments (64 packed query rows, row r = node r // H, head r % H, against a KV range) with three
+warp-specialised partitions (``gl.warp_specialize``), in the manner of FlashMLA's Hopper decode kernel:
 
-- one program = a list of segments, each 64 packed query rows (row r = node r // H, head r % H)
-  x a KV range, 8 warps = 2 warpgroups; Q ``[64, 512] + [64, 64]`` stays in shared memory;
-- KV tiles of 64 rows are gathered row by row through the page table with cp.async (any page
-  size, 1 included; the page ids are loaded a tile ahead) into 128-byte-swizzled shared memory,
-  two stages;
-- ``S = Q K^T`` on wgmma with warps ``[4, 2]``: each warpgroup computes its own 32 keys of the tile
-  (no duplicated QK work); P (bf16) goes through shared memory; ``O[64, 512] += P V`` with each
-  warpgroup owning 256 output columns (128 fp32 registers per thread); V = the latent columns of
-  the same shared tile;
+- a loader warpgroup gathers KV tiles of 64 rows through the page table with cp.async (any page
+  size, 1 included) into two stages of 128-byte-swizzled shared memory, in chunks (latent columns
+  ``[0, 256)``, ``[256, 512)``, rope ``[512, 576)``), each chunk with a full and an empty mbarrier so it
+  is refilled as soon as its last reader is done;
+- two consumer warpgroups, consumer w on tiles ``2j + w`` (stage w): ``S = Q K^T`` (m64n64 wgmma,
+  Q from shared memory), FlashMLA's max chain (consumer 0 publishes its running row max, consumer 1
+  takes the max with its tile's and publishes that; consumer 0 rescales its P and O to it), then
+  ``O[:, w half] += P_own V_own + P_other V_other`` (m64n256, own P from registers, the other's P from
+  shared memory, where it overwrites the tile's rope chunk): each consumer owns 256 of the 512
+  output columns (128 fp32 registers per thread);
 - prefix tiles run unmasked; only tiles that reach the tree nodes or the segment's end read mask words.
 
-Measured on the H200 against the Triton flash kernel and FlashMLA: docs/perf_log.md, run 14.
+Measured on the H200 against the Triton flash kernel and FlashMLA: docs/perf_log.md, runs 14, 17.
 Requires Triton with Gluon's Hopper API (3.6 seen working) and an sm_90 GPU: :func:`available`
 says whether this module can run; importing it never fails (no Gluon: ``HAVE_GLUON = False``).
 """
@@ -30,6 +33,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
     from triton.experimental.gluon.language.nvidia.hopper import (
         async_copy,
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -42,63 +46,127 @@ from .combine import combine
 from .contract import D_ROPE, D_V as D_LAT
 
 LOG2E = 1.4426950408889634
-BLOCK_M, BLOCK_N, NUM_WARPS = 64, 64, 8
-# row sums per element instead of a cross-warpgroup reduction per tile (see the kernel's docstring):
-# 1-5% faster on the H200 (docs/perf_log.md, run 14)
-L_ELEM = True
+BLOCK_M, BLOCK_N = 64, 64
+# warps and registers per thread of the partitions: consumer 0 is the default partition (the launch's
+# num_warps = 4), consumer 1 and the loader are workers; 2 x 232 + 40 (+ 8 Triton keeps) = 512 per lane
+LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
 
 if HAVE_GLUON:
+    # barrier slots in one [_NUM_BARS, 1] mbarrier array
+    _Q_FULL = gl.constexpr(0)  # the segment's Q rows landed (one arrival per loader thread)
+    _Q_EMPTY = gl.constexpr(1)  # both consumers are done with the segment's Q (2 arrivals)
+    _FULL = gl.constexpr(2)  # + 3 * stage + chunk: a K chunk landed (one arrival per loader thread)
+    _EMPTY = gl.constexpr(8)  # + 3 * stage + chunk: a K chunk's last reader is done (1 arrival)
+    _P_READY = gl.constexpr(14)  # + consumer: its P tile is in shared memory (1 arrival)
+    _M_READY = gl.constexpr(16)  # + consumer: its running row max is in shared memory (1 arrival)
+    _SWAP = gl.constexpr(18)  # both consumers published their row sums (2 arrivals)
+    _NUM_BARS = gl.constexpr(19)
+    # chunks of a K stage: latent columns [0, 256) (consumer 0's V half), [256, 512) (consumer 1's),
+    # rope columns [512, 576) (QK only; then the stage owner's P tile)
+    _ROPE = gl.constexpr(0)
+    _LEFT = gl.constexpr(1)
+    _RIGHT = gl.constexpr(2)
 
     @gluon.jit
-    def _tile_pages(p_pages, start, kv_end, stride_pp, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    LAT_L: gl.constexpr, ROPE_L: gl.constexpr):
-        """Page ids of the KV rows ``[start, start + BLOCK_N)`` (0 past kv_end), in both copy layouts;
-        one scalar when a tile never straddles pages. Loaded a tile ahead of its copies, so the
-        page-table latency never sits in front of a cp.async."""
-        if PAGE_SIZE % BLOCK_N == 0:
-            pg = gl.load(p_pages + (start // PAGE_SIZE) * stride_pp, mask=start < kv_end, other=0)
-            return pg, pg
-        else:
-            o_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_L))
-            pg_l = gl.load(p_pages + (o_n // PAGE_SIZE) * stride_pp, mask=o_n < kv_end, other=0)
-            o_n2 = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
-            pg_r = gl.load(p_pages + (o_n2 // PAGE_SIZE) * stride_pp, mask=o_n2 < kv_end, other=0)
-            return pg_l, pg_r
-
+    def _copy_rows(dst, p_row, m_row, COLS: gl.constexpr, L: gl.constexpr):
+        """cp.async ``COLS`` columns of the rows at ``p_row [BLOCK_M]`` (rows where ``m_row`` is false
+        are zero-filled) into ``dst [BLOCK_M, COLS]``, 64 columns (one 128-byte swizzle atom) at a time
+        so that a thread holds a few row addresses, not a whole tile's."""
+        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L)), 0)
+        for c in gl.static_range(COLS // 64):
+            async_copy.async_copy_global_to_shared(dst.slice(c * 64, 64, dim=1), gl.expand_dims(p_row + c * 64, 1) + o_c,
+                                                   mask=gl.expand_dims(m_row, 1))
 
     @gluon.jit
-    def _issue_kv_tile(kv, pg_l, pg_r, start, kv_end, stride_kvp, stride_kvs, k_lat, k_rope,
-                       PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
-                       LAT_L: gl.constexpr, ROPE_L: gl.constexpr):
-        """cp.async the KV rows ``[start, start + BLOCK_N)`` (rows past kv_end zero-filled) into one stage."""
-        o_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_L))  # [BN]
-        m_n = o_n < kv_end
-        p_row = kv + pg_l.to(gl.int64) * stride_kvp + (o_n % PAGE_SIZE).to(gl.int64) * stride_kvs  # [BN]
-        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, LAT_L))
-        async_copy.async_copy_global_to_shared(
-            k_lat, gl.expand_dims(p_row, 1) + gl.expand_dims(o_d, 0), mask=gl.expand_dims(m_n, 1))  # [BN, D_LAT]
-        o_n2 = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
-        m_n2 = o_n2 < kv_end
-        p_row2 = kv + pg_r.to(gl.int64) * stride_kvp + (o_n2 % PAGE_SIZE).to(gl.int64) * stride_kvs + D_LAT
-        o_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE_L))
-        async_copy.async_copy_global_to_shared(
-            k_rope, gl.expand_dims(p_row2, 1) + gl.expand_dims(o_r, 0), mask=gl.expand_dims(m_n2, 1))  # [BN, D_ROPE]
+    def _ws_loader(q, kv, page_table, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
+                   s_q, s_q_rope, s_k_lat, s_k_rope, bars,
+                   stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
+                   H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr):
+        """Loader partition: per segment the Q rows, then the KV tiles in pairs (tile 2j into stage 0,
+        2j + 1 into stage 1), chunk by chunk in the order the consumers release them, each chunk as soon
+        as its last reader is done. cp.async
+        row gathers through the page table (any page size; rows past the segment zero-filled), completion
+        signalled per thread on the chunk's mbarrier. A pair's page ids are loaded before waiting on its
+        first chunk, so their latency hides behind the wait."""
+        HALF: gl.constexpr = D_LAT // 2
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])  # 16-byte vectors
+        ROW_L: gl.constexpr = gl.SliceLayout(1, L)
+        n_seg = 0
+        pairs = 0  # tiles loaded into stage 0 / stage 1 so far (the barriers' phases)
+        singles1 = 0
+        i_p = gl.program_id(0)
+        for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
+            i_b = gl.load(seg_seq + i_s)
+            row0 = gl.load(seg_row0 + i_s)
+            kv_start = gl.load(seg_kv_start + i_s)
+            kv_end = gl.load(seg_kv_end + i_s)
+            qo_start = gl.load(qo_indptr + i_b * stride_qo)
+            n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+            p_pages = page_table + i_b.to(gl.int64) * stride_pt
 
+            o_m = row0 + gl.arange(0, BLOCK_M, layout=ROW_L)
+            o_t = (qo_start + gl.minimum(o_m // H, n_nodes - 1)).to(gl.int64)
+            p_qrow = q + o_t * stride_qt + (o_m % H) * stride_qh
+            mbarrier.wait(bars.index(_Q_EMPTY), (n_seg & 1) ^ 1)
+            _copy_rows(s_q.index(0), p_qrow, o_m < n_nodes * H, D_LAT, L)
+            _copy_rows(s_q_rope.index(0), p_qrow + D_LAT, o_m < n_nodes * H, D_ROPE, L)
+            async_copy.mbarrier_arrive(bars.index(_Q_FULL), increment_count=False)
+            n_seg += 1
+
+            n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
+            for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
+                has1 = 2 * j + 1 < n_tiles
+                o_n0 = kv_start + 2 * j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROW_L)
+                o_n1 = o_n0 + BLOCK_N
+                m_n0 = o_n0 < kv_end
+                m_n1 = o_n1 < kv_end
+                pg0 = gl.load(p_pages + (o_n0 // PAGE_SIZE) * stride_pp, mask=m_n0, other=0)
+                pg1 = gl.load(p_pages + (o_n1 // PAGE_SIZE) * stride_pp, mask=m_n1, other=0)
+                p_row0 = kv + pg0.to(gl.int64) * stride_kvp + (o_n0 % PAGE_SIZE).to(gl.int64) * stride_kvs
+                p_row1 = kv + pg1.to(gl.int64) * stride_kvp + (o_n1 % PAGE_SIZE).to(gl.int64) * stride_kvs
+                phase0 = (pairs & 1) ^ 1
+                phase1 = (singles1 & 1) ^ 1
+                # chunks in the order their last readers release them: each consumer's own V half
+                # (after its local PV), then the halves the other consumer reads, then the rope chunks
+                # (which held the tiles' P)
+                _load_chunk(s_k_lat.index(0).slice(0, HALF, dim=1), p_row0, m_n0, bars, 0, _LEFT, phase0, True, HALF, L)
+                _load_chunk(s_k_lat.index(1).slice(HALF, HALF, dim=1), p_row1 + HALF, m_n1, bars, 1, _RIGHT, phase1,
+                            has1, HALF, L)
+                _load_chunk(s_k_lat.index(0).slice(HALF, HALF, dim=1), p_row0 + HALF, m_n0, bars, 0, _RIGHT, phase0,
+                            True, HALF, L)
+                _load_chunk(s_k_lat.index(1).slice(0, HALF, dim=1), p_row1, m_n1, bars, 1, _LEFT, phase1, has1, HALF, L)
+                _load_chunk(s_k_rope.index(0), p_row0 + D_LAT, m_n0, bars, 0, _ROPE, phase0, True, D_ROPE, L)
+                _load_chunk(s_k_rope.index(1), p_row1 + D_LAT, m_n1, bars, 1, _ROPE, phase1, has1, D_ROPE, L)
+                pairs += 1
+                singles1 += has1.to(gl.int32)
 
     @gluon.jit
-    def _qk(s_q_lat, s_q_rope, k_lat, k_rope, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
-        """Issue S = Q_lat K_lat^T + Q_rope K_rope^T (async; each warpgroup its own BLOCK_N / 2 keys)."""
-        b_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-        b_s = warpgroup_mma(s_q_lat, k_lat.permute((1, 0)), b_s, use_acc=False, is_async=True)
-        return warpgroup_mma(s_q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
-
+    def _load_chunk(dst, p_row, m_row, bars, STAGE: gl.constexpr, CHUNK: gl.constexpr, phase, pred,
+                    COLS: gl.constexpr, L: gl.constexpr):
+        """Wait until chunk CHUNK of stage STAGE is free, gather its rows, arrive on its full barrier
+        when they land (nothing when ``pred`` is false: no such tile)."""
+        if pred:
+            mbarrier.wait(bars.index(_EMPTY + 3 * STAGE + CHUNK), phase)
+            _copy_rows(dst, p_row, m_row, COLS, L)
+            async_copy.mbarrier_arrive(bars.index(_FULL + 3 * STAGE + CHUNK), increment_count=False)
 
     @gluon.jit
-    def _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
-                      scale_log2, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
-        """Online-softmax step of one tile: returns P (fp32), alpha, new m. Only tiles past
-        clean_end (tree nodes, ragged end) read mask words."""
-        b_s = b_s * scale_log2
+    def _swap_rows(buf, bars, n_swaps, x, WG: gl.constexpr, ROW_L: gl.constexpr):
+        """Publish this consumer's row vector ``x [BLOCK_M]`` in ``buf [2 * BLOCK_M]`` and return the
+        other consumer's (``n_swaps``: swaps done so far, which gives the barrier's phase)."""
+        BLOCK_M: gl.constexpr = x.shape[0]
+        buf.slice(WG * BLOCK_M, BLOCK_M).store(x)
+        gl.thread_barrier()  # every thread's store lands before the single-thread arrive
+        mbarrier.arrive(bars.index(_SWAP))
+        mbarrier.wait(bars.index(_SWAP), n_swaps & 1)
+        return buf.slice((1 - WG) * BLOCK_M, BLOCK_M).load(ROW_L)
+
+    @gluon.jit
+    def _mask_scores(b_s, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s, mask_words, stride_mw,
+                     BLOCK_N: gl.constexpr, S_L: gl.constexpr):
+        """Scores of one tile with invisible keys at -inf: only tiles past clean_end (tree nodes,
+        the segment's end) read mask words."""
         if start + BLOCK_N > clean_end:
             o_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
             o_j = o_n - prefix  # tree node of each position (negative: prefix)
@@ -109,56 +177,69 @@ if HAVE_GLUON:
             b_bit = (b_word >> gl.expand_dims(o_jc % 32, 0)) & 1
             m_vis = gl.expand_dims(o_n < kv_end, 0) & (gl.expand_dims(o_j < 0, 0) | (b_bit != 0))
             b_s = gl.where(m_vis, b_s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(b_s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        b_p = gl.exp2(b_s - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        return b_p, alpha, m_new
+        return b_s
 
+    @gluon.jit
+    def _publish_rows(dst, x, bars, WG: gl.constexpr):
+        """Store this consumer's row vector ``x [BLOCK_M]`` to ``dst`` and arrive on its M_READY barrier."""
+        dst.store(x)
+        gl.thread_barrier()  # every thread's store lands before the single-thread arrive
+        mbarrier.arrive(bars.index(_M_READY + WG))
 
-    @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
-    def _hopper_verify_kernel(
-        q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
-        prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
-        partial_out, partial_lse,
-        stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
-        stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
-        scale_log2,
-        H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, L_ELEM: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
+    @gluon.jit
+    def _qk_chunks(s_q, s_q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
+        """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma: first the
+        V half this consumer released earliest (its own), then the other half, then the rope."""
+        FIRST: gl.constexpr = _LEFT + WG
+        SECOND: gl.constexpr = _RIGHT - WG
+        mbarrier.wait(bars.index(_FULL + 3 * WG + FIRST), phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q.slice(WG * HALF, HALF, dim=1), k_lat.slice(WG * HALF, HALF, dim=1).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
+        mbarrier.wait(bars.index(_FULL + 3 * WG + SECOND), phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q.slice((1 - WG) * HALF, HALF, dim=1),
+                            k_lat.slice((1 - WG) * HALF, HALF, dim=1).permute((1, 0)), b_s, is_async=True)
+        mbarrier.wait(bars.index(_FULL + 3 * WG + _ROPE), phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+        return warpgroup_mma_wait(0, deps=[b_s])
 
-        Per tile: wait for its copies, QK, softmax, PV, with the next tile's copies (and the page ids of
-        the one after) in flight the whole iteration. L_ELEM keeps the row sums per element (summed
-        once per segment) instead of reducing across the warpgroups every tile.
+    @gluon.jit
+    def _ws_consumer(kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
+                     seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
+                     s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                     stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
+                     stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
+                     WG: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     D_LAT: gl.constexpr):
+        """Consumer partition ``WG`` (4 warps): the tiles ``2 j + WG`` of each segment, in stage WG.
+
+        Per step j: S = Q K^T of its own tile (64 x 64; the K chunks waited one by one), then the max
+        chain: consumer 0 publishes m0 = max(m, rowmax S0) and issues ``O[:, 0:256] += P0 V0`` at once;
+        consumer 1 publishes m1 = max(m0, rowmax S1), stores P1 over its tile's rope chunk and issues
+        ``O[:, 256:512] += P1 V1 + P0 V0``; consumer 0 rescales P0 (stored over its rope chunk), O and its
+        row sums to m1, then adds ``P1 V1``. Own P comes from registers, the other's from shared memory.
+        Each consumer owns half of the 512 output columns (128 fp32 registers per thread) and its own
+        row sums (added up through shared memory at the segment's end). A chunk is released as soon as
+        its last reader is done.
         """
-        gl.static_assert(num_warps == 8)
-        # register layouts of the cp.async address tensors (16-byte vectors along the row)
-        LAT_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        # wgmma accumulators: warpgroup 0 / 1 = columns [0, N/2) / [N/2, N)
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_N // 2, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, D_LAT // 2, 16])
+        HALF: gl.constexpr = D_LAT // 2
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HALF, 16])
+        P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         COL_O: gl.constexpr = gl.SliceLayout(0, O_L)
-        dt: gl.constexpr = kv.dtype.element_ty
-        QL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_LAT], dt)
-        QR_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_ROPE], dt)
-        KL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LAT], dt)
-        KR_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
-        P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt)
+        dt: gl.constexpr = s_q.dtype
 
-        s_q_lat = gl.allocate_shared_memory(dt, [BLOCK_M, D_LAT], QL_S)
-        s_q_rope = gl.allocate_shared_memory(dt, [BLOCK_M, D_ROPE], QR_S)
-        s_k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_LAT], KL_S)
-        s_k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], KR_S)
-        s_p = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], P_S)
-
+        n_seg = 0
+        n_swaps = 0  # row-sum swaps (one per segment)
+        steps = 0
+        own_uses = 0
         i_p = gl.program_id(0)
         for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
             i_b = gl.load(seg_seq + i_s)
@@ -169,33 +250,9 @@ if HAVE_GLUON:
             qo_start = gl.load(qo_indptr + i_b * stride_qo)
             n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
             prefix = gl.load(kv_lens + i_b * stride_kl) - n_nodes
-            p_pages = page_table + i_b.to(gl.int64) * stride_pt
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
             # tiles starting below clean_end hold prefix keys only and need no mask
             clean_end = kv_start + gl.maximum(gl.minimum(kv_end, prefix) - kv_start, 0) // BLOCK_N * BLOCK_N
-
-            pg_l, pg_r = _tile_pages(p_pages, kv_start, kv_end, stride_pp, PAGE_SIZE, BLOCK_N, LAT_L, ROPE_L)
-            # Q rows -> shared memory (rows past n_nodes * H zero-filled); same cp.async group as tile 0
-            o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAT_L))
-            m_rows = o_m < n_nodes * H
-            o_t = (qo_start + gl.minimum(o_m // H, n_nodes - 1)).to(gl.int64)
-            p_q = q + o_t * stride_qt + (o_m % H) * stride_qh  # [BM]
-            o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, LAT_L))
-            async_copy.async_copy_global_to_shared(
-                s_q_lat, gl.expand_dims(p_q, 1) + gl.expand_dims(o_d, 0), mask=gl.expand_dims(m_rows, 1))
-            o_m2 = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE_L))
-            m_rows2 = o_m2 < n_nodes * H
-            o_t2 = (qo_start + gl.minimum(o_m2 // H, n_nodes - 1)).to(gl.int64)
-            p_q2 = q + o_t2 * stride_qt + (o_m2 % H) * stride_qh + D_LAT
-            o_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE_L))
-            async_copy.async_copy_global_to_shared(
-                s_q_rope, gl.expand_dims(p_q2, 1) + gl.expand_dims(o_r, 0), mask=gl.expand_dims(m_rows2, 1))
-            _issue_kv_tile(kv, pg_l, pg_r, kv_start, kv_end, stride_kvp, stride_kvs, s_k_lat.index(0),
-                           s_k_rope.index(0), PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
-            async_copy.commit_group()
-            pg_l, pg_r = _tile_pages(p_pages, kv_start + BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N, LAT_L, ROPE_L)
-
-            # mask-row data in the S layout
             o_ms = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
             m_rows_s = o_ms < n_nodes * H
             o_ts = (qo_start + gl.minimum(o_ms // H, n_nodes - 1)).to(gl.int64)
@@ -203,58 +260,166 @@ if HAVE_GLUON:
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
-            l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-            acc = gl.zeros([BLOCK_M, D_LAT], gl.float32, layout=O_L)
-            for i in range(n_tiles):
-                start = kv_start + i * BLOCK_N
-                stage = i % 2
-                if i + 1 < n_tiles:
-                    _issue_kv_tile(kv, pg_l, pg_r, start + BLOCK_N, kv_end, stride_kvp, stride_kvs,
-                                   s_k_lat.index(1 - stage), s_k_rope.index(1 - stage),
-                                   PAGE_SIZE, BLOCK_N, D_LAT, D_ROPE, LAT_L, ROPE_L)
-                async_copy.commit_group()
-                pg_l, pg_r = _tile_pages(p_pages, start + 2 * BLOCK_N, kv_end, stride_pp, PAGE_SIZE, BLOCK_N,
-                                         LAT_L, ROPE_L)
-                async_copy.wait_group(1)  # this thread's copies of tile i (and Q) have landed
-                fence_async_shared()  # generic-proxy writes -> visible to wgmma (async proxy)
-                gl.thread_barrier()  # ... and every thread's
-                b_s = _qk(s_q_lat, s_q_rope, s_k_lat.index(stage), s_k_rope.index(stage), BLOCK_M, BLOCK_N, S_L)
-                b_s = warpgroup_mma_wait(0, deps=[b_s])
-                b_p, alpha, m_i = _softmax_tile(b_s, m_i, start, clean_end, kv_end, prefix, p_mask_rows,
-                                                m_rows_s, mask_words, stride_mw, scale_log2, BLOCK_N, S_L)
-                if L_ELEM:  # row sums kept per element: no cross-warpgroup reduction per tile
-                    l_acc = l_acc * gl.expand_dims(alpha, 1) + b_p
-                else:
+            acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+            mbarrier.wait(bars.index(_Q_FULL), n_seg & 1)
+            n_seg += 1
+            for j in range(gl.cdiv(n_tiles, 2)):
+                start = kv_start + (2 * j + WG) * BLOCK_N
+                has_own = 2 * j + WG < n_tiles  # always true for consumer 0
+                has_other = 2 * j + 1 - WG < n_tiles  # always true for consumer 1
+                b_s = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, layout=S_L)
+                if has_own:
+                    # zero, but not a constant to the compiler: with constant buffers the 72 wgmma descriptors
+                    # of the QK are hoisted out of the loop and spilled (1 KB of local memory reloaded
+                    # before every QK: 10.6k instead of 6.3k cycles per step on the H200, perf log run 17)
+                    zero = j >> 30
+                    b_s = _qk_chunks(s_q.index(zero), s_q_rope.index(zero), s_k_lat.index(WG + zero),
+                                     s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
+                    own_uses += 1
+                    b_s = _mask_scores(b_s * scale_log2, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
+                                       mask_words, stride_mw, BLOCK_N, S_L)
+                v_own = s_k_lat.index(WG).slice(WG * HALF, HALF, dim=1)
+                v_other = s_k_lat.index(1 - WG).slice(WG * HALF, HALF, dim=1)
+                if WG == 0:
+                    # m0 = running max with tile 2j; P0 against m0, its PV issued at once; then consumer
+                    # 1's max m1 (>= m0) arrives and P0, O0 and l0 are rescaled to it
+                    m0 = gl.maximum(m_i, gl.max(b_s, axis=1))
+                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)
+                    m0_use = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with nothing visible yet
+                    alpha = gl.exp2(m_i - m0_use)
+                    b_p = gl.exp2(b_s - gl.expand_dims(m0_use, 1))
                     l_i = l_i * alpha + gl.sum(b_p, axis=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                s_p.store(b_p.to(dt))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = warpgroup_mma(s_p, s_k_lat.index(stage), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                gl.thread_barrier()  # stage and P are free for the next iteration's copies / store
-            async_copy.wait_group(0)
-            if L_ELEM:
-                l_i = gl.sum(l_acc, axis=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
+                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)
+                    m_i = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
+                    corr = gl.exp2(m0_use - gl.where(m_i == float("-inf"), 0.0, m_i))
+                    b_p = b_p * gl.expand_dims(corr, 1)
+                    l_i = l_i * corr
+                    s_k_rope.index(0).store(b_p.to(dt))  # P0 where tile 2j's rope keys were
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(_P_READY + 0))
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))
+                    acc = acc * gl.expand_dims(gl.convert_layout(corr, ROW_O), 1)
+                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)
+                    if has_other:
+                        acc = warpgroup_mma(s_k_rope.index(1), v_other, acc)
+                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _LEFT))
+                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _ROPE))
+                else:
+                    # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
+                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)
+                    m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1))
+                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
+                    m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+                    alpha = gl.exp2(m_i - m1_use)
+                    m_i = m1
+                    b_p = gl.exp2(b_s - gl.expand_dims(m1_use, 1))
+                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
+                    if has_own:
+                        s_k_rope.index(1).store(b_p.to(dt))  # P1 where tile 2j + 1's rope keys were
+                        fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(_P_READY + 1))
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                    if has_own:
+                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
+                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
+                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)
+                        acc = warpgroup_mma_wait(1, deps=[acc])
+                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _RIGHT))
+                        acc = warpgroup_mma_wait(0, deps=[acc])
+                    else:
+                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
+                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc)
+                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _RIGHT))
+                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _ROPE))
+                steps += 1
+            mbarrier.arrive(bars.index(_Q_EMPTY))
+            l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_swaps, l_i, WG, ROW_S)
+            n_swaps += 1
 
             has_key = l_i > 0
             l_safe = gl.where(has_key, l_i, 1.0)
             lse2 = gl.where(has_key, m_i + gl.log2(l_safe), float("-inf"))  # log2-sum-exp2
             b_o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
             o_mo = row0 + gl.arange(0, BLOCK_M, layout=ROW_O)
-            m_rows_o = o_mo < n_nodes * H
-            o_do = gl.arange(0, D_LAT, layout=COL_O)
+            m_rows_o = gl.expand_dims(o_mo < n_nodes * H, 1)
+            o_do = WG * HALF + gl.arange(0, HALF, layout=COL_O)
             if i_part < 0:
                 o_to = (qo_start + gl.minimum(o_mo // H, n_nodes - 1)).to(gl.int64)
                 p_out = out + gl.expand_dims(o_to * stride_ot + (o_mo % H) * stride_oh, 1) + gl.expand_dims(o_do, 0)
-                gl.store(p_out, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(m_rows_o, 1))
-                gl.store(lse + o_ts * stride_lt + (o_ms % H) * stride_lh, lse2 * 0.6931471805599453, mask=m_rows_s)
+                gl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rows_o)
+                if WG == 0:
+                    gl.store(lse + o_ts * stride_lt + (o_ms % H) * stride_lh, lse2 * 0.6931471805599453, mask=m_rows_s)
             else:
                 o_po = i_part.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_O)
-                gl.store(partial_out + gl.expand_dims(o_po * D_LAT, 1) + gl.expand_dims(o_do, 0), b_o,
-                         mask=gl.expand_dims(m_rows_o, 1))
-                o_ps = i_part.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-                gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)
+                gl.store(partial_out + gl.expand_dims(o_po * D_LAT, 1) + gl.expand_dims(o_do, 0), b_o, mask=m_rows_o)
+                if WG == 0:
+                    o_ps = i_part.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
+                    gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)
+
+    @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
+    def _hopper_verify_kernel(
+        q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
+        prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
+        partial_out, partial_lse,
+        stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
+        stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
+        scale_log2,
+        H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
+
+        Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
+        (``LOADER_WARPS``). Shared memory (222,656 B of the 232,448 an H200 block may use; compiled for sm_90a: 4-16 B of spills): Q
+        ``[64, 512] + [64, 64]``, two K stages ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile;
+        its rope chunk later holds that tile's P), the row max / row sum vectors, the mbarriers.
+        """
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits in a rope chunk
+        dt: gl.constexpr = kv.dtype.element_ty
+        LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_LAT], dt)
+        ROPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
+        s_q = gl.allocate_shared_memory(dt, [1, BLOCK_M, D_LAT], LAT_S)
+        s_q_rope = gl.allocate_shared_memory(dt, [1, BLOCK_M, D_ROPE], ROPE_S)
+        s_k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_LAT], LAT_S)
+        s_k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], ROPE_S)
+        # running row maxima m0, m1 [2 * BLOCK_M]; both consumers' row sums [2 * BLOCK_M]
+        s_rows = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(_Q_FULL), count=32 * LOADER_WARPS)
+        mbarrier.init(bars.index(_Q_EMPTY), count=2)
+        for i in gl.static_range(6):
+            mbarrier.init(bars.index(_FULL + i), count=32 * LOADER_WARPS)
+            mbarrier.init(bars.index(_EMPTY + i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(bars.index(_P_READY + i), count=1)
+            mbarrier.init(bars.index(_M_READY + i), count=1)
+        mbarrier.init(bars.index(_SWAP), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
+                            seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
+                            s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                            stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
+                            stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
+                            0, H, BLOCK_M, BLOCK_N, D_LAT)),
+            (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
+                            seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
+                            s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                            stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
+                            stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
+                            1, H, BLOCK_M, BLOCK_N, D_LAT)),
+            (_ws_loader, (q, kv, page_table, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
+                          s_q, s_q_rope, s_k_lat, s_k_rope, bars,
+                          stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
+                          H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LAT, D_ROPE, LOADER_WARPS)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -288,7 +453,7 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     Same arguments as :func:`kdtree_engine.verify.triton_flash.launch` (inputs already checked
     against the contract and the plan); ``plan`` is a :class:`~kdtree_engine.verify.plan.FlashTables`
     whose config has ``block_m = 64`` and ``block_n`` a multiple of 64 (the Hopper default
-    64x64x8x2), and ``q`` / ``kv_cache`` must satisfy :func:`supports`. Writes ``out`` and ``lse``.
+    64x64x8x2; this kernel reads tiles of 64), and ``q`` / ``kv_cache`` must satisfy :func:`supports`. Writes ``out`` and ``lse``.
     """
     if not HAVE_GLUON:
         raise ValueError("kernel='hopper' needs Triton's Gluon (triton.experimental.gluon, Triton >= 3.6)")
@@ -310,6 +475,6 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         sm_scale * LOG2E,
         H=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
-        L_ELEM=L_ELEM, num_warps=NUM_WARPS,
+        LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
     )
     combine(q, qo_indptr, out, lse, plan)
