@@ -1,4 +1,4 @@
-"""The verify package imports downward only: contract <- reference, plan <- combine <- kernels <- op <- api.
+"""The verify package imports downward only: contract <- reference, plan, launch <- combine <- kernels <- op <- api.
 
 Every import of every module (function-level ones included) is read with ``ast``; a module may
 import only modules of a lower layer. Each module also imports on its own in a fresh interpreter
@@ -19,6 +19,7 @@ LAYERS = {
     "contract": 0,
     "reference": 1,
     "plan": 1,
+    "launch": 1,
     "combine": 2,
     "triton_naive": 3,
     "triton_flash": 3,

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..backend import interpreting
-from .contract import D_QK, D_V, check_content, check_inputs, check_lengths
+from .contract import D_QK, D_V, InputCheck, check_content, check_inputs, check_lengths
 from .op import KERNELS, launcher, resolve, verify_attention_op
 from .plan import FlashConfig, VerifyPlan
 
@@ -66,6 +66,9 @@ def _unplanned_workspace(kv, qo, num_heads: int, device: torch.device) -> Verify
         grown = (1, 1) if ws is None else (ws.max_batch, ws.max_tree_nodes)
         ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(n_max, grown[1]), num_heads, device)
     return ws
+
+
+_CHECK = InputCheck()  # verify_attention's checks by signature
 
 
 def _check_plan(plan: VerifyPlan, T: int, H: int, B: int, device: torch.device) -> None:
@@ -139,7 +142,8 @@ def verify_attention(
         sum of exp of the scaled scores over the visible keys. A row with no visible key (only
         possible with a malformed mask) gets out = 0 and lse = -inf.
     """
-    info = check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    check = check_inputs if torch.compiler.is_compiling() else _CHECK
+    info = check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     kernel = _kernel_name(kernel)
     sm_scale = _scale(sm_scale)
     _check_backend(q.device)
@@ -197,6 +201,7 @@ class VerifyAttention:
         self.num_heads = num_heads
         _check_backend(self.device)
         self._default_scale = _scale(None)
+        self._check = InputCheck()
 
     def plan(self, kv_lens, qo_indptr) -> None:
         """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
@@ -240,7 +245,9 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
-        info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
+        compiling = torch.compiler.is_compiling()  # dynamo traces the plain checks, not their cache
+        check = check_inputs if compiling else self._check
+        info = check(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
         _check_plan(ws, info.num_rows, info.num_heads, info.num_seqs, q.device)
         if 32 * info.mask_words < ws.max_nodes:
             raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
@@ -250,7 +257,7 @@ class VerifyAttention:
                              f"fewer than the planned kv_len {ws.max_kv_len}")
         scale = self._default_scale if sm_scale is None else _scale(sm_scale)
         t = ws.tables
-        if torch.compiler.is_compiling():  # the op resolves "auto" when it runs (it reads data pointers)
+        if compiling:  # the op resolves "auto" when it runs (it reads data pointers)
             cfg = t.config
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,

@@ -254,6 +254,8 @@ class FlashTables(NamedTuple):
     partial_out: torch.Tensor  # [4 * P, BLOCK_M, 512] float32
     partial_lse: torch.Tensor  # [4 * P, BLOCK_M] float32 (log2 units)
     num_groups: int | None  # groups in use, when the host knows it (None: launch the combine anyway)
+    segment_rows: tuple  # the 5 rows of segments as [S] views (made once: a view costs host time per launch)
+    group_rows: tuple  # the 4 rows of groups as [G] views
 
     @property
     def num_programs(self) -> int:
@@ -326,15 +328,19 @@ class VerifyPlan:
             self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
             self.kv_lens_buf = view(self._dev, "kv_lens", (max_batch,))
             self.qo_indptr_buf = view(self._dev, "qo_indptr", (max_batch + 1,))
+            segments = view(self._dev, "segments", (5, seg_cap))
+            groups = view(self._dev, "groups", (4, grp_cap))
             self._tables = FlashTables(
                 config=cfg,
                 prog_first_seg=view(self._dev, "prog_first_seg", (P + 1,)),
-                segments=view(self._dev, "segments", (5, seg_cap)),
-                groups=view(self._dev, "groups", (4, grp_cap)),
+                segments=segments,
+                groups=groups,
                 group_count=view(self._dev, "group_count", (1,)),
                 partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
                 partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
                 num_groups=0,
+                segment_rows=segments.unbind(0),
+                group_rows=groups.unbind(0),
             )
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
