@@ -74,7 +74,7 @@ def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
     if plan.num_groups == 0 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     g = plan.group_rows
-    ints = (qo_indptr.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+    ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
     H, bm = q.shape[1], plan.config.block_m
     _COMBINE((spec_key((out, lse, qo_indptr), ints), H, bm), (plan.groups.shape[1], bm),
              (plan.partial_out, plan.partial_lse, out, lse, qo_indptr, g[0], g[1], g[2], g[3], plan.group_count, *ints),

@@ -20,7 +20,7 @@ D_V = 512  # V is the latent part of the same cache row
 D_ROPE = D_QK - D_V
 MAX_HEADS = 128
 
-__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "InputCheck", "check_inputs", "check_lengths", "check_content", "host_lengths"]
+__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,15 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         max_pages=page_table.shape[1],
         mask_words=tree_mask.shape[1],
     )
+
+
+def kernel_ints(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse) -> tuple[int, ...]:
+    """The integer arguments every verify kernel takes after its tensors, in its order: the strides
+    of q (2), kv_cache (2), page_table (2), kv_lens, qo_indptr, tree_mask (2), its width W, out (2)
+    and lse (2). One ``stride()`` per tensor (host time)."""
+    qs, ks, ms, os_ = q.stride(), kv_cache.stride(), tree_mask.stride(), out.stride()
+    return (qs[0], qs[1], ks[0], ks[1], *page_table.stride(), kv_lens.stride(0), qo_indptr.stride(0), ms[0], ms[1],
+            tree_mask.shape[1], os_[0], os_[1], *lse.stride())
 
 
 class InputCheck:

@@ -39,7 +39,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     HAVE_GLUON = False
 
 from .combine import combine
-from .contract import D_ROPE, D_V as D_LAT
+from .contract import D_ROPE, D_V as D_LAT, kernel_ints
 from .launch import Launcher, spec_key
 
 LOG2E = 1.4426950408889634
@@ -292,10 +292,8 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     checked by :func:`kdtree_engine.verify.op.resolve`). Writes ``out`` and ``lse``.
     """
     H = q.shape[1]
-    ints = (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
-            page_table.stride(1), kv_lens.stride(0), qo_indptr.stride(0), tree_mask.stride(0), tree_mask.stride(1),
-            tree_mask.shape[1], out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
     page_size = kv_cache.shape[1]
     # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
     _HOPPER((spec_key(tensors, ints), H, page_size), (plan.num_programs,),

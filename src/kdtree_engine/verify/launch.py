@@ -27,12 +27,12 @@ __all__ = ["Launcher", "spec_key"]
 MAX_KEYS = 256
 
 
-def spec_key(tensors, ints) -> tuple:
+def spec_key(tensors, ints: tuple) -> tuple:
     """What Triton specialises a launch on, for the given tensor and integer arguments: each
     tensor's dtype and whether its data pointer is 16-byte aligned, each integer exactly (a
     stricter key than Triton's, which keeps only 1, divisibility by 16 and the integer width:
     a new value costs one launch through Triton, never a wrong kernel)."""
-    return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), tuple(ints)
+    return tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), ints
 
 
 class Launcher:

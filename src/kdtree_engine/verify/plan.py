@@ -352,6 +352,7 @@ class VerifyPlan:
             )
             # the device scheduler's scratch: per-sequence and per-program values (int64)
             self._scratch = torch.empty(scheduler_scratch_size(max_batch, P), dtype=torch.int64, device=device)
+        self._scheduler = None  # the device scheduler's launch, made at the first device plan
         self._device_tables = self._tables._replace(num_groups=None)  # a device plan's group count stays there
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
@@ -444,7 +445,7 @@ class VerifyPlan:
         :func:`~kdtree_engine.verify.contract.check_lengths` (one sync) where that matters.
         Returns self.
         """
-        for name, t, n in (("kv_lens", kv_lens, None), ("qo_indptr", qo_indptr, None)):
+        for name, t in (("kv_lens", kv_lens), ("qo_indptr", qo_indptr)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dtype != torch.int32 or t.dim() != 1:
@@ -456,11 +457,13 @@ class VerifyPlan:
             raise ValueError(f"kv_lens has {B} sequences; this plan holds 1..max_batch={self.max_batch}")
         if qo_indptr.shape[0] != B + 1:
             raise ValueError(f"qo_indptr must have B+1={B + 1} entries, got {qo_indptr.shape[0]}")
-        from .scheduler import launch_schedule
+        if self._scheduler is None:
+            from .scheduler import DeviceScheduler
 
-        launch_schedule(kv_lens, qo_indptr, self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
-                        num_heads=self.num_heads, max_batch=self.max_batch, max_tree_nodes=self.max_tree_nodes,
-                        min_split=MIN_SPLIT_TILES)
+            self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
+                                              num_heads=self.num_heads, max_batch=self.max_batch,
+                                              max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
+        self._scheduler(kv_lens, qo_indptr)
         self._staged = None  # on the CPU the device buffer is the staging buffer
         if B != self.num_seqs:
             self.kv_lens = self.kv_lens_buf[:B]

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .launch import Launcher, spec_key
 
-__all__ = ["launch_schedule"]
+__all__ = ["DeviceScheduler"]
 
 BLOCK_S = 64  # pieces written per step
 
@@ -224,26 +224,30 @@ def _log2_ceil(n: int) -> int:
     return max(1, (n - 1).bit_length() + 1)
 
 
-def launch_schedule(kv_lens, qo_indptr, kv_out, qo_out, tables, scratch, *, num_heads: int, max_batch: int,
-                    max_tree_nodes: int, min_split: int) -> None:
-    """Write the line schedule of ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 tensors on
-    the plan's device, any strides, ``B <= max_batch``) into ``kv_out [max_batch]``, ``qo_out
-    [max_batch + 1]`` (int32) and ``tables`` (a :class:`~kdtree_engine.verify.plan.FlashTables`),
-    using ``scratch`` (int64, at least ``11 (max_batch + 1) + 5 (P + 2)`` elements: the
-    per-sequence and per-program arrays of the kernel). One launch, no sync."""
-    cfg = tables.config
-    P = tables.num_programs
-    if scratch.numel() < 11 * (max_batch + 1) + 5 * (P + 2) or scratch.dtype != torch.int64:
-        raise ValueError(f"scheduler scratch too small: {scratch.numel()} {scratch.dtype}")
-    seg, grp = tables.segment_rows, tables.group_rows
-    ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
-    block_p = triton.next_power_of_2(P + 2)
-    block_b = triton.next_power_of_2(max_batch)
-    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split, MAX_B=max_batch, BLOCK_B=block_b,
-                 LOG_B=_log2_ceil(max_batch + 1), BLOCK_P=block_p, LOG_P=_log2_ceil(P + 1), BLOCK_S=BLOCK_S,
-                 num_warps=8)
-    _SCHEDULE((spec_key((kv_lens, qo_indptr), ints), num_heads, P, seg[0].shape[0], grp[0].shape[0],
-               max_tree_nodes, *const.values()), (1,),
-              (kv_lens, qo_indptr, *ints, kv_out, qo_out, tables.prog_first_seg, *seg, *grp, tables.group_count,
-               scratch, num_heads, P, max_tree_nodes, seg[0].shape[0], grp[0].shape[0]),
-              const)
+class DeviceScheduler:
+    """The scheduler launch of one plan: writes the line schedule of device lengths into
+    ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
+    :class:`~kdtree_engine.verify.plan.FlashTables`), using ``scratch`` (int64, at least
+    ``11 (max_batch + 1) + 5 (P + 2)`` elements: the kernel's per-sequence and per-program arrays).
+    Everything but the lengths is fixed at construction (one launch costs only its arguments)."""
+
+    def __init__(self, kv_out, qo_out, tables, scratch, *, num_heads: int, max_batch: int, max_tree_nodes: int,
+                 min_split: int):
+        cfg, P = tables.config, tables.num_programs
+        if scratch.numel() < 11 * (max_batch + 1) + 5 * (P + 2) or scratch.dtype != torch.int64:
+            raise ValueError(f"scheduler scratch too small: {scratch.numel()} {scratch.dtype}")
+        seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
+        self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split, MAX_B=max_batch,
+                           BLOCK_B=triton.next_power_of_2(max_batch), LOG_B=_log2_ceil(max_batch + 1),
+                           BLOCK_P=triton.next_power_of_2(P + 2), LOG_P=_log2_ceil(P + 1), BLOCK_S=BLOCK_S,
+                           num_warps=8)
+        self._key = (num_heads, P, seg_cap, grp_cap, max_tree_nodes, *self._const.values())
+        self._outputs = (kv_out, qo_out, tables.prog_first_seg, *tables.segment_rows, *tables.group_rows,
+                         tables.group_count, scratch, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
+
+    def __call__(self, kv_lens, qo_indptr) -> None:
+        """Schedule ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the plan's device, any
+        strides, ``B <= max_batch``): one launch on the current stream, no sync."""
+        ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
+        _SCHEDULE((spec_key((kv_lens, qo_indptr), ints), self._key), (1,),
+                  (kv_lens, qo_indptr, *ints, *self._outputs), self._const)

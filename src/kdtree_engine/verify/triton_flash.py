@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .combine import combine
-from .contract import D_QK, D_V
+from .contract import D_QK, D_V, kernel_ints
 from .launch import Launcher, spec_key
 from .plan import FlashTables
 
@@ -212,10 +212,8 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     """
     H = q.shape[1]
     cfg = plan.config
-    ints = (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
-            page_table.stride(1), kv_lens.stride(0), qo_indptr.stride(0), tree_mask.stride(0), tree_mask.stride(1),
-            tree_mask.shape[1], out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
     page_size = kv_cache.shape[1]
     # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
     _FLASH((spec_key(tensors, ints), H, page_size, cfg), (plan.num_programs,),

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .contract import D_QK, D_V
+from .contract import D_QK, D_V, kernel_ints
 from .launch import Launcher, spec_key
 
 __all__ = ["launch"]
@@ -99,10 +99,8 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     ``[T, H]``). Inputs already checked against the contract. Writes ``out`` and ``lse``."""
     T, H, _ = q.shape
     block_n = 128 if interpreting() else 32
-    ints = (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
-            page_table.stride(1), kv_lens.stride(0), qo_indptr.stride(0), tree_mask.stride(0), tree_mask.stride(1),
-            tree_mask.shape[1], out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
     page_size = kv_cache.shape[1]
     _NAIVE((spec_key(tensors, ints), page_size, block_n), (T, H),
            (*tensors[:5], row_to_sequence(qo_indptr, T), *tensors[5:], *ints, sm_scale * LOG2E),
