@@ -1,4 +1,4 @@
-"""The verify package imports downward only: contract <- reference, plan <- combine <- kernels <- op <- api.
+"""The verify package imports downward only: contract <- reference, launch <- scheduler <- plan <- combine <- kernels <- op <- api.
 
 Every import of every module (function-level ones included) is read with ``ast``; a module may
 import only modules of a lower layer. Each module also imports on its own in a fresh interpreter
@@ -18,14 +18,16 @@ VERIFY = Path(kdtree_engine.verify.__file__).parent
 LAYERS = {
     "contract": 0,
     "reference": 1,
-    "plan": 1,
-    "combine": 2,
-    "triton_naive": 3,
-    "triton_flash": 3,
-    "hopper": 3,
-    "op": 4,
-    "api": 5,
-    "__init__": 6,
+    "launch": 1,
+    "scheduler": 2,
+    "plan": 3,
+    "combine": 4,
+    "triton_naive": 5,
+    "triton_flash": 5,
+    "hopper": 5,
+    "op": 6,
+    "api": 7,
+    "__init__": 8,
 }
 
 

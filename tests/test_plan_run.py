@@ -250,3 +250,25 @@ def test_inference_mode_and_normal_mode_mix(first_inference):
             assert compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok
             out, _ = verify_attention(**c)
             assert compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok
+
+
+def test_run_checks_every_call_after_a_good_one():
+    """run caches its layout checks by signature: after a good call, outputs that overlap an input
+    (same shapes and strides, other addresses) and other shapes are still refused."""
+    c = build_case(CaseSpec("k", 2, [5, 3], [[-1, 0, 0], [-1, 0]], page_size=4, seed=6), DEVICE)
+    attn = VerifyAttention(2, 8, 2, DEVICE, num_programs=3)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    args = (c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    T = c["q"].shape[0]
+    buf = torch.zeros(2 * T * 2 * 512, dtype=torch.bfloat16, device=DEVICE)
+    out = buf[: T * 2 * 512].view(T, 2, 512)
+    lse = torch.zeros(T, 2, dtype=torch.float32, device=DEVICE)
+    attn.run(*args, out=out, lse=lse)
+    inside_out = out.view(-1).view(torch.float32)[: T * 2].view(T, 2)  # lse's layout, in out's memory
+    with pytest.raises(ValueError, match="lse overlaps out"):
+        attn.run(*args, out=out, lse=inside_out)
+    with pytest.raises(ValueError, match="lse overlaps q"):
+        attn.run(*args, out=out, lse=c["q"].view(-1).view(torch.float32)[: T * 2].view(T, 2))
+    with pytest.raises(ValueError, match="out must have shape"):
+        attn.run(*args, out=out[:, :1], lse=lse)
+    attn.run(*args, out=buf[T * 2 * 512:].view(T, 2, 512), lse=lse)  # same layout, other address: fine

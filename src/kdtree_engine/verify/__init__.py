@@ -2,6 +2,8 @@
 
 - :mod:`.contract`: dimensions and input checks;
 - :mod:`.reference`: the float64 reference (any device);
+- :mod:`.launch`: kernel launches that skip Triton's Python launcher once compiled;
+- :mod:`.scheduler`: the device scheduler (a plan's tables from device lengths, no sync);
 - :mod:`.plan`: tile configs, the persistent schedule, the workspace (:class:`VerifyPlan`);
 - :mod:`.combine`: the kernel that merges a plan's KV splits (shared by the planned kernels);
 - :mod:`.triton_naive`, :mod:`.triton_flash`, :mod:`.hopper`: one module per kernel implementation

@@ -5,11 +5,11 @@ The top layer of :mod:`kdtree_engine.verify` (contract <- plan <- kernels <- op 
     out, lse = verify_attention(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
                                 sm_scale=None, *, kernel="auto", out=None, lse=None)
 
-plans on every call (one device sync for the lengths); the fast path plans once per model step
-and runs per layer, FlashInfer's convention::
+plans on every call (on a GPU with the device scheduler: one more launch, no sync); the fast
+path plans once per model step and runs per layer, FlashInfer's convention::
 
     attn = VerifyAttention(max_batch, max_tree_nodes, num_heads, device)
-    attn.plan(kv_lens_host, qo_indptr_host)                     # once per step
+    attn.plan(kv_lens, qo_indptr)                               # once per step (host or device)
     out, lse = attn.run(q, kv_cache, page_table, tree_mask)     # per layer
 
 See :func:`verify_attention` for shapes.
@@ -22,7 +22,8 @@ import math
 import torch
 
 from ..backend import interpreting
-from .contract import D_QK, D_V, check_content, check_inputs, check_lengths
+from ..masks import MAX_TREE_NODES
+from .contract import D_QK, D_V, InputCheck, check_content, check_inputs, check_lengths
 from .op import KERNELS, launcher, resolve, verify_attention_op
 from .plan import FlashConfig, VerifyPlan
 
@@ -52,24 +53,28 @@ def _check_backend(device: torch.device) -> None:
 
 
 # The workspaces verify_attention plans into when it is given no plan, one per (device, heads,
-# stream), grown to the largest batch and tree seen: an unplanned call costs its sync and its plan,
-# not a workspace's allocations. Calls on one stream run in order, so they may share one.
+# stream), grown to the largest batch and tree seen (on a GPU the tree bound is T, the host knowing
+# no tree size): an unplanned call costs its plan, not a workspace's allocations. Calls on one
+# stream run in order, so they may share one.
 _UNPLANNED: dict[tuple, VerifyPlan] = {}
 
 
-def _unplanned_workspace(kv, qo, num_heads: int, device: torch.device) -> VerifyPlan:
+def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device) -> VerifyPlan:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, num_heads, stream)
     ws = _UNPLANNED.get(key)
-    B, n_max = kv.shape[0], int((qo[1:] - qo[:-1]).max())
-    if ws is None or B > ws.max_batch or n_max > ws.max_tree_nodes:
+    if ws is None or B > ws.max_batch or max_nodes > ws.max_tree_nodes:
         grown = (1, 1) if ws is None else (ws.max_batch, ws.max_tree_nodes)
-        ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(n_max, grown[1]), num_heads, device)
+        ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(max_nodes, grown[1]), num_heads, device)
     return ws
 
 
+_CHECK = InputCheck()  # verify_attention's checks by signature
+
+
 def _check_plan(plan: VerifyPlan, T: int, H: int, B: int, device: torch.device) -> None:
-    if (plan.num_heads, plan.num_rows, plan.num_seqs) != (H, T, B) or plan.device != device:
+    """The call's sizes against the plan's (T only when the plan knows it: a device plan does not)."""
+    if (plan.num_heads, plan.num_seqs) != (H, B) or plan.num_rows not in (None, T) or plan.device != device:
         raise ValueError(
             f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
             f"got H={H}, T={T}, B={B} on {device}"
@@ -124,12 +129,13 @@ def verify_attention(
         plan: optional :class:`~kdtree_engine.verify.plan.VerifyPlan` from
             :func:`~kdtree_engine.verify.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
-            be captured in a CUDA graph. Without it one is built here from a host copy of the
-            lengths (one device sync), and the length checks run on that copy, into a workspace
-            kept per (device, heads, stream). The fast path is :class:`VerifyAttention`.
+            be captured in a CUDA graph. Without it one is made here, into a workspace kept per
+            (device, heads, stream): on a GPU by the device scheduler from the device lengths (one
+            launch, no sync, no length checks: see ``validate``), on the CPU from the host
+            lengths, checked. The fast path is :class:`VerifyAttention`.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
-            tensors, the length checks (incl. mask width) when the flash path has host lengths.
+            tensors, the length checks (incl. mask width) when a given plan has host lengths.
             The naive kernel on a GPU without validation never reads past the mask's W words, but
             a too-narrow mask then hides nodes instead of raising. ``True``: all checks,
             syncing if needed. ``False``: none. Shape, dtype and device checks always run.
@@ -139,17 +145,22 @@ def verify_attention(
         sum of exp of the scaled scores over the visible keys. A row with no visible key (only
         possible with a malformed mask) gets out = 0 and lse = -inf.
     """
-    info = check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    check = check_inputs if torch.compiler.is_compiling() else _CHECK
+    info = check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     kernel = _kernel_name(kernel)
     sm_scale = _scale(sm_scale)
     _check_backend(q.device)
     if kernel != "naive":
-        if plan is None:  # from a host copy of the lengths: the one sync of an unplanned call
+        if plan is None and q.is_cuda:  # device lengths: the device scheduler, no sync
+            ws = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, q.device)
+            plan = ws.plan_on_device(kv_lens, qo_indptr)
+        elif plan is None:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
-            plan = _unplanned_workspace(kv, qo, info.num_heads, q.device).plan(kv, qo)
+            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device)
+            plan = ws.plan(kv, qo)
         else:
             _check_plan(plan, info.num_rows, info.num_heads, info.num_seqs, q.device)
-            if validate is None and q.device.type != "cpu":
+            if validate is None and q.device.type != "cpu" and plan.kv_lens_host is not None:
                 check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
     if validate is None:
         validate = q.device.type == "cpu"
@@ -197,13 +208,16 @@ class VerifyAttention:
         self.num_heads = num_heads
         _check_backend(self.device)
         self._default_scale = _scale(None)
+        self._check = InputCheck()
 
     def plan(self, kv_lens, qo_indptr) -> None:
         """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
-        ``[B+1]`` as host data (lists, numpy arrays or CPU tensors; a CUDA tensor is copied to the
-        host: one sync). Checks them (``ValueError`` naming the argument, also past the maxima),
-        writes the device lengths and the schedule into the workspace with one non-blocking copy
-        on the current stream, allocates nothing on the device."""
+        ``[B+1]``. Both int32 CUDA tensors: the device scheduler writes the schedule from them (one
+        launch on the current stream, no sync, capturable in a CUDA graph with the layers; only
+        shapes checked, see :meth:`~kdtree_engine.verify.plan.VerifyPlan.plan_on_device`).
+        Otherwise host data (lists, numpy arrays or CPU tensors): checked (``ValueError`` naming
+        the argument, also past the maxima), scheduled on the host and written with one
+        non-blocking copy on the current stream. Allocates nothing on the device."""
         self.workspace.plan(kv_lens, qo_indptr)
 
     @property
@@ -240,17 +254,19 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
-        info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
+        compiling = torch.compiler.is_compiling()  # dynamo traces the plain checks, not their cache
+        check = check_inputs if compiling else self._check
+        info = check(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
         _check_plan(ws, info.num_rows, info.num_heads, info.num_seqs, q.device)
-        if 32 * info.mask_words < ws.max_nodes:
+        if ws.max_nodes is not None and 32 * info.mask_words < ws.max_nodes:  # a host plan: host lengths
             raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
                              f"{ws.max_nodes} nodes")
-        if info.max_pages * info.page_size < ws.max_kv_len:
+        if ws.max_kv_len is not None and info.max_pages * info.page_size < ws.max_kv_len:
             raise ValueError(f"page_table holds {info.max_pages} pages x {info.page_size} positions, "
                              f"fewer than the planned kv_len {ws.max_kv_len}")
         scale = self._default_scale if sm_scale is None else _scale(sm_scale)
         t = ws.tables
-        if torch.compiler.is_compiling():  # the op resolves "auto" when it runs (it reads data pointers)
+        if compiling:  # the op resolves "auto" when it runs (it reads data pointers)
             cfg = t.config
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .contract import D_V
+from .launch import Launcher, spec_key
 from .plan import FlashTables
 
 __all__ = ["combine"]
@@ -62,6 +63,8 @@ def _combine_kernel(
             tl.store(lse + o_t * stride_lt + head * stride_lh, tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf")))
 
 
+_COMBINE = Launcher(_combine_kernel)
+
 
 def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
     """Merge the KV splits of the plan's split row blocks into ``out`` / ``lse`` (the combine
@@ -70,11 +73,9 @@ def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
     whatever a later plan splits)."""
     if plan.num_groups == 0 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    g = plan.groups
-    _combine_kernel[(g.shape[1], plan.config.block_m)](
-        plan.partial_out, plan.partial_lse, out, lse, qo_indptr,
-        g[0], g[1], g[2], g[3], plan.group_count,
-        qo_indptr.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        H=q.shape[1], BLOCK_M=plan.config.block_m, D_LATENT=D_V,
-        num_warps=4,
-    )
+    g = plan.group_rows
+    ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
+    H, bm = q.shape[1], plan.config.block_m
+    _COMBINE((spec_key((out, lse, qo_indptr), ints), H, bm), (plan.groups.shape[1], bm),
+             (plan.partial_out, plan.partial_lse, out, lse, qo_indptr, g[0], g[1], g[2], g[3], plan.group_count, *ints),
+             dict(H=H, BLOCK_M=bm, D_LATENT=D_V, num_warps=4))

@@ -20,7 +20,7 @@ D_V = 512  # V is the latent part of the same cache row
 D_ROPE = D_QK - D_V
 MAX_HEADS = 128
 
-__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "check_inputs", "check_lengths", "check_content", "host_lengths"]
+__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,15 @@ def _check_tensor(name, t, *, dim, dtype=None, dtypes=None, device=None, last=No
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range ``[first, last)`` that a tensor's elements occupy."""
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last (0 when it has no element)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _check_writable(name, t, inputs):
-    """An output must not write one element twice (zero or interleaved strides) nor into an input."""
+def _check_own_memory(name, t):
+    """An output must not write one element twice (zero or interleaved strides)."""
     dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
     reach = 1  # elements covered by the inner dims so far
     for st, n in dims:
@@ -71,18 +72,22 @@ def _check_writable(name, t, inputs):
                 f"an output must give every element its own memory"
             )
         reach = st * (n - 1) + reach
-    storage = t.untyped_storage().data_ptr()
-    lo, hi = None, None
-    for other_name, other in inputs:
-        # byte ranges only for a shared storage (two storages over one allocation, e.g. through
-        # DLPack, are not detected)
-        if other is None or other.numel() == 0 or other.untyped_storage().data_ptr() != storage:
+
+
+_NAMES = ("q", "kv_cache", "page_table", "kv_lens", "qo_indptr", "tree_mask", "out", "lse")
+
+
+def _check_outputs_apart(tensors, extents):
+    """out (the 7th of ``tensors``) must not overlap an input, lse (the 8th) neither an input nor
+    out. Byte ranges (``extents`` in bytes), whatever the storages: distinct allocations never overlap."""
+    spans = [None if t is None or not n else (t.data_ptr(), n) for t, n in zip(tensors, extents)]
+    for i in (6, 7):
+        if spans[i] is None:
             continue
-        if lo is None:
-            lo, hi = _span(t)
-        o_lo, o_hi = _span(other)
-        if lo < o_hi and o_lo < hi:
-            raise ValueError(f"{name} overlaps {other_name} in memory; pass a separate buffer")
+        lo, n = spans[i]
+        for j in range(i):
+            if spans[j] is not None and lo < spans[j][0] + spans[j][1] and spans[j][0] < lo + n:
+                raise ValueError(f"{_NAMES[i]} overlaps {_NAMES[j]} in memory; pass a separate buffer")
 
 
 def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
@@ -120,18 +125,19 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         raise ValueError("tree_mask must have at least one word per row")
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         raise ValueError(f"kv_cache must hold at least one page and one slot, got {tuple(kv_cache.shape)}")
-    inputs = [("q", q), ("kv_cache", kv_cache), ("page_table", page_table), ("kv_lens", kv_lens),
-              ("qo_indptr", qo_indptr), ("tree_mask", tree_mask)]
     if out is not None:
         _check_tensor("out", out, dim=3, dtype=q.dtype, device=dev, last=D_V)
         if tuple(out.shape[:2]) != (T, H):
             raise ValueError(f"out must have shape {(T, H, D_V)}, got {tuple(out.shape)}")
-        _check_writable("out", out, inputs)
+        _check_own_memory("out", out)
     if lse is not None:
         _check_tensor("lse", lse, dim=2, dtype=torch.float32, device=dev)
         if tuple(lse.shape) != (T, H):
             raise ValueError(f"lse must have shape {(T, H)}, got {tuple(lse.shape)}")
-        _check_writable("lse", lse, inputs + [("out", out)])
+        _check_own_memory("lse", lse)
+    if out is not None or lse is not None:
+        tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+        _check_outputs_apart(tensors, [0 if t is None else _extent(t) for t in tensors])
     return VerifyInputs(
         num_rows=T,
         num_heads=H,
@@ -141,6 +147,46 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         max_pages=page_table.shape[1],
         mask_words=tree_mask.shape[1],
     )
+
+
+def kernel_ints(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse) -> tuple[int, ...]:
+    """The integer arguments every verify kernel takes after its tensors, in its order: the strides
+    of q (2), kv_cache (2), page_table (2), kv_lens, qo_indptr, tree_mask (2), its width W, out (2)
+    and lse (2). One ``stride()`` per tensor (host time)."""
+    qs, ks, ms, os_ = q.stride(), kv_cache.stride(), tree_mask.stride(), out.stride()
+    return (qs[0], qs[1], ks[0], ks[1], *page_table.stride(), kv_lens.stride(0), qo_indptr.stride(0), ms[0], ms[1],
+            tree_mask.shape[1], os_[0], os_[1], *lse.stride())
+
+
+class InputCheck:
+    """:func:`check_inputs` for the repeated calls of one caller (a plan's layers), in a few
+    microseconds: what it reads besides addresses (types, dtypes, devices, shapes, strides) is
+    checked once per signature of the eight tensors; the overlap checks of ``out`` / ``lse``, which
+    read addresses, run on every call. Same errors as :func:`check_inputs`."""
+
+    MAX_SIGNATURES = 64  # past this many the table starts over
+
+    def __init__(self):
+        self._seen: dict[tuple, tuple[VerifyInputs, list[int]]] = {}
+
+    def __call__(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None) -> VerifyInputs:
+        tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+        try:
+            sig = tuple([None if t is None else (type(t), t.dtype, t.device, t.shape, t.stride()) for t in tensors])
+            seen = self._seen.get(sig)
+        except (AttributeError, TypeError):  # not tensors: check_inputs names the argument
+            sig = seen = None
+        if seen is None:
+            info = check_inputs(*tensors)
+            if sig is not None:
+                if len(self._seen) >= self.MAX_SIGNATURES:
+                    self._seen.clear()
+                self._seen[sig] = info, [0 if t is None else _extent(t) for t in tensors]
+            return info
+        info, extents = seen
+        if out is not None or lse is not None:
+            _check_outputs_apart(tensors, extents)
+        return info
 
 
 def host_lengths(kv_lens, qo_indptr) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,8 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     HAVE_GLUON = False
 
 from .combine import combine
-from .contract import D_ROPE, D_V as D_LAT
+from .contract import D_ROPE, D_V as D_LAT, kernel_ints
+from .launch import Launcher, spec_key
 
 LOG2E = 1.4426950408889634
 BLOCK_M, BLOCK_N = 64, 64
@@ -452,29 +453,20 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
 
     Same arguments as :func:`kdtree_engine.verify.triton_flash.launch` (inputs already checked
     against the contract and the plan); ``plan`` is a :class:`~kdtree_engine.verify.plan.FlashTables`
-    whose config has ``block_m = 64`` and ``block_n`` a multiple of 64 (the Hopper default
-    64x64x8x2; this kernel reads tiles of 64), and ``q`` / ``kv_cache`` must satisfy :func:`supports`. Writes ``out`` and ``lse``.
+    whose config satisfies :func:`supports_plan`, and ``q`` / ``kv_cache`` :func:`supports` (both
+    checked by :func:`kdtree_engine.verify.op.resolve`). Writes ``out`` and ``lse``.
     """
-    if not HAVE_GLUON:
-        raise ValueError("kernel='hopper' needs Triton's Gluon (triton.experimental.gluon, Triton >= 3.6)")
-    if not supports_plan(plan.config):
-        # block_m: the partial buffers' rows; block_n: segments start on a BLOCK_N boundary, so a tile
-        # never straddles a page when the page size is a multiple of BLOCK_N (one page id per tile)
-        raise ValueError(f"kernel='hopper' needs a plan with block_m={BLOCK_M} and block_n a multiple of "
-                         f"{BLOCK_N}, got {plan.config.block_m}x{plan.config.block_n}")
-    if not supports(q, kv_cache):
-        raise ValueError("kernel='hopper' needs q and kv_cache 16-byte aligned with outer strides that are "
-                         "multiples of 16 elements (see kdtree_engine.verify.hopper.supports)")
-    sg = plan.segments
-    _hopper_verify_kernel[(plan.num_programs,)](
-        q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
-        plan.prog_first_seg, sg[0], sg[1], sg[2], sg[3], sg[4], plan.partial_out, plan.partial_lse,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0), page_table.stride(1), kv_lens.stride(0), qo_indptr.stride(0),
-        tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        sm_scale * LOG2E,
-        H=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
-        LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-    )
+    H = q.shape[1]
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
+    page_size = kv_cache.shape[1]
+    # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
+    _HOPPER((spec_key(tensors, ints), H, page_size), (plan.num_programs,),
+            (*tensors, plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *ints,
+             sm_scale * LOG2E),
+            dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
+                 LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4))
     combine(q, qo_indptr, out, lse, plan)
+
+
+_HOPPER = Launcher(_hopper_verify_kernel) if HAVE_GLUON else None

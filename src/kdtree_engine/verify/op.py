@@ -67,10 +67,23 @@ def resolve(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, config: FlashC
     """The kernel a call runs. ``"auto"``: ``"hopper"`` on an sm_90 GPU with Triton's Gluon when
     the plan's tiles (``config``) and the layouts of ``q`` / ``kv_cache`` suit it (it was faster
     than the Triton flash kernel on every shape measured on the H200: docs/perf_log.md, run 14),
-    else ``"flash"``. A named kernel is returned as it is."""
-    if kernel == "hopper" and not (q.is_cuda and _hopper_runs_on(q.device)):
-        raise ValueError(f"kernel='hopper' needs an sm_90 GPU and Triton's Gluon; q is on {q.device} "
-                         "(kernel='auto' picks it where it runs)")
+    else ``"flash"``. A named kernel is returned as it is, ``"hopper"`` after checking that it runs
+    on this device, suits the plan's tiles and the layouts (``ValueError`` otherwise)."""
+    if kernel == "hopper":
+        if not (q.is_cuda and _hopper_runs_on(q.device)):
+            raise ValueError(f"kernel='hopper' needs an sm_90 GPU and Triton's Gluon; q is on {q.device} "
+                             "(kernel='auto' picks it where it runs)")
+        from .hopper import BLOCK_M, BLOCK_N, supports, supports_plan
+
+        if not supports_plan(config):
+            # block_m: the partial buffers' rows; block_n: segments start on a BLOCK_N boundary, so a
+            # tile never straddles a page when the page size is a multiple of BLOCK_N (one page id per tile)
+            raise ValueError(f"kernel='hopper' needs a plan with block_m={BLOCK_M} and block_n a multiple of "
+                             f"{BLOCK_N}, got {config.block_m}x{config.block_n}")
+        if not supports(q, kv_cache):
+            raise ValueError("kernel='hopper' needs q and kv_cache 16-byte aligned with outer strides that are "
+                             "multiples of 16 elements (see kdtree_engine.verify.hopper.supports)")
+        return kernel
     if kernel != "auto":
         return kernel
     if q.is_cuda and config is not None and _hopper_runs_on(q.device):
@@ -110,7 +123,8 @@ def verify_attention_op(
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
-                         group_count, partial_out, partial_lse, num_groups=None)
+                         group_count, partial_out, partial_lse, num_groups=None, segment_rows=segments.unbind(0),
+                         group_rows=groups.unbind(0))
     kernel = resolve(kernel, q, kv_cache, tables.config)
     launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
     return out, lse

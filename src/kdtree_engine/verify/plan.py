@@ -1,7 +1,8 @@
 """The flash kernels' plan: tile configs, the persistent schedule, and the workspace it lives in.
 
-The layer above :mod:`.contract`: imports torch, numpy, :mod:`kdtree_engine.backend` and the
-contract; never Triton, never a kernel.
+The layer above :mod:`.contract` and :mod:`.scheduler`: imports torch, numpy,
+:mod:`kdtree_engine.backend` and the contract; Triton only through the device scheduler, loaded
+on the first plan from device lengths (:meth:`VerifyPlan.plan_on_device`); never a kernel.
 
 MLA in absorbed form has one latent KV head, so the ``n_b x H`` query rows of sequence b form one
 matrix problem ``[n_b*H, 576] x [576, kv_len_b]``, packed into row blocks of ``BLOCK_M`` rows and
@@ -12,8 +13,9 @@ block whose KV is cut into several segments writes partials, merged by the combi
 
 A :class:`VerifyPlan` owns every buffer the kernels read besides the caller's tensors, allocated
 once at construction for its maxima; :meth:`VerifyPlan.plan` writes a new step's schedule into
-them (host numpy, one non-blocking copy from pinned staging) and allocates nothing on the device,
-so a CUDA graph captured around a launch stays valid across plans.
+them (from host lengths: host numpy, one non-blocking copy from pinned staging; from device
+lengths: the device scheduler's line schedule, one launch, no sync) and allocates nothing on the
+device, so a CUDA graph captured around a launch (and around a device plan) stays valid across plans.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ SEGMENT_COST_TILES = 3
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
 SCHEDULE_CACHE = 64
+
+
+def scheduler_scratch_size(max_batch: int, num_programs: int) -> int:
+    """int64 elements of the device scheduler's scratch (:mod:`.scheduler`): 11 per-sequence arrays
+    of ``max_batch + 1`` and 5 per-program arrays of ``num_programs + 2``."""
+    return 11 * (max_batch + 1) + 5 * (num_programs + 2)
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -254,6 +262,8 @@ class FlashTables(NamedTuple):
     partial_out: torch.Tensor  # [4 * P, BLOCK_M, 512] float32
     partial_lse: torch.Tensor  # [4 * P, BLOCK_M] float32 (log2 units)
     num_groups: int | None  # groups in use, when the host knows it (None: launch the combine anyway)
+    segment_rows: tuple  # the 5 rows of segments as [S] views (made once: a view costs host time per launch)
+    group_rows: tuple  # the 4 rows of groups as [G] views
 
     @property
     def num_programs(self) -> int:
@@ -326,16 +336,24 @@ class VerifyPlan:
             self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
             self.kv_lens_buf = view(self._dev, "kv_lens", (max_batch,))
             self.qo_indptr_buf = view(self._dev, "qo_indptr", (max_batch + 1,))
+            segments = view(self._dev, "segments", (5, seg_cap))
+            groups = view(self._dev, "groups", (4, grp_cap))
             self._tables = FlashTables(
                 config=cfg,
                 prog_first_seg=view(self._dev, "prog_first_seg", (P + 1,)),
-                segments=view(self._dev, "segments", (5, seg_cap)),
-                groups=view(self._dev, "groups", (4, grp_cap)),
+                segments=segments,
+                groups=groups,
                 group_count=view(self._dev, "group_count", (1,)),
                 partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
                 partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
                 num_groups=0,
+                segment_rows=segments.unbind(0),
+                group_rows=groups.unbind(0),
             )
+            # the device scheduler's scratch: per-sequence and per-program values (int64)
+            self._scratch = torch.empty(scheduler_scratch_size(max_batch, P), dtype=torch.int64, device=device)
+        self._scheduler = None  # the device scheduler's launch, made at the first device plan
+        self._device_tables = self._tables._replace(num_groups=None)  # a device plan's group count stays there
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
         self.kv_lens_host = self.qo_indptr_host = None
@@ -355,13 +373,19 @@ class VerifyPlan:
         return self.tables.num_groups
 
     def plan(self, kv_lens, qo_indptr) -> VerifyPlan:
-        """Schedule a step: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]`` as host data (lists,
-        numpy arrays or CPU tensors; a CUDA tensor is copied, one sync). Checks the lengths
-        (``ValueError`` naming the argument, incl. B > max_batch or a tree > max_tree_nodes),
+        """Schedule a step: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``.
+
+        Both CUDA tensors: :meth:`plan_on_device` (one launch, no sync, no length checks).
+        Otherwise host data (lists, numpy arrays, CPU tensors; a CUDA tensor beside host data is
+        copied, one sync): checks the lengths (``ValueError`` naming the argument, incl.
+        B > max_batch or a tree > max_tree_nodes), computes the cheapest schedule on the host and
         writes lengths and schedule into the fixed buffers with one non-blocking copy on the
-        current stream (kernels queued before it finish reading the old plan first), and
-        allocates nothing on the device. Returns self.
+        current stream (kernels queued before it finish reading the old plan first). Allocates
+        nothing on the device either way. Returns self.
         """
+        if (isinstance(kv_lens, torch.Tensor) and isinstance(qo_indptr, torch.Tensor) and kv_lens.is_cuda
+                and qo_indptr.is_cuda):
+            return self.plan_on_device(kv_lens, qo_indptr)
         kv, qo = check_lengths(kv_lens, qo_indptr)
         B = kv.shape[0]
         if B > self.max_batch:
@@ -407,12 +431,59 @@ class VerifyPlan:
         self.tables = flash_tables
         return self
 
+    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor) -> VerifyPlan:
+        """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
+        int32 on the plan's device (any strides), one launch of the scheduler kernel
+        (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
+        capturable in a CUDA graph with the kernels that read the plan.
+
+        Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
+        argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
+        or the KV lengths (:attr:`num_rows`, :attr:`max_nodes`, :attr:`max_kv_len` are None, and
+        the combine kernel always runs). Malformed lengths are clamped, never written past the
+        tables, and give wrong results: check them with
+        :func:`~kdtree_engine.verify.contract.check_lengths` (one sync) where that matters.
+        Returns self.
+        """
+        for name, t in (("kv_lens", kv_lens), ("qo_indptr", qo_indptr)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32 or t.dim() != 1:
+                raise TypeError(f"{name} must be a 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; this plan is on {self.device}")
+        B = kv_lens.shape[0]
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"kv_lens has {B} sequences; this plan holds 1..max_batch={self.max_batch}")
+        if qo_indptr.shape[0] != B + 1:
+            raise ValueError(f"qo_indptr must have B+1={B + 1} entries, got {qo_indptr.shape[0]}")
+        if self._scheduler is None:
+            from .scheduler import DeviceScheduler
+
+            self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
+                                              num_heads=self.num_heads, max_batch=self.max_batch,
+                                              max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
+        self._scheduler(kv_lens, qo_indptr)
+        self._staged = None  # on the CPU the device buffer is the staging buffer
+        if B != self.num_seqs:
+            self.kv_lens = self.kv_lens_buf[:B]
+            self.qo_indptr = self.qo_indptr_buf[: B + 1]
+        self.num_seqs, self.num_rows, self.num_segments = B, None, None
+        self.kv_lens_host = self.qo_indptr_host = None
+        self.max_kv_len = self.max_nodes = None
+        self.tables = self._device_tables
+        return self
+
     def _schedule_tables(self, R: np.ndarray, T: np.ndarray):
-        """The tables of one (row blocks, KV tiles) per sequence: ``prog_first_seg [P + 1]``,
+        """The tables of the schedule of one (row blocks, KV tiles) per sequence: see :meth:`_tables_of`."""
+        return self._tables_of(schedule(R, T, self.num_programs), R)
+
+    def _tables_of(self, pieces: Pieces, R: np.ndarray):
+        """The tables of a schedule of row blocks ``R`` per sequence: ``prog_first_seg [P + 1]``,
         segments ``[5, S]`` int32 (kv_end at the tile boundary), the tile ends ``[S]``, groups
         ``[4, G]`` int32, and the :class:`FlashTables` that carry G to the launcher."""
         bm, bn, P = self.config.block_m, self.config.block_n, self.num_programs
-        seq, row, t0, t1, prog = schedule(R, T, P)
+        seq, row, t0, t1, prog = pieces
         # partial slots: the pieces of a split row block get consecutive slots
         key = (np.cumsum(R) - R)[seq] + row
         split = np.bincount(key, minlength=int(R.sum()))[key] > 1

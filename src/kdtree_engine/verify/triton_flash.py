@@ -31,7 +31,8 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .combine import combine
-from .contract import D_QK, D_V
+from .contract import D_QK, D_V, kernel_ints
+from .launch import Launcher, spec_key
 from .plan import FlashTables
 
 __all__ = ["launch"]
@@ -197,6 +198,10 @@ def _verify_flash_kernel(
         )
 
 
+_FLASH = Launcher(_verify_flash_kernel)
+_DOT_FP32 = interpreting()  # decided once, before Triton loaded (backend.select_device)
+
+
 def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan: FlashTables):
     """Launch the flash kernel on ``plan.num_programs`` programs, then the combine kernel.
 
@@ -205,29 +210,15 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     (:attr:`VerifyPlan.tables <kdtree_engine.verify.plan.VerifyPlan>`); see :func:`combine`.
     Writes ``out`` and ``lse``.
     """
-    T, H, _ = q.shape
+    H = q.shape[1]
     cfg = plan.config
-    sg = plan.segments
-    _verify_flash_kernel[(plan.num_programs,)](
-        q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
-        plan.prog_first_seg, sg[0], sg[1], sg[2], sg[3], sg[4],
-        plan.partial_out, plan.partial_lse,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0), page_table.stride(1),
-        kv_lens.stride(0), qo_indptr.stride(0),
-        tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
-        out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1),
-        sm_scale * LOG2E,
-        H=H,
-        PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        D_LATENT=D_V,
-        D_ROPE=D_QK - D_V,
-        DOT_FP32=interpreting(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
+    page_size = kv_cache.shape[1]
+    # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
+    _FLASH((spec_key(tensors, ints), H, page_size, cfg), (plan.num_programs,),
+           (*tensors, plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *ints,
+            sm_scale * LOG2E),
+           dict(H=H, PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_LATENT=D_V,
+                D_ROPE=D_QK - D_V, DOT_FP32=_DOT_FP32, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     combine(q, qo_indptr, out, lse, plan)

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .contract import D_QK, D_V
+from .contract import D_QK, D_V, kernel_ints
+from .launch import Launcher, spec_key
 
 __all__ = ["launch"]
 
@@ -84,6 +85,9 @@ def _verify_naive_kernel(
     tl.store(lse + i_t.to(tl.int64) * stride_lt + i_h * stride_lh, b_lse)
 
 
+_NAIVE = Launcher(_verify_naive_kernel)
+
+
 def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``[T]`` int32: the sequence each q row belongs to (computed on the device, no sync)."""
     rows = torch.arange(num_rows, device=qo_indptr.device, dtype=torch.int32)
@@ -95,20 +99,9 @@ def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out
     ``[T, H]``). Inputs already checked against the contract. Writes ``out`` and ``lse``."""
     T, H, _ = q.shape
     block_n = 128 if interpreting() else 32
-    grid = (T, H)
-    _verify_naive_kernel[grid](
-        q, kv_cache, page_table, kv_lens, qo_indptr, row_to_sequence(qo_indptr, T), tree_mask, out, lse,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0), page_table.stride(1),
-        kv_lens.stride(0), qo_indptr.stride(0),
-        tree_mask.stride(0), tree_mask.stride(1), tree_mask.shape[1],
-        out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1),
-        sm_scale * LOG2E,
-        PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_N=block_n,
-        D_LATENT=D_V,
-        D_ROPE=D_QK - D_V,
-        num_warps=4,
-    )
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
+    page_size = kv_cache.shape[1]
+    _NAIVE((spec_key(tensors, ints), page_size, block_n), (T, H),
+           (*tensors[:5], row_to_sequence(qo_indptr, T), *tensors[5:], *ints, sm_scale * LOG2E),
+           dict(PAGE_SIZE=page_size, BLOCK_N=block_n, D_LATENT=D_V, D_ROPE=D_QK - D_V, num_warps=4))

@@ -1,0 +1,79 @@
+"""Launching a Triton or Gluon kernel without Triton's Python launcher once it is compiled.
+
+``kernel[grid](*args)`` binds and specialises every argument on every call before it reaches the
+compiled kernel's C launcher (tens of microseconds on a slow host, for each of a verify call's
+two launches). A :class:`Launcher` makes the first launch of each specialisation that way and
+keeps the compiled kernel it returns; a later launch with the same key calls the compiled
+kernel's launcher directly (on the current device and stream, as Triton does).
+
+The key is the caller's: :func:`spec_key` builds it from what Triton specialises on (the dtype
+and 16-byte alignment of each tensor argument, the exact value of each integer argument), and
+the launch functions add their constexprs and options. Under Triton's interpreter there is no
+compiled kernel: every launch goes through ``kernel[grid]``. With a launch hook installed
+(``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) too, so the hook sees every launch.
+
+The layer beside :mod:`.plan` (imports torch and Triton only).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+__all__ = ["Launcher", "spec_key"]
+
+# compiled kernels a launcher keeps; past this many keys the table starts over (a key holds no
+# tensor, only dtypes, alignments and integers: a long run with ever-new strides stays bounded)
+MAX_KEYS = 256
+
+
+def spec_key(tensors, ints: tuple) -> tuple:
+    """What Triton specialises a launch on, for the given tensor and integer arguments: each
+    tensor's dtype and whether its data pointer is 16-byte aligned, each integer exactly (a
+    stricter key than Triton's, which keeps only 1, divisibility by 16 and the integer width:
+    a new value costs one launch through Triton, never a wrong kernel)."""
+    return tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), ints
+
+
+class Launcher:
+    """Launches of one ``@triton.jit`` / ``@gluon.jit`` function (see the module docstring).
+
+    ``launcher(key, grid, args, constexprs)``: ``args`` the kernel's leading parameters in order
+    (tensors, integers, floats), ``constexprs`` every later parameter and launch option by name
+    (``num_warps``, ...). ``key`` must determine the compiled kernel: :func:`spec_key` of the
+    tensor and integer arguments whose dtype, alignment or value can differ between calls, plus
+    the constexprs and options (tensors not in the key must always have the same dtype and be
+    16-byte aligned).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._compiled: dict = {}  # (key, device) -> (compiled kernel, constexpr values in parameter order)
+
+    def __call__(self, key, grid, args, constexprs) -> None:
+        if self._compiled and _no_hooks():
+            device = torch.cuda.current_device()
+            hit = self._compiled.get((key, device))
+            if hit is not None:
+                kernel, tail = hit
+                kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                           torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
+                           None, None, None, *args, *tail)
+                return
+        kernel = self.fn[grid](*args, **constexprs)
+        if kernel is None or not hasattr(kernel, "packed_metadata"):  # the interpreter: nothing compiled
+            return
+        names = self.fn.arg_names[len(args):]
+        if any(name not in constexprs for name in names):  # a defaulted parameter: no fast path
+            return
+        if len(self._compiled) >= MAX_KEYS:
+            self._compiled.clear()
+        self._compiled[(key, torch.cuda.current_device())] = (kernel, tuple(constexprs[n] for n in names))
+
+
+def _no_hooks() -> bool:
+    """No launch hook is installed (Triton 3.6 keeps them as hook chains, older versions as a
+    function or None)."""
+    r = knobs.runtime
+    enter, exit_ = r.launch_enter_hook, r.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(exit_, "calls", exit_)

@@ -1,0 +1,125 @@
+"""The launch fast path (verify/launch.py): the first launch of a key goes through Triton and keeps
+the compiled kernel; later launches of that key call it directly with the same arguments Triton
+would pass; another key, a launch hook or the interpreter go through Triton. On the GPU: the fast
+path gives bitwise the result of the normal launch, for every kernel this device runs."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, requires_cuda
+from kdtree_engine.testing import CaseSpec, build_case, random_tree
+
+
+class FakeCompiled:
+    packed_metadata = "meta"
+    function = "fn"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class FakeJit:
+    arg_names = ["x", "n", "scale", "C", "D"]
+
+    def __init__(self):
+        self.launches = []
+        self.compiled = FakeCompiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.launches.append((grid, args, kw))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+
+
+def test_second_launch_of_a_key_calls_the_compiled_kernel(fake_cuda):
+    from kdtree_engine.verify.launch import Launcher, spec_key
+
+    fn = FakeJit()
+    launch = Launcher(fn)
+    x = torch.zeros(8)
+    key = (spec_key((x,), (3,)), 7)
+    launch(key, (2,), (x, 3, 0.5), dict(C=7, D=1, num_warps=4))
+    assert len(fn.launches) == 1 and not fn.compiled.calls
+    launch(key, (2, 3), (x, 3, 0.25), dict(C=7, D=1, num_warps=4))
+    assert len(fn.launches) == 1
+    assert fn.compiled.calls == [(2, 3, 1, 1234, "fn", "meta", None, None, None, x, 3, 0.25, 7, 1)]
+    # another key (an integer argument changed): through Triton again
+    launch((spec_key((x,), (4,)), 7), (2,), (x, 4, 0.5), dict(C=7, D=1, num_warps=4))
+    assert len(fn.launches) == 2 and len(fn.compiled.calls) == 1
+
+
+def test_key_tells_alignment_and_dtype():
+    from kdtree_engine.verify.launch import spec_key
+
+    x = torch.zeros(16, dtype=torch.float16)
+    assert spec_key((x,), ()) != spec_key((x[1:],), ())  # 2-byte offset: not 16-byte aligned
+    assert spec_key((x,), ()) == spec_key((x[8:],), ())  # 16-byte offset
+    assert spec_key((x,), ()) != spec_key((x.view(torch.bfloat16),), ())
+
+
+def test_launch_hook_and_interpreter_take_the_normal_path(fake_cuda, monkeypatch):
+    from triton import knobs
+
+    from kdtree_engine.verify.launch import Launcher
+
+    fn = FakeJit()
+    launch = Launcher(fn)
+    args = (torch.zeros(4), 1, 1.0)
+    launch("k", (1,), args, dict(C=1, D=2))
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launch("k", (1,), args, dict(C=1, D=2))
+    assert len(fn.launches) == 2 and not fn.compiled.calls
+    fn.compiled = None  # what the interpreter returns: nothing kept
+    interp = Launcher(fn)
+    interp("k", (1,), args, dict(C=1, D=2))
+    assert not interp._compiled
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ["naive", "flash", "hopper"])
+def test_fast_path_is_bitwise_the_normal_launch(kernel, monkeypatch):
+    """The same call twice: the first through Triton (compiling if needed, keeping the kernel),
+    the second through the kept kernel (Triton's launcher is made to fail, so it must not be
+    used); outputs bitwise equal, split KV included."""
+    from kdtree_engine import VerifyAttention
+    from kdtree_engine.verify import combine, hopper, triton_flash, triton_naive
+    from kdtree_engine.verify.op import available_kernels
+
+    if kernel not in available_kernels(DEVICE):
+        pytest.skip(f"{kernel} does not run on this device")
+    g = torch.Generator().manual_seed(5)
+    c = build_case(CaseSpec("fast", 16, [3000, 40], [random_tree(9, g), random_tree(20, g)], page_size=1, seed=11),
+                   DEVICE)
+    attn = VerifyAttention(2, 20, 16, DEVICE, kernel=kernel)
+    attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+    args = (c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    T = c["q"].shape[0]
+    outs = []
+    for _ in range(2):
+        out = torch.full((T, 16, 512), math.nan, dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.full((T, 16), math.nan, dtype=torch.float32, device=DEVICE)
+        attn.run(*args, out=out, lse=lse)
+        torch.cuda.synchronize()
+        outs.append((out, lse))
+
+        class Refuse:
+            def __getitem__(self, grid):
+                raise AssertionError("launched through Triton, not the kept kernel")
+        for mod, name in ((triton_naive, "_NAIVE"), (triton_flash, "_FLASH"), (hopper, "_HOPPER"),
+                          (combine, "_COMBINE")):
+            if getattr(mod, name) is not None:
+                monkeypatch.setattr(getattr(mod, name), "fn", Refuse())
+    assert attn.workspace.num_groups > 0 or kernel == "naive"
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -1,0 +1,160 @@
+"""The device scheduler (verify/scheduler.py, VerifyPlan.plan_on_device): the tables it writes from
+device lengths equal the host's tables of the line schedule on random ragged batches, a run on them
+matches the reference, bad lengths tensors are refused, and (GPU) a CUDA graph holding the plan and
+the run replays correctly after new lengths are written into the length tensors."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEVICE, requires_cuda
+from kdtree_engine import VerifyAttention, reference
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
+from kdtree_engine.verify import plan as vplan
+from kdtree_engine.verify.plan import FlashConfig, VerifyPlan
+
+CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
+
+
+def host_line_tables(p: VerifyPlan, kv: np.ndarray, n: np.ndarray):
+    """What the host writes for the line schedule of these lengths: prog_first_seg, segments, groups."""
+    bm, bn = p.config.block_m, p.config.block_n
+    R, T = -(-n.astype(np.int64) * p.num_heads // bm), -(-kv.astype(np.int64) // bn)
+    total = int((R * T).sum())
+    P = max(1, min(p.num_programs, total))
+    chunk = -(-total // P)
+    pieces = vplan._line_schedule(R, T, P, chunk, min(vplan.MIN_SPLIT_TILES, chunk // 4))
+    first, seg, tile_end, grp, _ = p._tables_of(pieces, R)
+    seg = seg.copy()
+    seg[3] = np.minimum(tile_end, kv[seg[0]])
+    return first, seg, grp
+
+
+def random_batches(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    yield np.array([1]), np.array([1]), 1, 1, 0, 1  # the smallest step
+    yield np.array([100000, 10]), np.array([64, 3]), 64, 132, 1, 7  # one long sequence: split columns
+    for i in range(count):
+        B = int(rng.integers(1, 40))
+        n = rng.integers(1, 70, B)
+        kv = n + rng.integers(0, int(rng.choice([10, 1000, 20000])), B)
+        yield kv, n, int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2, B + int(rng.integers(0, 9))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_tables_equal_the_host_line_schedule(seed):
+    """Strided device lengths (every other element of a bigger buffer), up to 300 programs, page
+    tiles 16 and 64, H 1-128, trees 1-69 nodes, KV up to ~20k and one of 100k."""
+    for kv, n, H, P, c, max_batch in random_batches(seed, 25):
+        p = VerifyPlan(max_batch, int(n.max()), H, "cpu", config=CONFIGS[c], num_programs=P)
+        qo = np.concatenate([[0], np.cumsum(n)])
+        kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32)
+        kv_dev[::2] = torch.tensor(kv)
+        qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32)
+        qo_dev[::2] = torch.tensor(qo)
+        p.plan_on_device(kv_dev[::2], qo_dev[::2])
+        first, seg, grp = host_line_tables(p, kv, n)
+        t = p.tables
+        S, G = seg.shape[1], grp.shape[1]
+        what = f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} {CONFIGS[c]}"
+        assert np.array_equal(t.prog_first_seg.numpy(), first), what
+        assert np.array_equal(t.segments.numpy()[:, :S], seg), what
+        assert int(t.group_count[0]) == G and np.array_equal(t.groups.numpy()[:, :G], grp), what
+        assert p.kv_lens.tolist() == kv.tolist() and p.qo_indptr.tolist() == qo.tolist()
+        assert t.num_groups is None and p.num_rows is None
+
+
+def test_run_on_a_device_plan_matches_the_reference():
+    """A host plan, then a device plan (the same workspace), then a host plan again: each run right."""
+    g = torch.Generator().manual_seed(3)
+    attn = VerifyAttention(3, 24, 2, DEVICE, num_programs=6)
+    specs = [CaseSpec("h", 2, [60, 5], [random_tree(7, g), random_tree(24, g)], page_size=1, seed=3),
+             CaseSpec("d", 2, [90, 33, 0], [chain_tree(12), random_tree(2, g), [-1]], page_size=16, seed=5),
+             CaseSpec("h2", 2, [61, 6], [random_tree(7, g), random_tree(24, g)], page_size=1, seed=3)]
+    for i, spec in enumerate(specs):
+        c = build_case(spec, DEVICE)
+        if i == 1:
+            attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"])
+        else:
+            attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+        T, H = c["q"].shape[:2]
+        out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=DEVICE)
+        lse = torch.full((T, H), math.nan, dtype=torch.float32, device=DEVICE)
+        attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out=out, lse=lse)
+        r_out, r_lse = reference(**c)
+        assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, spec.name
+        assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, spec.name
+
+
+@pytest.mark.parametrize("kv_lens, qo_indptr, err, match", [
+    ([4, 4], [0, 1, 2], TypeError, "kv_lens must be a torch.Tensor"),
+    (torch.tensor([4, 4]), torch.tensor([0, 1, 2], dtype=torch.int32), TypeError, "kv_lens must be a 1-D int32"),
+    (torch.tensor([4, 4], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), ValueError,
+     "qo_indptr must have B\\+1=3 entries"),
+    (torch.tensor([4] * 4, dtype=torch.int32), torch.arange(5, dtype=torch.int32), ValueError,
+     "kv_lens has 4 sequences; this plan holds 1..max_batch=3"),
+])
+def test_bad_device_lengths_are_refused(kv_lens, qo_indptr, err, match):
+    p = VerifyPlan(3, 8, 2, "cpu")
+    with pytest.raises(err, match=match):
+        p.plan_on_device(kv_lens, qo_indptr)
+
+
+@requires_cuda
+def test_cuda_graph_with_the_plan_replays_after_new_lengths():
+    """Capture plan (device scheduler) + run in one graph, at buffers sized for the maxima; for each
+    new step write its lengths into the captured length tensors and its inputs into the buffers,
+    replay, compare with the reference (other B would change the shapes: B stays, trees and
+    prefixes change)."""
+    H, B, max_n, max_pages = 16, 3, 40, 7000
+    attn = VerifyAttention(B, max_n, H, "cuda")
+    g = torch.Generator().manual_seed(9)
+    kv_dev = torch.zeros(B, dtype=torch.int32, device="cuda")
+    qo_dev = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    steps = [CaseSpec("s0", H, [5000, 300, 9], [random_tree(9, g), random_tree(40, g), [-1]]),
+             CaseSpec("s1", H, [6900, 1, 64], [random_tree(13, g), [-1, 0], chain_tree(35)], seed=1),
+             CaseSpec("s2", H, [17, 4000, 2500], [random_tree(14, g), random_tree(5, g), random_tree(31, g)], seed=2)]
+    T = 50  # every step has 50 rows: q and the mask keep their shapes
+    q_buf = torch.zeros(T, H, 576, dtype=torch.bfloat16, device="cuda")
+    mask_buf = torch.zeros(T, 2, dtype=torch.int32, device="cuda")
+    pt_buf = torch.zeros(B, max_pages, dtype=torch.int32, device="cuda")
+    kv_buf = torch.zeros(B * max_pages + 8, 1, 576, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(T, H, dtype=torch.float32, device="cuda")
+
+    def load(spec):
+        c = build_case(spec, "cuda")
+        assert c["q"].shape[0] == T
+        q_buf.copy_(c["q"])
+        mask_buf.zero_()
+        mask_buf[:, : c["tree_mask"].shape[1]].copy_(c["tree_mask"])
+        kv_buf[: c["kv_cache"].shape[0]].copy_(c["kv_cache"])
+        pt_buf[:, : c["page_table"].shape[1]].copy_(c["page_table"])
+        kv_dev.copy_(c["kv_lens"])
+        qo_dev.copy_(c["qo_indptr"])
+        return c
+
+    def step():
+        attn.plan(kv_dev, qo_dev)
+        attn.run(q_buf, kv_buf, pt_buf, mask_buf, out=out, lse=lse)
+
+    load(steps[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for spec in steps + steps[:1]:
+        c = load(spec)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        r_out, r_lse = reference(**c)
+        assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, spec.name
+        assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, spec.name
