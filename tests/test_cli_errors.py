@@ -100,6 +100,7 @@ BAD = {
     "demo-plot-no-sweep": (["demo", "--plot", "x.png"], ["--plot", "--sweep"]),
     "demo-plot-is-dir": (["demo", "--sweep", "8", "--plot", "DIR"], ["--plot", "is a directory"]),
     "demo-kernel": (["demo", "--kernel", "fast"], ["--kernel", "fast"]),
+    "demo-kernel-twice": (["demo", "--kernel", "naive,naive"], ["--kernel", "naive,naive"]),
     "demo-model-dir": (["demo", "--model-dir", "UNDER_FILE"], ["--model-dir", "no such directory"]),
     "demo-json-is-dir": (["demo", "--json", "DIR"], ["--json", "is a directory"]),
     "demo-refs-dir-is-file": (["demo", "--refs-dir", "FILE"], ["--refs-dir", "not a directory"]),
@@ -110,7 +111,7 @@ if not HAS_CUDA:  # asking for a device that is not there is a user error too
     BAD["refs-check-no-cuda"] = (["refs", "check", "--device", "cuda", str(GOOD)], ["cuda"])
 if "hopper" not in available_kernels(DEVICE):  # a kernel this device does not run
     BAD["refs-check-kernel-not-here"] = (["refs", "check", "--kernel", "hopper", str(GOOD)], ["--kernel", "hopper", "does not run"])
-    BAD["demo-kernel-not-here"] = (["demo", "--kernel", "hopper"], ["--kernel", "hopper", "does not run"])
+    BAD["demo-kernel-not-here"] = (["demo", "--kernel", "naive,hopper"], ["--kernel", "hopper", "does not run"])
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

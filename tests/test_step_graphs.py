@@ -87,6 +87,29 @@ def test_step_inputs_is_the_device_half_of_reserve_step(page_size):
             assert int(half.slots[row]) == int(pt[b, (P + j) // page_size]) * page_size + (P + j) % page_size
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_book_and_place_tree_are_reserve_tree(page_size):
+    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after step."""
+    pools = []
+    for split in (False, True):
+        pool, ids, tree = _pool_and_tree(page_size)
+        for step in range(3):
+            if split:
+                pool.book_tree(ids, tree.width)
+                pool.place_tree(ids, tree.width)
+            else:
+                pool.reserve_tree(ids, tree.num_nodes_host)
+            pool.check()
+            s = pool.step_inputs(ids, tree)
+            acc = torch.tensor([[0, 1 + step], [0, -1], [0, 2]], device=DEVICE)
+            pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2])
+            pool.check()
+        pools.append((s.slots, s.page_table, s.kv_lens, pool.num_free_pages, pool._top.clone(),
+                      pool._stack.clone(), [pool.seq_len(i) for i in ids]))
+    for a, b in zip(*pools):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+
+
 def test_step_inputs_and_replayed_commit_refuse_a_missing_reservation():
     pool, ids, tree = _pool_and_tree()
     with pytest.raises(ValueError, match="not the reserved ones"):
@@ -188,7 +211,7 @@ def test_replayed_graph_steps_do_not_sync_inside():
     eng.reset()
     ids = bucket.ids
     bucket.stage([7, 8], None)
-    eng.pool.reserve_tree(ids, [bucket.n] * len(ids))
+    eng.pool.book_tree(ids, bucket.n)
     attn = eng._attn["flash"]
     attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
     torch.cuda.synchronize()

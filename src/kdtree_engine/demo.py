@@ -539,6 +539,18 @@ def write_sweep_plot(path: Path, rows: list[dict], title: str) -> Path:
 # main
 
 
+def _kernel_list(text: str) -> list[str]:
+    """``--kernel``: ``all`` or a comma list of distinct kernel names."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return names
+    bad = [n for n in names if n not in KERNELS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (all, or a comma list of distinct "
+                                         f"{', '.join(KERNELS)})")
+    return names
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="kdtree demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -549,8 +561,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--batch", type=int_in(1), help="sequences decoded together (default 4 CUDA, 3 CPU)")
     p.add_argument("--steps", type=int_in(1), help="new tokens per sequence = steps of plain decoding "
                    "(speculative decoding generates the same tokens in fewer steps); default 48 CUDA, 12 CPU")
-    p.add_argument("--kernel", choices=[*KERNELS, "all"], default="all",
-                   help="all: every kernel this device runs (hopper only on sm_90)")
+    p.add_argument("--kernel", type=_kernel_list, default=["all"],
+                   help=f"a comma list of {', '.join(KERNELS)}, or all: every kernel this device runs (hopper only on "
+                        f"sm_90)")
     p.add_argument("--drafter", choices=["ngram", "synthetic", "both"], default="both")
     p.add_argument("--agreement", type=float_above(0, inclusive=True, hi=1), default=0.7, help="synthetic drafter: P(top-1 = target token)")
     p.add_argument("--budget", type=int_in(0, MAX_BUDGET), default=16, help="DDTree draft nodes per tree (root excluded)")
@@ -599,10 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device == "cuda"
     _defaults(args, cuda)
     runs = available_kernels(device)
-    if args.kernel not in ("all",) + runs:
-        raise UsageError(f"argument --kernel: {args.kernel} does not run on {device} "
-                         f"(this device runs {', '.join(runs)})")
-    kernels = list(runs) if args.kernel == "all" else [args.kernel]
+    kernels = list(runs) if args.kernel == ["all"] else args.kernel
+    for k in kernels:
+        if k not in runs:
+            raise UsageError(f"argument --kernel: {k} does not run on {device} (this device runs {', '.join(runs)})")
     print(f"kdtree demo on {device}{' (Triton interpreter, small sizes)' if not cuda else ''}")
     print(machine_line(machine_info(device)), flush=True)
     report: dict = {"device": device, "args": {k: str(v) for k, v in vars(args).items()}}

@@ -333,7 +333,46 @@ class KVPool:
         ``kv_lens`` in :meth:`verify_inputs` then includes the tree."""
         return self._grow(seq_ids, tree_sizes, tree=True)
 
-    def _grow(self, seq_ids, counts, tree: bool) -> torch.Tensor:
+    def book_tree(self, seq_ids, tree_size: int) -> None:
+        """The host half of ``reserve_tree(seq_ids, [tree_size] * B)``: the checks (raising
+        :class:`PoolFullError` / :class:`SequenceTooLongError` before changing anything) and the
+        host counts, no device work. :meth:`place_tree` with the same arguments must follow, before
+        anything reads these sequences on the device."""
+        self._grow(seq_ids, tree_size, tree=True, device=False)
+
+    def place_tree(self, seq_ids, tree_size: int) -> None:
+        """The device half of a :meth:`book_tree`: pops the pages the trees need from the free stack
+        into the sequences' table rows and sets their device lengths and tree sizes. Derived from
+        the device lengths alone, with shapes fixed by (B, ``tree_size``) and no host-to-device copy
+        once :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph."""
+        ids = self._ids(seq_ids)
+        self._pop_pages(self.device_rows(ids), tree_size, _cdiv(tree_size, self.page_size), tree=True)
+
+    def _pop_pages(self, rows: torch.Tensor, counts, max_pages: int, tree: bool) -> None:
+        """Device half of a grow: sequence rows ``rows [B]`` gain ``counts`` (an int, or ``[B]``
+        int64 on the device) positions, the pages they need (at most ``max_pages`` each) popped
+        from the free stack into their table rows in order; lengths (and tree sizes) updated."""
+        ps, C = self.page_size, self._cols
+        old = self._lens_d.index_select(0, rows).long()
+        new = old + counts
+        old_p = (old + ps - 1) // ps
+        k = (new + ps - 1) // ps - old_p  # [B] pages gained
+        j = torch.arange(max_pages, device=self.device)
+        take = j[None, :] < k[:, None]  # [B, K]
+        flat = take.reshape(-1)
+        rank = torch.cumsum(flat, 0) - flat.long()  # pops in (sequence, page) order: top of the stack first
+        src = torch.where(flat, self._top.long() - 1 - rank, self.num_pages)  # entry N: the stack's trash slot
+        dst = torch.where(take, rows[:, None] * C + old_p[:, None] + j, rows[:, None] * C + (C - 1))  # col C-1: trash
+        self._table.view(-1)[dst.reshape(-1)] = self._stack[src]
+        self._top.sub_(k.sum().to(torch.int32))
+        self._lens_d[rows] = new.to(torch.int32)
+        if tree:
+            if isinstance(counts, torch.Tensor):
+                self._tree_d[rows] = counts.to(torch.int32)
+            else:  # a scalar as a kernel argument (see _commit_torch)
+                self._tree_d.index_fill_(0, rows, counts)
+
+    def _grow(self, seq_ids, counts, tree: bool, device: bool = True) -> torch.Tensor | None:
         self._require_idle("reserve_tree" if tree else "extend")
         ids = self._ids(seq_ids)
         counts = np.broadcast_to(np.asarray(counts, np.int64), ids.shape).copy()
@@ -348,33 +387,25 @@ class KVPool:
             i = int(np.argmax(new > self.max_seq_len))
             raise SequenceTooLongError(
                 f"sequence {int(ids[i])} would hold {int(new[i])} tokens; max_seq_len is {self.max_seq_len}")
-        old_p, new_p = self._pages_of(old), self._pages_of(new)
-        k = new_p - old_p
+        k = self._pages_of(new) - self._pages_of(old)
         total = int(k.sum())
         if total > self._num_free:
             raise PoolFullError(
                 f"KV pool full: {total} pages needed, {self._num_free} free of {self.num_pages} "
                 f"(page_size {self.page_size})", total, self._num_free)
-        ps = self.page_size
-        seg = np.repeat(np.arange(len(ids)), k)
-        j = np.arange(total) - np.repeat(np.cumsum(k) - k, k)
-        tidx = ids[seg] * self._cols + old_p[seg] + j
-        ntok = int(counts.sum())
-        segt = np.repeat(np.arange(len(ids)), counts)
-        pos = old[segt] + np.arange(ntok) - np.repeat(np.cumsum(counts) - counts, counts)
-        ttok = ids[segt] * self._cols + pos // ps
-        tidx_d, ttok_d, off_d, rows_d, new_d, cnt_d = self._to_device(tidx, ttok, pos % ps, ids, new, counts)
-        nf = self._num_free
-        if total:
-            self._table.view(-1)[tidx_d] = self._stack[nf - total: nf].flip(0)
-            self._top.sub_(total)
-        slots = self._table.view(-1)[ttok_d].long() * ps + off_d
-        self._lens_d[rows_d] = new_d.to(torch.int32)
+        slots = None
+        if device:
+            ps = self.page_size
+            ntok = int(counts.sum())
+            segt = np.repeat(np.arange(len(ids)), counts)
+            pos = old[segt] + np.arange(ntok) - np.repeat(np.cumsum(counts) - counts, counts)
+            ttok_d, off_d, cnt_d = self._to_device(ids[segt] * self._cols + pos // ps, pos % ps, counts)
+            self._pop_pages(self.device_rows(ids), cnt_d, int(k.max()) if len(k) else 0, tree)
+            slots = self._table.view(-1)[ttok_d].long() * ps + off_d
         if tree:
-            self._tree_d[rows_d] = cnt_d.to(torch.int32)
             self._tree[ids] = counts
         self._len[ids] = new
-        self._num_free = nf - total
+        self._num_free -= total
         self._version += 1
         return slots
 

@@ -3,9 +3,10 @@
 One step, for all active sequences at once (sequences of different lengths in one batch)::
 
     host, before:  contexts --drafter--> draft logits [B, L, V] -> fixed device buffer (+ roots)
-                   KVPool.reserve_tree: node j of sequence b at cache position P_b + j (host decisions)
+                   KVPool.book_tree: node j of sequence b at cache position P_b + j (checks, counts)
                    VerifyAttention.plan: the step's lengths and schedule into the fixed workspace
     the step (eager, or ONE captured CUDA graph per step shape, replayed):
+                   KVPool.place_tree: the trees' pages popped from the free stack (device)
                    ddtree.build_ddtree --> trees (root = last token)
                    KVPool.step_inputs: slots, page table, lengths, qo_indptr, mask, node tokens
                    MLARunner phases: every node's KV written, VerifyAttention.run per layer --> logits [T, V]
@@ -228,12 +229,13 @@ class _Bucket:
     lengths, then the emitted tokens, -1 padded) and ``top2 [B, D+1, 2]`` float32 (the target's
     two best logits behind each emitted token), read by :meth:`read`.
 
-    Phases: ``draft tree`` (:func:`~kdtree_engine.ddtree.build_ddtree` and the pool's
+    Phases: ``draft tree`` (the pool's :meth:`~kdtree_engine.kvpool.KVPool.place_tree`,
+    :func:`~kdtree_engine.ddtree.build_ddtree`, the pool's
     :meth:`~kdtree_engine.kvpool.KVPool.step_inputs`), the runner's forward phases, ``accept +
     commit`` (:func:`~kdtree_engine.ddtree.accept_greedy`, top-2 logits,
-    :meth:`~kdtree_engine.kvpool.KVPool.commit`). The pool reservation
-    (:meth:`~kdtree_engine.kvpool.KVPool.reserve_tree`, host decisions) and the attention plan
-    stay outside, before the step.
+    :meth:`~kdtree_engine.kvpool.KVPool.commit`). The host halves stay outside, before the step:
+    :meth:`~kdtree_engine.kvpool.KVPool.book_tree` (the reservation's checks and counts) and the
+    attention plan.
     """
 
     def __init__(self, eng: SpeculativeEngine, ids: tuple[int, ...], spec: bool, mode: str, attn):
@@ -266,6 +268,7 @@ class _Bucket:
             self.draft.copy_(self._draft_h, non_blocking=True)
 
     def _tree(self, pool) -> None:
+        pool.place_tree(self.ids, self.n)  # the device half of the reservation booked before the step
         self.tree = build_ddtree(self.draft, self.budget, self.roots)
         self.st.step = pool.step_inputs(self.ids, self.tree)
 
@@ -306,8 +309,8 @@ class SpeculativeEngine:
             :class:`RequestTooLarge` before any work (on CUDA free memory is checked as well).
         graphs: ``"step"`` (default on CUDA: each step shape captured once as one CUDA graph and
             replayed), ``"phases"`` (a graph per phase, for the time split), ``"eager"`` (the
-            default on the CPU, and the fallback for a model with MoE layers). See
-            :mod:`kdtree_engine.model.graphs`.
+            default on the CPU, and the fallback for a model with MoE layers; steps with the
+            runner's ``"reference"`` kernel run eagerly too). See :mod:`kdtree_engine.model.graphs`.
 
     One :class:`~kdtree_engine.VerifyAttention` per kernel (workspace allocated once for the
     request's batch and tree) is planned once per step and run by every layer.
@@ -419,8 +422,8 @@ class SpeculativeEngine:
         """Decode until each sequence holds ``max_new_tokens`` new tokens (the first came from the
         prefill), emitted ``eos_token_id``, or ``max_steps`` steps ran.
 
-        A step: the drafter (host) and the tree reservation and attention plan (host decisions,
-        a few small copies), then the step's phases (eager, or a captured graph replayed: draft
+        A step: the drafter (host), the reservation's host half and the attention plan (host
+        decisions, two small copies), then the step's phases (eager, or a captured graph replayed: draft
         tree, forward, acceptance, KV commit), then one device-to-host read of the emitted tokens.
         """
         if self.pool is None:
@@ -433,7 +436,7 @@ class SpeculativeEngine:
             raise ValueError(f"budget {self.budget}: the KV pool was sized at prefill for trees of "
                              f"{self._max_tree} nodes (budget {self._max_tree - 1})")
         r = self.runner
-        res = GenerateResult(tokens=[], graphs=self.graphs)
+        res = GenerateResult(tokens=[], graphs=self._mode())
         clock = PhaseClock(r.device)
         for s in self.seqs:
             s.done = self._finished(s, max_new, eos_token_id)
@@ -448,7 +451,7 @@ class SpeculativeEngine:
                 draft = self._draft(active)
                 res.draft_s += time.perf_counter() - t0
             bucket.stage([int(s.buf[s.length - 1]) for s in active], draft)
-            self.pool.reserve_tree(ids, [bucket.n] * len(ids))
+            self.pool.book_tree(ids, bucket.n)  # host counts only; the step places the pages
             if attn is not None:
                 attn.plan([self.pool.seq_len(i) for i in ids], [bucket.n * b for b in range(len(ids) + 1)])
             captured_before = bucket.graph.capture_s
@@ -498,11 +501,17 @@ class SpeculativeEngine:
             if attn is None:
                 attn = self._attn[r.kernel] = VerifyAttention(len(self.seqs), self._max_tree, r.num_heads, r.device,
                                                               kernel=r.kernel)
-        key = (r.kernel, self.graphs, ids, spec, self.budget if spec else 0, self.depth if spec else 0)
+        mode = self._mode()
+        key = (r.kernel, mode, ids, spec, self.budget if spec else 0, self.depth if spec else 0)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self, ids, spec, self.graphs, attn)
+            bucket = self._buckets[key] = _Bucket(self, ids, spec, mode, attn)
         return bucket, attn
+
+    def _mode(self) -> str:
+        """How steps run now: :attr:`graphs`, but eager with the float64 ``reference`` kernel (it
+        reads the lengths on the host)."""
+        return "eager" if self.runner.kernel == "reference" else self.graphs
 
     def _draft(self, active: list[_Seq]) -> torch.Tensor:
         logits = self.drafter.draft([s.context() for s in active], self.depth)
