@@ -243,7 +243,7 @@ class _Bucket:
         dev = r.device
         B = len(ids)
         self.ids = ids
-        self.rows = pool.device_rows(ids)  # held: a graph keeps its address
+        self.rows = pool.device_rows(ids)  # [B] int64; the one a capture uses is held here (a graph keeps its address)
         self.L = eng.depth if spec else 0
         self.budget = eng.budget if spec else 0
         self.roots = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -454,6 +454,8 @@ class SpeculativeEngine:
             self.pool.book_tree(ids, bucket.n)  # host counts only; the step places the pages
             if attn is not None:
                 attn.plan([self.pool.seq_len(i) for i in ids], [bucket.n * b for b in range(len(ids) + 1)])
+            if not bucket.graph.captured:  # the rows tensor a capture bakes in, held by the bucket
+                bucket.rows = self.pool.device_rows(ids)  # (the pool's row cache may drop it later)
             captured_before = bucket.graph.capture_s
             if not bucket.graph.run(clock):  # a replay: the commit's host half
                 self.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
