@@ -505,8 +505,8 @@ def _sweep_line(r: dict) -> str:
 
 
 def write_sweep_plot(path: Path, rows: list[dict], title: str) -> Path:
-    """Tokens/s against context, one panel per batch size, one line per (kernel, budget), plain
-    decoding dashed per kernel (matplotlib, PNG)."""
+    """Tokens/s against context, one panel per batch size, one line per (kernel, budget): colour by
+    budget (plain decoding black and thick), line style by kernel (matplotlib, PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -516,12 +516,14 @@ def write_sweep_plot(path: Path, rows: list[dict], title: str) -> Path:
     fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         sel = [r for r in rows if r["batch"] == batch]
-        for kernel in sorted({r["kernel"] for r in sel}):
-            for budget in sorted({r["budget"] for r in sel}):
+        budgets = sorted({r["budget"] for r in sel})
+        colors = {k: ("black" if k == 0 else plt.cm.viridis(i / max(1, len(budgets) - 1))) for i, k in enumerate(budgets)}
+        for style, kernel in zip(("-", "--", ":", "-."), sorted({r["kernel"] for r in sel})):
+            for budget in budgets:
                 pts = sorted((r["context"], r["tokens_per_s"]) for r in sel if r["kernel"] == kernel and r["budget"] == budget)
                 label = f"{kernel} plain" if budget == 0 else f"{kernel} budget {budget}"
-                ax.plot(*zip(*pts), "--" if budget == 0 else "-", marker="o", label=label,
-                        linewidth=2.2 if budget == 0 else 1.4)
+                ax.plot(*zip(*pts), style, color=colors[budget], marker="o", label=label,
+                        linewidth=2.4 if budget == 0 else 1.4)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens per sequence)")
         ax.set_ylabel("tokens/s (all sequences)")
