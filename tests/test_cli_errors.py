@@ -95,7 +95,12 @@ BAD = {
     "demo-page-size-0": (["demo", "--page-size", "0"], ["--page-size", "'0'"]),
     "demo-layers-0": (["demo", "--layers", "0"], ["--layers", "'0'"]),
     "demo-sweep": (["demo", "--sweep", "8,-1"], ["--sweep", "-1"]),
+    "demo-sweep-batches": (["demo", "--sweep", "8", "--sweep-batches", "0"], ["--sweep-batches", "0"]),
+    "demo-sweep-budgets": (["demo", "--sweep", "8", "--sweep-budgets", "8,1024"], ["--sweep-budgets", "1024"]),
+    "demo-plot-no-sweep": (["demo", "--plot", "x.png"], ["--plot", "--sweep"]),
+    "demo-plot-is-dir": (["demo", "--sweep", "8", "--plot", "DIR"], ["--plot", "is a directory"]),
     "demo-kernel": (["demo", "--kernel", "fast"], ["--kernel", "fast"]),
+    "demo-kernel-twice": (["demo", "--kernel", "naive,naive"], ["--kernel", "naive,naive"]),
     "demo-model-dir": (["demo", "--model-dir", "UNDER_FILE"], ["--model-dir", "no such directory"]),
     "demo-json-is-dir": (["demo", "--json", "DIR"], ["--json", "is a directory"]),
     "demo-refs-dir-is-file": (["demo", "--refs-dir", "FILE"], ["--refs-dir", "not a directory"]),
@@ -106,7 +111,7 @@ if not HAS_CUDA:  # asking for a device that is not there is a user error too
     BAD["refs-check-no-cuda"] = (["refs", "check", "--device", "cuda", str(GOOD)], ["cuda"])
 if "hopper" not in available_kernels(DEVICE):  # a kernel this device does not run
     BAD["refs-check-kernel-not-here"] = (["refs", "check", "--kernel", "hopper", str(GOOD)], ["--kernel", "hopper", "does not run"])
-    BAD["demo-kernel-not-here"] = (["demo", "--kernel", "hopper"], ["--kernel", "hopper", "does not run"])
+    BAD["demo-kernel-not-here"] = (["demo", "--kernel", "naive,hopper"], ["--kernel", "hopper", "does not run"])
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

@@ -41,15 +41,31 @@ def test_demo_small(tmp_path, capsys, device):
     assert all("lossless" in r["lossless_vs_hf"] or "near-tie" in r["lossless_vs_hf"] for r in runs)
     assert runs[2]["mean_accepted"] > 1.5 and runs[0]["mean_accepted"] == 1.0
     for r in runs:
-        assert 0 < r["attn_ms"] <= r["step_ms"]
+        assert 0 < r["device_ms"] <= r["step_ms"] and 0 < r["attn_ms"] <= r["split_device_ms"]
+        assert r["tree_ms"] > 0 and r["accept_ms"] > 0 and r["rest_ms"] > 0
+        # the split: every phase of the phase-split run (the run itself when eager) in one of four kinds
+        assert r["split_device_ms"] == pytest.approx(r["attn_ms"] + r["tree_ms"] + r["accept_ms"] + r["rest_ms"])
+        assert r["graphs"] == ("step" if device == "cuda" else "eager")
+        assert r["split_vs_run"] is None if device == "cpu" else r["split_vs_run"].startswith("lossless")
 
 
-def test_demo_sweep(capsys, device):
-    rc = main(_device_args(device) + ["--sweep", "8,40", "--batch", "1", "--steps", "4", "--kernel", "naive",
-                                      "--budget", "4", "--depth", "2", "--no-progress"])
+def test_demo_sweep(tmp_path, capsys, device):
+    out = tmp_path / "sweep.json"
+    rc = main(_device_args(device) + ["--sweep", "8,40", "--sweep-batches", "1,2", "--sweep-budgets", "4,2",
+                                      "--steps", "4", "--kernel", "naive", "--depth", "2", "--no-progress",
+                                      "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert text.count("prefix ") >= 2 and "speedup" in text
+    rows = json.loads(out.read_text())["sweep"]
+    # per batch and context: plain, then each budget (ascending)
+    assert [(r["batch"], r["context"], r["budget"]) for r in rows] == [
+        (b, c, k) for b in (1, 2) for c in (8, 40) for k in (0, 2, 4)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["device_ms"] <= r["step_ms"]
+        assert r["budget"] == 0 or r["ok"], r
+    assert all(r["mean_accepted"] == 1.0 for r in rows if r["budget"] == 0)
+    assert (tmp_path / "sweep.png").stat().st_size > 0  # the plot next to the JSON
+    assert text.count("batch ") >= len(rows) and "wrote " in text
 
 
 def test_numerics_tolerance():

@@ -51,8 +51,11 @@ from .cliargs import (
     prepare_output_dir,
     prepare_output_file,
 )
-from .ddtree.tree import MAX_BUDGET
+from .masks import MAX_TREE_NODES
 from .verify import KERNELS, available_kernels
+
+# ddtree.MAX_BUDGET; not imported from there: ddtree loads Triton, which must wait for select_device
+MAX_BUDGET = MAX_TREE_NODES - 1
 
 
 def check_standard_bundles(device: str, out_dir: Path | None = None) -> int:
@@ -301,35 +304,75 @@ def _no_math_sdpa():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
-def _row(kernel, drafter, res, plain=None, vs_plain=None, vs_hf=None) -> dict:
-    return dict(kernel=kernel, drafter=drafter, steps=res.steps, tokens=res.decoded_tokens,
+def _row(kernel, drafter, res, split=None, plain=None, capture_s=0.0, vs_plain=None, vs_hf=None, vs_split=None) -> dict:
+    """A table row: throughput and wall / device / host time per step from ``res``, the split of
+    the step by phase kind from ``split`` (the same run replayed as a graph per phase) or, without
+    one, from ``res`` itself."""
+    sp = split or res
+    return dict(kernel=kernel, drafter=drafter, graphs=res.graphs, steps=res.steps, tokens=res.decoded_tokens,
                 tokens_per_s=res.tokens_per_s, mean_accepted=res.mean_accepted, step_ms=res.step_ms,
-                attn_ms=res.attn_ms, rest_ms=res.rest_ms, attn_share=res.attn_share,
-                speedup=(res.tokens_per_s / plain.tokens_per_s) if plain else 1.0,
+                device_ms=res.device_ms, host_ms=res.host_ms, attn_ms=sp.kind_ms("attention"),
+                tree_ms=sp.kind_ms("tree"), accept_ms=sp.kind_ms("accept"), rest_ms=sp.kind_ms("rest"),
+                split_graphs=sp.graphs, split_device_ms=sp.device_ms, draft_ms=1e3 * res.draft_s / max(1, res.steps),
+                attn_share=sp.kind_ms("attention") / sp.step_ms if sp.step_ms > 0 else float("nan"),
+                speedup=(res.tokens_per_s / plain.tokens_per_s) if plain else 1.0, capture_s=capture_s,
                 lossless_vs_plain=None if vs_plain is None else vs_plain.line(),
                 lossless_vs_hf=None if vs_hf is None else vs_hf.line(),
-                ok=(vs_plain is None or vs_plain.ok) and (vs_hf is None or vs_hf.ok))
+                split_vs_run=None if vs_split is None else vs_split.line(),
+                ok=all(c is None or c.ok for c in (vs_plain, vs_hf, vs_split)))
 
 
 def _print_table(rows: list[dict], title: str) -> None:
+    """step ms = wall time per step; dev ms = its phases' time (GPU on CUDA, host on the CPU); host
+    ms = the difference; attn / tree / acc+com / rest = dev ms by phase kind (from the phase-split
+    run with graphs); capture s = graph capture of the row's step shapes, warm-up included."""
     print(title)
-    hdr = (f"{'kernel':<6} {'decoding':<26} {'tok/s':>9} {'accept':>6} {'step ms':>9} {'attn ms':>9} "
-           f"{'rest ms':>8} {'attn %':>6} {'speedup':>7}")
+    hdr = (f"{'kernel':<6} {'decoding':<24} {'tok/s':>8} {'accept':>6} {'step ms':>8} {'dev ms':>8} {'host ms':>7} "
+           f"{'attn':>7} {'tree':>6} {'acc+com':>7} {'rest':>7} {'attn %':>6} {'speedup':>7} {'capture s':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['kernel']:<6} {r['drafter']:<26} {r['tokens_per_s']:>9.1f} {r['mean_accepted']:>6.2f} "
-              f"{r['step_ms']:>9.2f} {r['attn_ms']:>9.2f} {r['rest_ms']:>8.2f} {100 * r['attn_share']:>5.1f}% "
-              f"{r['speedup']:>6.2f}x")
+        print(f"{r['kernel']:<6} {r['drafter']:<24} {r['tokens_per_s']:>8.1f} {r['mean_accepted']:>6.2f} "
+              f"{r['step_ms']:>8.2f} {r['device_ms']:>8.2f} {r['host_ms']:>7.2f} {r['attn_ms']:>7.2f} "
+              f"{r['tree_ms']:>6.2f} {r['accept_ms']:>7.2f} {r['rest_ms']:>7.2f} {100 * r['attn_share']:>5.1f}% "
+              f"{r['speedup']:>6.2f}x {'-' if r['graphs'] == 'eager' else format(r['capture_s'], '.2f'):>9}")
 
 
-def _warm_up(eng, drafter) -> None:
-    """Two untimed steps plain and two speculative, so JIT compiles (Triton kernels of attention,
-    KV commit) and first-call set-up are not timed."""
-    for d in (None, drafter):
-        eng.drafter = d
-        eng.reset()
-        eng.decode(max_steps=2)
+def _warm_up(eng, drafters, modes) -> None:
+    """Two untimed steps per drafter (``None``: plain decoding) and graph mode: JIT compiles
+    (Triton kernels of attention, tree, acceptance, KV commit), first-call set-up and, with graphs,
+    the eager warm-up step and the capture of the full batch's step shape are not timed."""
+    keep = eng.graphs
+    for mode in modes:
+        eng.graphs = mode
+        for d in drafters:
+            eng.drafter = d
+            eng.reset()
+            eng.decode(max_steps=2)
+    eng.graphs = keep
+
+
+def _split_mode(eng) -> str | None:
+    """The mode of the run that splits a graph-replayed step by phase (None when eager: the
+    eager run splits itself)."""
+    return "phases" if eng.graphs == "step" else None
+
+
+def _measure(eng, drafter, adv=None, split: bool = True):
+    """One timed decode from the prefilled prompts with ``drafter``, and (with graphs and
+    ``split``) the same decode replayed as a graph per phase for the time split. Returns
+    ``(run, split run or None)``."""
+    eng.drafter = drafter
+    eng.reset()
+    res = eng.decode(progress=adv)
+    mode = _split_mode(eng)
+    if mode is None or not split:
+        return res, None
+    keep, eng.graphs = eng.graphs, mode
+    eng.reset()
+    split = eng.decode()
+    eng.graphs = keep
+    return res, split
 
 
 def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None, tie_tol: float = 0.0,
@@ -342,26 +385,29 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
     rows = []
     steps = args.steps
     # one pool, sized for the trees; every run below reuses the prompt KV (reset())
-    eng = SpeculativeEngine(runner, None, budget=args.budget, depth=args.depth, page_size=args.page_size)
+    eng = SpeculativeEngine(runner, None, budget=args.budget, depth=args.depth, page_size=args.page_size,
+                            graphs=_graph_mode(runner, args))
     plan = eng.plan([len(p) for p in prompts], steps)
     print(f"KV pool: {plan.describe()}")
+    print(f"steps: {_graphs_line(eng)}", flush=True)
     adv = bars.task(f"prefill {sum(len(p) for p in prompts)} tokens", sum(len(p) for p in prompts))
     _, prefill_s = eng.prefill(prompts, steps, progress=adv)
     print(f"prefill: {len(prompts)} sequences, {sum(len(p) for p in prompts)} tokens in {prefill_s:.2f} s "
           f"(dense causal SDPA per sequence)", flush=True)
     hf_tokens = [t for t, _ in hf] if hf else None
     hf_logits = [lg for _, lg in hf] if hf else None
+    modes = [m for m in (eng.graphs, _split_mode(eng)) if m]
     for kernel in kernels:
         runner.kernel = kernel
-        _warm_up(eng, NGramDrafter(runner.vocab_size))
         # plain greedy decoding: one-node trees, same engine, same kernel
-        eng.drafter = None
-        eng.reset()
-        adv = bars.task(f"{kernel}: plain decoding", len(prompts) * (steps - 1))
-        plain = eng.decode(progress=adv)
+        c0 = eng.capture_s
+        _warm_up(eng, (None,), modes)
+        plain, split = _measure(eng, None, bars.task(f"{kernel}: plain decoding", len(prompts) * (steps - 1)))
         vs_hf = check_lossless(plain.tokens, hf_tokens, hf_logits, tie_tol) if hf else None
-        rows.append(_row(kernel, "plain (1 token/step)", plain, None, None, vs_hf))
+        vs_split = check_lossless(split.tokens, plain.tokens, plain.top2, tie_tol) if split else None
+        rows.append(_row(kernel, "plain (1 token/step)", plain, split, None, eng.capture_s - c0, None, vs_hf, vs_split))
         refs = [p + t for p, t in zip(prompts, plain.tokens)]
+        warm = True
         for name in drafters:
             if name == "ngram":
                 drafter = NGramDrafter(runner.vocab_size)
@@ -369,56 +415,142 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
             else:
                 drafter = SyntheticDrafter(refs, runner.vocab_size, agreement=args.agreement, seed=args.seed)
                 label = f"SYNTHETIC a={args.agreement:g}"
-            eng.drafter = drafter
-            eng.reset()
+            c1 = eng.capture_s
+            if warm:  # the step shapes of every drafter are the same
+                _warm_up(eng, (NGramDrafter(runner.vocab_size),), modes)
+                warm = False
             adv = bars.task(f"{kernel}: {name} speculative", len(prompts) * (steps - 1))
-            res = eng.decode(progress=adv)
+            res, split = _measure(eng, drafter, adv)
             vs_plain = check_lossless(res.tokens, plain.tokens, plain.top2, tie_tol)
             vs_hf = check_lossless(res.tokens, hf_tokens, hf_logits, tie_tol) if hf else None
-            rows.append(_row(kernel, label, res, plain, vs_plain, vs_hf))
+            vs_split = check_lossless(split.tokens, res.tokens, res.top2, tie_tol) if split else None
+            rows.append(_row(kernel, label, res, split, plain, eng.capture_s - c1, vs_plain, vs_hf, vs_split))
     return rows
 
 
+def _graph_mode(runner, args) -> str:
+    """``"step"`` graphs on CUDA for a model without MoE layers unless ``--no-graphs``, else eager."""
+    return "step" if runner.device.type == "cuda" and runner.capturable and not args.no_graphs else "eager"
+
+
+def _graphs_line(eng) -> str:
+    r = eng.runner
+    if eng.graphs == "step":
+        return ("one CUDA graph per step shape (captured at its second step, replayed after); the time split "
+                "by phase from a second run replayed as a graph per phase")
+    why = ("--no-graphs" if r.device.type == "cuda" and r.capturable else
+           "the model has MoE layers (host syncs)" if r.device.type == "cuda" else "CPU: CUDA graphs need a GPU")
+    return f"eager ({why}); phases timed {'with CUDA events' if r.device.type == 'cuda' else 'on the host clock'}"
+
+
+SWEEP_BATCHES = (1, 4)
+SWEEP_BUDGETS = (8, 16, 32, 64)
+
+
 def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], bool]:
+    """Per batch, context and kernel: plain decoding, then synthetic speculative decoding at each
+    tree budget (one prefill per batch and context, the pool sized for the largest budget)."""
     from .model.drafters import NGramDrafter, SyntheticDrafter
     from .model.speculative import SpeculativeEngine, check_lossless
 
     rows, ok = [], True
-    for prefix in args.sweep:
-        prompts = _prompts(_prompt_lens(prefix, args.batch, ragged=False), runner.vocab_size, args.seed + prefix)
-        eng = SpeculativeEngine(runner, None, budget=args.budget, depth=args.depth, page_size=args.page_size)
-        adv = bars.task(f"prefill {args.batch} x {prefix}", args.batch * prefix)
-        _, prefill_s = eng.prefill(prompts, args.steps, progress=adv)
-        for kernel in kernels:
-            runner.kernel = kernel
-            _warm_up(eng, NGramDrafter(runner.vocab_size))
-            eng.drafter = None
-            eng.reset()
-            plain = eng.decode()
-            refs = [p + t for p, t in zip(prompts, plain.tokens)]
-            eng.drafter = SyntheticDrafter(refs, runner.vocab_size, agreement=args.agreement, seed=args.seed)
-            eng.reset()
-            spec = eng.decode()
-            same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
-            ok &= same.ok
-            row = dict(prefix=prefix, batch=args.batch, kernel=kernel, prefill_s=prefill_s,
-                       plain_tok_s=plain.tokens_per_s, plain_step_ms=plain.step_ms, plain_attn_share=plain.attn_share,
-                       spec_tok_s=spec.tokens_per_s, spec_step_ms=spec.step_ms, spec_attn_share=spec.attn_share,
-                       mean_accepted=spec.mean_accepted, speedup=spec.tokens_per_s / plain.tokens_per_s,
-                       lossless_vs_plain=same.line())
-            rows.append(row)
-            print(f"prefix {prefix:>7} {kernel:<6} plain {plain.tokens_per_s:8.1f} tok/s (attn {100 * plain.attn_share:4.1f}%) "
-                  f"| spec {spec.tokens_per_s:8.1f} tok/s (attn {100 * spec.attn_share:4.1f}%, accept "
-                  f"{spec.mean_accepted:.2f}) | speedup {spec.tokens_per_s / plain.tokens_per_s:5.2f}x | "
-                  f"{'lossless' if same.exact else same.line()}", flush=True)
-        del eng
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+    budgets = sorted(args.sweep_budgets)
+    for batch in args.sweep_batches:
+        for ctx in args.sweep:
+            prompts = _prompts(_prompt_lens(ctx, batch, ragged=False), runner.vocab_size, args.seed + ctx)
+            eng = SpeculativeEngine(runner, None, budget=budgets[-1], depth=args.depth, page_size=args.page_size,
+                                    graphs=_graph_mode(runner, args))
+            adv = bars.task(f"prefill {batch} x {ctx}", batch * ctx)
+            _, prefill_s = eng.prefill(prompts, args.steps, progress=adv)
+            for kernel in kernels:
+                runner.kernel = kernel
+                c0 = eng.capture_s
+                _warm_up(eng, (None,), (eng.graphs,))
+                plain, _ = _measure(eng, None, split=False)
+                base = dict(batch=batch, context=ctx, kernel=kernel, prefill_s=prefill_s, graphs=eng.graphs)
+                rows.append(base | _sweep_fields(plain, None, eng.capture_s - c0, 0, "plain"))
+                print(_sweep_line(rows[-1]), flush=True)
+                refs = [p + t for p, t in zip(prompts, plain.tokens)]
+                drafter = SyntheticDrafter(refs, runner.vocab_size, agreement=args.agreement, seed=args.seed)
+                for budget in budgets:
+                    eng.budget = budget
+                    c0 = eng.capture_s
+                    _warm_up(eng, (NGramDrafter(runner.vocab_size),), (eng.graphs,))
+                    spec, _ = _measure(eng, drafter, split=False)
+                    same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
+                    ok &= same.ok
+                    rows.append(base | _sweep_fields(spec, plain, eng.capture_s - c0, budget, f"SYNTHETIC a={args.agreement:g}")
+                                | dict(lossless_vs_plain=same.line(), ok=same.ok))
+                    print(_sweep_line(rows[-1]), flush=True)
+            del eng
+            if runner.device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows, ok
+
+
+def _sweep_fields(res, plain, capture_s: float, budget: int, drafter: str) -> dict:
+    return dict(budget=budget, drafter=drafter, tokens_per_s=res.tokens_per_s, mean_accepted=res.mean_accepted,
+                step_ms=res.step_ms, device_ms=res.device_ms, host_ms=res.host_ms, capture_s=capture_s,
+                speedup=res.tokens_per_s / plain.tokens_per_s if plain else 1.0)
+
+
+def _sweep_line(r: dict) -> str:
+    what = "plain" if r["budget"] == 0 else f"budget {r['budget']:>3}"
+    line = (f"batch {r['batch']} context {r['context']:>7} {r['kernel']:<6} {what:<10} {r['tokens_per_s']:9.1f} tok/s "
+            f"accept {r['mean_accepted']:5.2f} step {r['step_ms']:7.2f} ms (dev {r['device_ms']:7.2f}, host "
+            f"{r['host_ms']:6.2f}) speedup {r['speedup']:5.2f}x")
+    if r["budget"]:
+        line += " | " + ("lossless" if r["lossless_vs_plain"].startswith("lossless") else r["lossless_vs_plain"])
+    return line
+
+
+def write_sweep_plot(path: Path, rows: list[dict], title: str) -> Path:
+    """Tokens/s against context, one panel per batch size, one line per (kernel, budget): colour by
+    budget (plain decoding black and thick), line style by kernel (matplotlib, PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        sel = [r for r in rows if r["batch"] == batch]
+        budgets = sorted({r["budget"] for r in sel})
+        colors = {k: ("black" if k == 0 else plt.cm.viridis(i / max(1, len(budgets) - 1))) for i, k in enumerate(budgets)}
+        for style, kernel in zip(("-", "--", ":", "-."), sorted({r["kernel"] for r in sel})):
+            for budget in budgets:
+                pts = sorted((r["context"], r["tokens_per_s"]) for r in sel if r["kernel"] == kernel and r["budget"] == budget)
+                label = f"{kernel} plain" if budget == 0 else f"{kernel} budget {budget}"
+                ax.plot(*zip(*pts), style, color=colors[budget], marker="o", label=label,
+                        linewidth=2.4 if budget == 0 else 1.4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens per sequence)")
+        ax.set_ylabel("tokens/s (all sequences)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
 # main
+
+
+def _kernel_list(text: str) -> list[str]:
+    """``--kernel``: ``all`` or a comma list of distinct kernel names."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return names
+    bad = [n for n in names if n not in KERNELS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (all, or a comma list of distinct "
+                                         f"{', '.join(KERNELS)})")
+    return names
 
 
 def build_parser() -> ArgumentParser:
@@ -431,8 +563,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--batch", type=int_in(1), help="sequences decoded together (default 4 CUDA, 3 CPU)")
     p.add_argument("--steps", type=int_in(1), help="new tokens per sequence = steps of plain decoding "
                    "(speculative decoding generates the same tokens in fewer steps); default 48 CUDA, 12 CPU")
-    p.add_argument("--kernel", choices=[*KERNELS, "all"], default="all",
-                   help="all: every kernel this device runs (hopper only on sm_90)")
+    p.add_argument("--kernel", type=_kernel_list, default=["all"],
+                   help=f"a comma list of {', '.join(KERNELS)}, or all: every kernel this device runs (hopper only on "
+                        f"sm_90)")
     p.add_argument("--drafter", choices=["ngram", "synthetic", "both"], default="both")
     p.add_argument("--agreement", type=float_above(0, inclusive=True, hi=1), default=0.7, help="synthetic drafter: P(top-1 = target token)")
     p.add_argument("--budget", type=int_in(0, MAX_BUDGET), default=16, help="DDTree draft nodes per tree (root excluded)")
@@ -444,7 +577,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--model-dir", type=existing_dir, help="local save_pretrained DeepseekV3 checkpoint (kv_lora_rank 512, rope 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", type=int_list(1),
-                   help="comma-separated prefixes: throughput / attention share / speedup per prefix and kernel")
+                   help="comma-separated contexts (tokens per sequence): tokens/s of plain and synthetic speculative "
+                        "decoding per batch size, context, kernel and tree budget (JSON with --json, plot with --plot)")
+    p.add_argument("--sweep-batches", type=int_list(1), default=list(SWEEP_BATCHES),
+                   help=f"sweep: batch sizes (default {','.join(map(str, SWEEP_BATCHES))})")
+    p.add_argument("--sweep-budgets", type=int_list(1, MAX_BUDGET), default=list(SWEEP_BUDGETS),
+                   help=f"sweep: DDTree budgets (default {','.join(map(str, SWEEP_BUDGETS))})")
+    p.add_argument("--plot", type=Path, help="sweep: write the tokens/s plot here (PNG; default: --json's path "
+                   "with .png)")
+    p.add_argument("--no-graphs", action="store_true", help="run every step eagerly on CUDA too (no CUDA graphs)")
     p.add_argument("--no-hf-check", action="store_true", help="skip model.generate (the HF reference)")
     p.add_argument("--bundles", action=argparse.BooleanOptionalAction, default=None,
                    help="stage 1, golden bundles (default: on with CUDA unless --quick/--sweep)")
@@ -461,16 +602,22 @@ def main(argv: list[str] | None = None) -> int:
         prepare_output_dir(args.refs_dir, "--refs-dir")
     if args.json is not None:
         prepare_output_file(args.json, "--json")
+    if args.plot is None and args.sweep and args.json is not None:
+        args.plot = args.json.with_suffix(".png")
+    if args.plot is not None:
+        if not args.sweep:
+            raise UsageError(f"argument --plot: plots the sweep; give --sweep too (got --plot {args.plot})")
+        prepare_output_file(args.plot, "--plot")
     device = select_device(args.device)  # sets TRITON_INTERPRET=1 on the CPU before any kernel import
     from .bench.report import machine_info, machine_line
 
     cuda = device == "cuda"
     _defaults(args, cuda)
     runs = available_kernels(device)
-    if args.kernel not in ("all",) + runs:
-        raise UsageError(f"argument --kernel: {args.kernel} does not run on {device} "
-                         f"(this device runs {', '.join(runs)})")
-    kernels = list(runs) if args.kernel == "all" else [args.kernel]
+    kernels = list(runs) if args.kernel == ["all"] else args.kernel
+    for k in kernels:
+        if k not in runs:
+            raise UsageError(f"argument --kernel: {k} does not run on {device} (this device runs {', '.join(runs)})")
     print(f"kdtree demo on {device}{' (Triton interpreter, small sizes)' if not cuda else ''}")
     print(machine_line(machine_info(device)), flush=True)
     report: dict = {"device": device, "args": {k: str(v) for k, v in vars(args).items()}}
@@ -498,13 +645,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.dtype} weights, {args.cache_dtype} KV cache; built in {time.perf_counter() - t0:.1f} s", flush=True)
 
     # every request of stage 3 is sized before any work: a request that does not fit stops here
-    requests = ([_prompt_lens(p, args.batch, ragged=False) for p in args.sweep] if args.sweep
-                else [_prompt_lens(args.prefix, args.batch)])
+    if args.sweep:
+        requests = [_prompt_lens(p, b, ragged=False) for b in args.sweep_batches for p in args.sweep]
+        tree, what = max(args.sweep_budgets) + 1, "--sweep/--sweep-batches/--sweep-budgets/--steps"
+    else:
+        requests, tree, what = [_prompt_lens(args.prefix, args.batch)], args.budget + 1, "--prefix/--batch/--steps"
     try:
         for lens in requests:
-            memory_plan(runner, lens, args.steps, args.budget + 1, args.page_size).check()
+            memory_plan(runner, lens, args.steps, tree, args.page_size).check()
     except RequestTooLarge as e:
-        raise UsageError(f"arguments --prefix/--batch/--steps: {e}") from None
+        raise UsageError(f"arguments {what}: {e}") from None
 
     # stage 2
     print("== stage 2: numerics, one verify step vs HF DeepseekV3 (eager, 4-D tree mask) ==", flush=True)
@@ -523,11 +673,16 @@ def main(argv: list[str] | None = None) -> int:
     # stage 3
     with _Bars(not args.no_progress) as bars:
         if args.sweep:
-            print(f"== stage 3: sweep, batch {args.batch} x prefix {args.sweep}, {args.steps} tokens/sequence, "
-                  f"SYNTHETIC drafter a={args.agreement:g}, budget {args.budget}, depth {args.depth} ==", flush=True)
+            print(f"== stage 3: sweep, batches {args.sweep_batches} x contexts {args.sweep}, {args.steps} "
+                  f"tokens/sequence, plain and SYNTHETIC drafter a={args.agreement:g} at budgets "
+                  f"{sorted(args.sweep_budgets)}, depth {args.depth} ==", flush=True)
             rows, ok = _sweep(runner, args, kernels, bars, tie_tol)
             failures += not ok
             report["sweep"] = rows
+            if args.plot:
+                title = (f"kdtree demo --sweep: {model_name}, {args.dtype}; {args.steps} tokens/sequence, SYNTHETIC "
+                         f"drafter a={args.agreement:g}, depth {args.depth}; {machine_line(machine_info(device))}")
+                print(f"wrote {write_sweep_plot(args.plot, rows, title)}")
         else:
             lens = requests[0]
             prompts = _prompts(lens, c.vocab_size, args.seed)
@@ -559,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      vs plain decoding: {r['lossless_vs_plain']}")
             if r["lossless_vs_hf"]:
                 print(f"      vs HF generate:    {r['lossless_vs_hf']}")
+            if r["split_vs_run"]:
+                print(f"      phase-split run vs this run: {r['split_vs_run']}")
             failures += not r["ok"]
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))

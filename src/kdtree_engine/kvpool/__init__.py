@@ -38,6 +38,10 @@ Sync points (everything else is asynchronous, CUDA-graph capturable where noted)
   them (one sync), which is the sync a server performs anyway.
 - ``extend`` / ``reserve_tree`` / ``remove_sequences`` / ``truncate`` / ``verify_inputs``: none
   (small host-to-device copies through pinned memory).
+- A step captured in a CUDA graph: :meth:`KVPool.book_tree` (host counts only) before it, then
+  inside it :meth:`KVPool.place_tree` (the reservation's device half), :meth:`KVPool.step_inputs`
+  (the verify inputs) and :meth:`KVPool.commit`: no sync, no host-to-device copy, fixed shapes;
+  after each replay :meth:`KVPool.replayed_commit` books the commit's host half.
 - :meth:`KVPool.plan_defragment`, :meth:`KVPool.fragmentation`, :meth:`KVPool.check`: one
   device-to-host read of the page tables (they plan on the host). ``apply_defragment``: none.
 - ``debug=True``: extra checks that read device state (syncs), and NaN poisoning of freed pages.

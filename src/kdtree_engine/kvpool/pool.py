@@ -333,7 +333,46 @@ class KVPool:
         ``kv_lens`` in :meth:`verify_inputs` then includes the tree."""
         return self._grow(seq_ids, tree_sizes, tree=True)
 
-    def _grow(self, seq_ids, counts, tree: bool) -> torch.Tensor:
+    def book_tree(self, seq_ids, tree_size: int) -> None:
+        """The host half of ``reserve_tree(seq_ids, [tree_size] * B)``: the checks (raising
+        :class:`PoolFullError` / :class:`SequenceTooLongError` before changing anything) and the
+        host counts, no device work. :meth:`place_tree` with the same arguments must follow, before
+        anything reads these sequences on the device."""
+        self._grow(seq_ids, tree_size, tree=True, device=False)
+
+    def place_tree(self, seq_ids, tree_size: int) -> None:
+        """The device half of a :meth:`book_tree`: pops the pages the trees need from the free stack
+        into the sequences' table rows and sets their device lengths and tree sizes. Derived from
+        the device lengths alone, with shapes fixed by (B, ``tree_size``) and no host-to-device copy
+        once :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph."""
+        ids = self._ids(seq_ids)
+        self._pop_pages(self.device_rows(ids), tree_size, _cdiv(tree_size, self.page_size), tree=True)
+
+    def _pop_pages(self, rows: torch.Tensor, counts, max_pages: int, tree: bool) -> None:
+        """Device half of a grow: sequence rows ``rows [B]`` gain ``counts`` (an int, or ``[B]``
+        int64 on the device) positions, the pages they need (at most ``max_pages`` each) popped
+        from the free stack into their table rows in order; lengths (and tree sizes) updated."""
+        ps, C = self.page_size, self._cols
+        old = self._lens_d.index_select(0, rows).long()
+        new = old + counts
+        old_p = (old + ps - 1) // ps
+        k = (new + ps - 1) // ps - old_p  # [B] pages gained
+        j = torch.arange(max_pages, device=self.device)
+        take = j[None, :] < k[:, None]  # [B, K]
+        flat = take.reshape(-1)
+        rank = torch.cumsum(flat, 0) - flat.long()  # pops in (sequence, page) order: top of the stack first
+        src = torch.where(flat, self._top.long() - 1 - rank, self.num_pages)  # entry N: the stack's trash slot
+        dst = torch.where(take, rows[:, None] * C + old_p[:, None] + j, rows[:, None] * C + (C - 1))  # col C-1: trash
+        self._table.view(-1)[dst.reshape(-1)] = self._stack[src]
+        self._top.sub_(k.sum().to(torch.int32))
+        self._lens_d[rows] = new.to(torch.int32)
+        if tree:
+            if isinstance(counts, torch.Tensor):
+                self._tree_d[rows] = counts.to(torch.int32)
+            else:  # a scalar as a kernel argument (see _commit_torch)
+                self._tree_d.index_fill_(0, rows, counts)
+
+    def _grow(self, seq_ids, counts, tree: bool, device: bool = True) -> torch.Tensor | None:
         self._require_idle("reserve_tree" if tree else "extend")
         ids = self._ids(seq_ids)
         counts = np.broadcast_to(np.asarray(counts, np.int64), ids.shape).copy()
@@ -348,33 +387,25 @@ class KVPool:
             i = int(np.argmax(new > self.max_seq_len))
             raise SequenceTooLongError(
                 f"sequence {int(ids[i])} would hold {int(new[i])} tokens; max_seq_len is {self.max_seq_len}")
-        old_p, new_p = self._pages_of(old), self._pages_of(new)
-        k = new_p - old_p
+        k = self._pages_of(new) - self._pages_of(old)
         total = int(k.sum())
         if total > self._num_free:
             raise PoolFullError(
                 f"KV pool full: {total} pages needed, {self._num_free} free of {self.num_pages} "
                 f"(page_size {self.page_size})", total, self._num_free)
-        ps = self.page_size
-        seg = np.repeat(np.arange(len(ids)), k)
-        j = np.arange(total) - np.repeat(np.cumsum(k) - k, k)
-        tidx = ids[seg] * self._cols + old_p[seg] + j
-        ntok = int(counts.sum())
-        segt = np.repeat(np.arange(len(ids)), counts)
-        pos = old[segt] + np.arange(ntok) - np.repeat(np.cumsum(counts) - counts, counts)
-        ttok = ids[segt] * self._cols + pos // ps
-        tidx_d, ttok_d, off_d, rows_d, new_d, cnt_d = self._to_device(tidx, ttok, pos % ps, ids, new, counts)
-        nf = self._num_free
-        if total:
-            self._table.view(-1)[tidx_d] = self._stack[nf - total: nf].flip(0)
-            self._top.sub_(total)
-        slots = self._table.view(-1)[ttok_d].long() * ps + off_d
-        self._lens_d[rows_d] = new_d.to(torch.int32)
+        slots = None
+        if device:
+            ps = self.page_size
+            ntok = int(counts.sum())
+            segt = np.repeat(np.arange(len(ids)), counts)
+            pos = old[segt] + np.arange(ntok) - np.repeat(np.cumsum(counts) - counts, counts)
+            ttok_d, off_d, cnt_d = self._to_device(ids[segt] * self._cols + pos // ps, pos % ps, counts)
+            self._pop_pages(self.device_rows(ids), cnt_d, int(k.max()) if len(k) else 0, tree)
+            slots = self._table.view(-1)[ttok_d].long() * ps + off_d
         if tree:
-            self._tree_d[rows_d] = cnt_d.to(torch.int32)
             self._tree[ids] = counts
         self._len[ids] = new
-        self._num_free = nf - total
+        self._num_free -= total
         self._version += 1
         return slots
 
@@ -437,9 +468,25 @@ class KVPool:
 
         ``tree``: the B sequences' trees (:class:`~kdtree_engine.ddtree.DraftTree` on the pool's
         device, tree b for ``seq_ids[b]``); node j of sequence b goes to position ``P_b + j``
-        (:meth:`reserve_tree`). Returns the :class:`VerifyStep`: slots, page table, lengths,
-        ``qo_indptr``, mask, node tokens and RoPE positions, and the host lengths of the plan.
-        No sync; raises like :meth:`reserve_tree` before changing anything."""
+        (:meth:`reserve_tree`). Returns the :class:`VerifyStep` of :meth:`step_inputs`. No sync;
+        raises like :meth:`reserve_tree` before changing anything."""
+        ids = self._ids(seq_ids)
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+        if tree.batch_size != len(ids):
+            raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
+        self.reserve_tree(ids, np.asarray(tree.num_nodes_host, np.int64))
+        return self.step_inputs(ids, tree)
+
+    def step_inputs(self, seq_ids, tree: DraftTree) -> VerifyStep:
+        """The :class:`VerifyStep` of trees already reserved with :meth:`reserve_tree` (sizes
+        ``tree.num_nodes_host``): slots, page table ``[B, max_pages_per_seq]`` (every column: a
+        fixed shape), lengths, ``qo_indptr``, mask, node tokens, RoPE positions, host lengths.
+
+        Device work only, with shapes fixed by (B, ``tree.width``) and no host-to-device copy once
+        :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph, whose
+        replays recompute the device tensors from the pool's state and the tree's tensors then
+        (the host fields stay those of the capture: plan a replayed step from :meth:`seq_len`)."""
         ids = self._ids(seq_ids)
         if not isinstance(tree, DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
@@ -447,21 +494,31 @@ class KVPool:
             raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
         self._check_device("tree", tree.tokens)
         sizes = np.asarray(tree.num_nodes_host, np.int64)
-        prefix = self._len[ids].copy()
-        slots = self.reserve_tree(ids, sizes)
-        page_table, kv_lens = self.verify_inputs(ids)
-        (prefix_d,) = self._to_device(prefix)
-        vb = compile_tree(tree, prefix_d)
+        if not np.array_equal(self._tree[ids], sizes):
+            raise ValueError(f"tree sizes {sizes.tolist()} are not the reserved ones {self._tree[ids].tolist()}: "
+                             f"call reserve_tree(seq_ids, tree.num_nodes_host) first")
+        rows = self.device_rows(ids)
+        page_table = self._table[:, : self.max_pages_per_seq].index_select(0, rows)
+        kv_lens = self._lens_d.index_select(0, rows)
+        prefix = (kv_lens - self._tree_d.index_select(0, rows)).to(torch.int64)  # [B]
+        vb = compile_tree(tree, prefix)
+        # slot of tree node (b, j) at position P_b + j, scattered to its flat row (padding to row T)
+        T, ps = vb.num_rows, self.page_size
+        pos = prefix[:, None] + torch.arange(tree.width, device=self.device)  # [B, n]
+        col = (pos // ps).clamp_(max=self.max_pages_per_seq - 1)
+        node_slot = page_table.gather(1, col).long() * ps + pos % ps
+        slots = torch.empty(T + 1, dtype=torch.int64, device=self.device)
+        slots.scatter_(0, torch.where(vb.row_index >= 0, vb.row_index, T).view(-1), node_slot.view(-1))
         return VerifyStep(
             seq_ids=tuple(int(s) for s in ids),
             tokens=vb.input_ids,
             rope_pos=vb.positions,
-            slots=slots,
+            slots=slots[:T],
             page_table=page_table,
             kv_lens=kv_lens,
             qo_indptr=vb.qo_indptr,
             tree_mask=vb.tree_mask,
-            kv_lens_host=tuple(int(x) for x in prefix + sizes),
+            kv_lens_host=tuple(int(x) for x in self._len[ids]),
             qo_indptr_host=tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)])),
         )
 
@@ -513,6 +570,25 @@ class KVPool:
         else:
             self._commit_torch(rows, accepted, num_accepted, int(n.max()))
         self._pending = _Pending(ids, n.copy(), num_accepted, A)
+        self._version += 1
+        if num_accepted_host is not None:
+            self.finalize_commit(num_accepted_host)
+
+    def replayed_commit(self, seq_ids, num_accepted: torch.Tensor, accepted_width: int, *,
+                        num_accepted_host=None) -> None:
+        """The host half of :meth:`commit` for a commit captured in a CUDA graph, after each
+        replay of that graph (a replay runs the commit's kernel but no Python): marks the commit
+        of ``seq_ids``' reserved trees pending, exactly as :meth:`commit` with an ``accepted`` of
+        ``accepted_width`` columns and this ``num_accepted`` (the captured ``[B]`` device tensor)
+        would. ``num_accepted_host``: finalizes at once, as in :meth:`commit`."""
+        self._require_idle("replayed_commit")
+        ids = self._ids(seq_ids)
+        n = self._tree[ids]
+        if len(ids) == 0 or (n < 1).any():
+            raise ValueError("seq_ids must be sequences with a tree reserved")
+        if isinstance(accepted_width, bool) or not isinstance(accepted_width, int) or accepted_width < 1:
+            raise ValueError(f"accepted_width must be a positive int, got {accepted_width!r}")
+        self._pending = _Pending(ids, n.copy(), num_accepted, accepted_width)
         self._version += 1
         if num_accepted_host is not None:
             self.finalize_commit(num_accepted_host)

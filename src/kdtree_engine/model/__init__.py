@@ -2,7 +2,7 @@
 
 from .mla import (
     MLARunner,
-    StepTimer,
+    Phase,
     build_random_model,
     check_mla_config,
     hf_tree_logits,
@@ -13,7 +13,7 @@ from .mla import (
 
 __all__ = [
     "MLARunner",
-    "StepTimer",
+    "Phase",
     "check_mla_config",
     "tiny_config",
     "kimi_k2_attention_config",

@@ -28,9 +28,8 @@ Two forward paths:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +40,9 @@ from ..verify.contract import D_QK, D_ROPE, D_V
 
 __all__ = [
     "MLARunner",
-    "StepTimer",
+    "Phase",
+    "PHASE_KINDS",
+    "ForwardState",
     "check_mla_config",
     "tiny_config",
     "kimi_k2_attention_config",
@@ -194,53 +195,42 @@ def load_model(path: str | Path, *, dtype=torch.bfloat16, device="cpu", attn_imp
 
 
 # ----------------------------------------------------------------------------------------------
-# cache, timer
+# the phases of a forward
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One piece of a model step, run as a unit (eagerly, or captured in a CUDA graph).
+
+    kind: what the time goes to, ``"tree"`` (draft-tree construction), ``"attention"`` (the verify
+    kernel), ``"accept"`` (acceptance and KV commit) or ``"rest"`` (everything else).
+    name: a label (``"layer0.attention"``). run: reads and writes the step's state, no arguments.
+    """
+
+    kind: str
+    name: str
+    run: Callable[[], None]
+
+
+PHASE_KINDS = ("attention", "tree", "accept", "rest")
 
 
 @dataclass
-class StepTimer:
-    """Accumulates wall time of attention calls and of whole steps (CUDA events on the GPU)."""
+class ForwardState:
+    """Tensors handed from one forward phase to the next (:meth:`MLARunner.phases`).
 
-    device: torch.device
-    attn_s: float = 0.0
-    total_s: float = 0.0
-    _pending: list = field(default_factory=list)
+    step: the step's :class:`VerifyStep` (set before the first phase runs); h: ``[T, hidden]``
+    hidden states; cos, sin: ``[T, 64]`` RoPE tables; q: ``[T, H, 576]`` absorbed queries of the
+    current layer; o_lat: ``[T, H, 512]`` its latent attention output; logits: ``[T, vocab]`` float32.
+    """
 
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def add_attn(self, start, end) -> None:
-        if self.cuda:
-            self._pending.append(("attn", start, end))
-        else:
-            self.attn_s += end - start
-
-    def add_total(self, start, end) -> None:
-        if self.cuda:
-            self._pending.append(("total", start, end))
-        else:
-            self.total_s += end - start
-
-    def flush(self) -> None:
-        """Resolve pending CUDA event pairs (synchronises)."""
-        if not self._pending:
-            return
-        torch.cuda.synchronize(self.device)
-        for kind, a, b in self._pending:
-            dt = a.elapsed_time(b) / 1e3
-            if kind == "attn":
-                self.attn_s += dt
-            else:
-                self.total_s += dt
-        self._pending.clear()
+    step: VerifyStep | None = None
+    h: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    o_lat: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,46 +317,76 @@ class MLARunner:
     # -- verify / decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, step: VerifyStep, kv_layers: Sequence[torch.Tensor], timer: StepTimer | None = None,
-                plan=None) -> torch.Tensor:
+    def forward(self, step: VerifyStep, kv_layers: Sequence[torch.Tensor], attn=None) -> torch.Tensor:
         """One target forward over a batch of draft trees. Writes every node's KV, returns logits.
 
         ``step``: the step's inputs from :meth:`kdtree_engine.kvpool.KVPool.reserve_step`.
         ``kv_layers[l]``: layer l's cache ``[num_pages, page_size, 576]`` (contiguous; e.g.
-        ``KVPool.kv_layers``). ``plan``: the flash plan of the step (``step.plan(num_heads)``),
-        reused by every layer. Returns the float32 logits ``[T, vocab]`` of every tree node.
+        ``KVPool.kv_layers``). ``attn``: a :class:`~kdtree_engine.VerifyAttention` planned for this
+        step (``attn.plan(step.kv_lens_host, step.qo_indptr_host)``), run by every layer; without
+        it each layer calls :func:`~kdtree_engine.verify_attention`, which plans (one sync).
+        Returns the float32 logits ``[T, vocab]`` of every tree node.
         """
+        st = ForwardState(step=step)
+        for phase in self.phases(st, kv_layers, attn):
+            phase.run()
+        return st.logits
+
+    def phases(self, st: ForwardState, kv_layers: Sequence[torch.Tensor], attn=None) -> list[Phase]:
+        """:meth:`forward` as phases over ``st`` (``st.step`` is read when the first phase runs, so
+        an earlier phase may set it): ``embed``, per layer ``layer{l}.qkv`` (norms, projections,
+        cache write, absorbed q), ``layer{l}.attention`` (the verify kernel) and ``layer{l}.out``
+        (``W_UV``, ``o_proj``, MLP), then ``lm_head`` (``st.logits``). With a planned ``attn``
+        (see :meth:`forward`) and a model without MoE layers every phase is free of host syncs
+        and of shape changes for a given step shape: it can be captured in a CUDA graph."""
+        out = [Phase("rest", "embed", lambda: self._embed(st))]
+        for li in range(self.num_layers):
+            out += [Phase("rest", f"layer{li}.qkv", lambda li=li: self._qkv(st, li, kv_layers[li])),
+                    Phase("attention", f"layer{li}.attention", lambda li=li: self._attend(st, kv_layers[li], attn)),
+                    Phase("rest", f"layer{li}.out", lambda li=li: self._out(st, li))]
+        out.append(Phase("rest", "lm_head", lambda: setattr(st, "logits", self._logits(st.h))))
+        return out
+
+    @property
+    def capturable(self) -> bool:
+        """True when every layer's MLP is dense: HF's MoE routes tokens with data-dependent shapes
+        (host syncs), which a CUDA graph can not hold."""
+        return all(type(layer.mlp).__name__ == "DeepseekV3MLP" for layer in self.layers)
+
+    def _embed(self, st: ForwardState) -> None:
+        st.h = self.hf.model.embed_tokens(st.step.tokens)  # [T, hidden]
+        st.cos, st.sin = self._rope(st.step.rope_pos, st.h)
+
+    def _qkv(self, st: ForwardState, li: int, kv: torch.Tensor) -> None:
+        x = self.layers[li].input_layernorm(st.h)
+        q_nope, q_rot, _, _, rows = self._project(li, x, st.cos, st.sin)
+        kv.view(-1, D_QK).index_copy_(0, st.step.slots, rows.to(kv.dtype))
+        T = x.shape[0]
+        q = torch.empty(T, self.num_heads, D_QK, dtype=self.cache_dtype, device=self.device)
+        # absorbed: q_lat[t, h] = q_nope[t, h] @ W_UK[h]  -> [H, T, 512]
+        q[..., :D_V] = torch.bmm(q_nope.transpose(0, 1), self._w_uk[li]).transpose(0, 1)
+        q[..., D_V:] = q_rot
+        st.q = q
+
+    def _attend(self, st: ForwardState, kv: torch.Tensor, attn) -> None:
         from ..verify import verify_attention
         from ..verify.reference import reference
 
-        h = self.hf.model.embed_tokens(step.tokens.to(self.device))  # [T, hidden]
-        cos, sin = self._rope(step.rope_pos.to(self.device), h)
-        T = h.shape[0]
-        slots = step.slots.to(self.device)
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_nope, q_rot, _, _, rows = self._project(li, x, cos, sin)
-            kv = kv_layers[li]
-            kv.view(-1, D_QK)[slots] = rows.to(kv.dtype)
-            q = torch.empty(T, self.num_heads, D_QK, dtype=self.cache_dtype, device=self.device)
-            # absorbed: q_lat[t, h] = q_nope[t, h] @ W_UK[h]  -> [H, T, 512]
-            q[..., :D_V] = torch.bmm(q_nope.transpose(0, 1), self._w_uk[li]).transpose(0, 1)
-            q[..., D_V:] = q_rot
-            t0 = timer.mark() if timer else None
-            if self.kernel == "reference":
-                o_lat, _ = reference(q, kv, step.page_table, step.kv_lens, step.qo_indptr, step.tree_mask,
-                                     self.sm_scale)
-            else:
-                o_lat, _ = verify_attention(q, kv, step.page_table, step.kv_lens, step.qo_indptr,
-                                            step.tree_mask, self.sm_scale, kernel=self.kernel, plan=plan)
-            if timer:
-                timer.add_attn(t0, timer.mark())
-            o_lat = o_lat.to(self.dtype)  # [T, H, 512]
-            o = torch.bmm(o_lat.transpose(0, 1), self._w_uv[li].transpose(1, 2))  # [H, T, v]
-            o = attn.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
-            h = self._mlp_block(li, h + o)
-        return self._logits(h)
+        s = st.step
+        if self.kernel == "reference":
+            st.o_lat, _ = reference(st.q, kv, s.page_table, s.kv_lens, s.qo_indptr, s.tree_mask, self.sm_scale)
+        elif attn is not None:
+            st.o_lat, _ = attn.run(st.q, kv, s.page_table, s.tree_mask, sm_scale=self.sm_scale)
+        else:
+            st.o_lat, _ = verify_attention(st.q, kv, s.page_table, s.kv_lens, s.qo_indptr, s.tree_mask,
+                                           self.sm_scale, kernel=self.kernel)
+
+    def _out(self, st: ForwardState, li: int) -> None:
+        T = st.h.shape[0]
+        o_lat = st.o_lat.to(self.dtype)  # [T, H, 512]
+        o = torch.bmm(o_lat.transpose(0, 1), self._w_uv[li].transpose(1, 2))  # [H, T, v]
+        o = self.layers[li].self_attn.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
+        st.h = self._mlp_block(li, st.h + o)
 
     # -- prefill ------------------------------------------------------------------------------
 

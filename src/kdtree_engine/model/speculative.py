@@ -2,12 +2,17 @@
 
 One step, for all active sequences at once (sequences of different lengths in one batch)::
 
-    contexts --drafter--> draft logits [B, L, V] --ddtree.build_ddtree--> trees (root = last token)
-      --KVPool.reserve_step: node j of sequence b at cache position P_b + j; the step's verify
-        inputs (slots, page table, lengths, qo_indptr, mask, host lengths of the plan) together
-      --MLARunner.forward: every node's KV written, verify_attention over prefix + tree--> logits [T, V]
-      --ddtree.accept_greedy--> accepted path + bonus token (one host read per step)
-      --KVPool.commit: accepted rows to positions P_b, P_b+1, ...; P_b += path length
+    host, before:  contexts --drafter--> draft logits [B, L, V] -> fixed device buffer (+ roots)
+                   KVPool.book_tree: node j of sequence b at cache position P_b + j (checks, counts)
+                   VerifyAttention.plan: the step's lengths and schedule into the fixed workspace
+    the step (eager, or ONE captured CUDA graph per step shape, replayed):
+                   KVPool.place_tree: the trees' pages popped from the free stack (device)
+                   ddtree.build_ddtree --> trees (root = last token)
+                   KVPool.step_inputs: slots, page table, lengths, qo_indptr, mask, node tokens
+                   MLARunner phases: every node's KV written, VerifyAttention.run per layer --> logits [T, V]
+                   ddtree.accept_greedy --> accepted path + bonus token; top-2 logits of each
+                   KVPool.commit: accepted rows to positions P_b, P_b+1, ...; P_b += path length
+    host, after:   one device-to-host read of the emitted tokens; KVPool.finalize_commit
 
 Greedy acceptance emits the draft nodes whose token equals the target's argmax at their parent,
 then the target's argmax at the last accepted node (the bonus). Every emitted token is the
@@ -15,7 +20,8 @@ target's own greedy choice given the tokens before it, so the output equals plai
 of the target (lossless), up to floating-point numerics (see :func:`check_lossless`).
 
 Plain decoding is the same loop with one-node trees (the root): both are measured by the same
-code on the same kernel.
+code on the same kernel. A step shape ("bucket") is (active sequences, tree size, drafter
+positions, kernel): a sequence that finishes changes the shape, and the next step captures anew.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ddtree import accept_greedy, build_ddtree, tree_from_parents
-from ..kvpool.step import VerifyStep
+from ..verify import VerifyAttention
 from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
-from .mla import MLARunner, StepTimer
+from .graphs import GRAPH_MODES, PhaseClock, StepGraph
+from .mla import ForwardState, MLARunner, Phase
 
 __all__ = [
     "SpeculativeEngine",
@@ -119,19 +126,28 @@ def memory_plan(runner: MLARunner, prompt_lens: Sequence[int], max_new_tokens: i
 
 @dataclass
 class GenerateResult:
-    """Output and measurements of one :meth:`SpeculativeEngine.decode` (or ``generate``) call."""
+    """Output and measurements of one :meth:`SpeculativeEngine.decode` (or ``generate``) call.
+
+    Time per step: ``decode_s`` is wall time (synchronised, capture excluded); ``phase_s[kind]``
+    the device time of the step's phases by kind (``"attention"``, ``"tree"``, ``"accept"``,
+    ``"rest"``; ``"step"`` for whole-step graph replays, whose phases are not separable): CUDA
+    events on the GPU, host time on the CPU. What the wall time holds beyond them is host overhead
+    (drafting, reservation, planning, reading the accepted tokens).
+    """
 
     tokens: list[list[int]]  # new tokens per sequence (the first one comes from the prefill)
     top2: list[torch.Tensor] = field(default_factory=list)  # per sequence [N, 2]: the target's two
     # largest logits behind each new token (their gap is the token's margin; see check_lossless)
+    graphs: str = "eager"  # how the steps ran: "eager", "step" or "phases" (see model.graphs)
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per (sequence, step)
     kept: int = 0  # emitted tokens within max_new_tokens (the last step may overshoot)
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # wall time of all decode steps (synchronised)
-    attn_s: float = 0.0  # time inside the attention kernel, all layers and steps
-    forward_s: float = 0.0  # time of the target forwards
-    draft_s: float = 0.0  # drafter + tree construction
+    decode_s: float = 0.0  # wall time of all decode steps (synchronised), capture excluded
+    phase_s: dict = field(default_factory=dict)  # device time by phase kind, all steps
+    draft_s: float = 0.0  # host time of the drafter
+    capture_s: float = 0.0  # CUDA-graph capture during this call (not in decode_s)
+    captures: int = 0  # step shapes captured during this call
     tree_nodes: int = 0  # tree nodes verified, all steps
 
     @property
@@ -154,21 +170,36 @@ class GenerateResult:
         """Decode throughput: tokens emitted by the decode steps per second of decoding."""
         return self.decoded_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
+    def _ms(self, seconds: float) -> float:
+        return 1e3 * seconds / max(1, self.steps)
+
     @property
     def step_ms(self) -> float:
-        return 1e3 * self.decode_s / max(1, self.steps)
+        """Wall time per step."""
+        return self._ms(self.decode_s)
+
+    @property
+    def device_ms(self) -> float:
+        """Time of the step's phases per step (GPU time on CUDA)."""
+        return self._ms(sum(self.phase_s.values()))
+
+    @property
+    def host_ms(self) -> float:
+        """Wall time per step outside the phases: host overhead."""
+        return self.step_ms - self.device_ms
+
+    def kind_ms(self, kind: str) -> float:
+        """Time per step of the phases of one kind (see :data:`~kdtree_engine.model.mla.PHASE_KINDS`)."""
+        return self._ms(self.phase_s.get(kind, 0.0))
 
     @property
     def attn_ms(self) -> float:
-        return 1e3 * self.attn_s / max(1, self.steps)
-
-    @property
-    def rest_ms(self) -> float:
-        return self.step_ms - self.attn_ms
+        return self.kind_ms("attention")
 
     @property
     def attn_share(self) -> float:
-        return self.attn_s / self.decode_s if self.decode_s > 0 else float("nan")
+        """Attention's share of the wall time."""
+        return self.phase_s.get("attention", 0.0) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 @dataclass
@@ -189,6 +220,79 @@ class _Seq:
         return self.buf[: self.length]
 
 
+class _Bucket:
+    """One step shape, (active sequences, tree size, drafter positions), and its phases.
+
+    The phases read fixed input buffers (``roots [B]`` int64, ``draft [B, L, V]`` float32 on the
+    device), written before each step by :meth:`stage`, and leave the step's results in
+    attributes: ``lengths [B]`` int64 (tokens emitted), ``results [B, 1 + D+1]`` int64 (the
+    lengths, then the emitted tokens, -1 padded) and ``top2 [B, D+1, 2]`` float32 (the target's
+    two best logits behind each emitted token), read by :meth:`read`.
+
+    Phases: ``draft tree`` (the pool's :meth:`~kdtree_engine.kvpool.KVPool.place_tree`,
+    :func:`~kdtree_engine.ddtree.build_ddtree`, the pool's
+    :meth:`~kdtree_engine.kvpool.KVPool.step_inputs`), the runner's forward phases, ``accept +
+    commit`` (:func:`~kdtree_engine.ddtree.accept_greedy`, top-2 logits,
+    :meth:`~kdtree_engine.kvpool.KVPool.commit`). The host halves stay outside, before the step:
+    :meth:`~kdtree_engine.kvpool.KVPool.book_tree` (the reservation's checks and counts) and the
+    attention plan.
+    """
+
+    def __init__(self, eng: SpeculativeEngine, ids: tuple[int, ...], spec: bool, mode: str, attn):
+        r, pool = eng.runner, eng.pool
+        dev = r.device
+        B = len(ids)
+        self.ids = ids
+        self.rows = pool.device_rows(ids)  # [B] int64; the one a capture uses is held here (a graph keeps its address)
+        self.L = eng.depth if spec else 0
+        self.budget = eng.budget if spec else 0
+        self.roots = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.draft = torch.zeros(B, self.L, r.vocab_size if spec else 1, dtype=torch.float32, device=dev)
+        pin = dev.type == "cuda"
+        self._roots_h = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self._draft_h = torch.zeros(self.draft.shape, dtype=torch.float32, pin_memory=pin)
+        # the tree's node count is fixed by (B, L, V, budget): probe it once
+        self.n = build_ddtree(self.draft, self.budget, self.roots).width
+        self.st = ForwardState()
+        self.graph = StepGraph([Phase("tree", "draft tree", lambda: self._tree(pool)),
+                                *r.phases(self.st, pool.kv_layers, attn),
+                                Phase("accept", "accept + commit", lambda: self._accept(pool))], mode, dev)
+        self.lengths = self.results = self.top2 = self.tree = None
+
+    def stage(self, roots: list[int], draft: torch.Tensor | None) -> None:
+        """Write the step's roots (host ints) and draft logits (``[B, L, V]``) into the fixed buffers."""
+        self._roots_h.copy_(torch.tensor(roots, dtype=torch.int64))
+        self.roots.copy_(self._roots_h, non_blocking=True)
+        if draft is not None:
+            self._draft_h.copy_(draft)
+            self.draft.copy_(self._draft_h, non_blocking=True)
+
+    def _tree(self, pool) -> None:
+        pool.place_tree(self.ids, self.n)  # the device half of the reservation booked before the step
+        self.tree = build_ddtree(self.draft, self.budget, self.roots)
+        self.st.step = pool.step_inputs(self.ids, self.tree)
+
+    def _accept(self, pool) -> None:
+        logits, step = self.st.logits, self.st.step
+        acc = accept_greedy(self.tree, logits)
+        # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
+        rows = step.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
+        self.top2 = logits.topk(2, dim=-1).values[rows]  # [B, D+1, 2]
+        self.lengths = acc.lengths
+        self.results = torch.cat([acc.lengths[:, None], acc.new_tokens], 1)  # [B, 1 + D+1]
+        self.accepted_width = acc.accepted.shape[1]
+        pool.commit(self.ids, acc.accepted, acc.lengths)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's results on the host, one sync: ``[B, 1 + D+1]`` int64 (length, new tokens)
+        and the top-2 logits ``[B, D+1, 2]``."""
+        ints = self.results.to("cpu", non_blocking=True)
+        top2 = self.top2.to("cpu", non_blocking=True)
+        if self.roots.device.type == "cuda":
+            torch.cuda.current_stream(self.roots.device).synchronize()
+        return ints, top2
+
+
 class SpeculativeEngine:
     """Batched speculative (or plain) greedy decoding of an :class:`MLARunner`'s model.
 
@@ -198,15 +302,22 @@ class SpeculativeEngine:
             (one-node trees). The attribute may be swapped between :meth:`decode` calls (e.g.
             plain, then speculative, on the same prefilled prompts after :meth:`reset`).
         budget: DDTree draft nodes per tree, root excluded (tree = budget + 1 verify rows); the
-            KV pool is sized for it at :meth:`prefill`.
+            KV pool is sized for it at :meth:`prefill`; it may be lowered afterwards.
         depth: positions asked of the drafter (the deepest a tree can go).
         page_size: KV pool page size.
         max_pool_bytes: optional cap on the KV pool; a larger request raises
             :class:`RequestTooLarge` before any work (on CUDA free memory is checked as well).
+        graphs: ``"step"`` (default on CUDA: each step shape captured once as one CUDA graph and
+            replayed), ``"phases"`` (a graph per phase, for the time split), ``"eager"`` (the
+            default on the CPU, and the fallback for a model with MoE layers; steps with the
+            runner's ``"reference"`` kernel run eagerly too). See :mod:`kdtree_engine.model.graphs`.
+
+    One :class:`~kdtree_engine.VerifyAttention` per kernel (workspace allocated once for the
+    request's batch and tree) is planned once per step and run by every layer.
     """
 
     def __init__(self, runner: MLARunner, drafter: Drafter | None = None, *, budget: int = 16, depth: int = 6,
-                 page_size: int = 16, max_pool_bytes: int | None = None):
+                 page_size: int = 16, max_pool_bytes: int | None = None, graphs: str | None = None):
         self.runner = runner
         self.drafter = drafter
         if budget < 0 or depth < 0:
@@ -215,9 +326,35 @@ class SpeculativeEngine:
         self.depth = depth
         self.page_size = page_size
         self.max_pool_bytes = max_pool_bytes
+        self.graphs = graphs
         self.pool = None
         self.seqs: list[_Seq] = []
         self.max_new_tokens = 0
+        self._max_tree = 0
+        self._buckets: dict[tuple, _Bucket] = {}
+        self._attn: dict[str, VerifyAttention] = {}
+
+    @property
+    def graphs(self) -> str:
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, mode: str | None) -> None:
+        cuda = self.runner.device.type == "cuda"
+        if mode is None:
+            mode = "step" if cuda and self.runner.capturable else "eager"
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {mode!r}")
+        if mode != "eager" and not cuda:
+            raise ValueError(f"graphs={mode!r} captures CUDA graphs: the runner is on {self.runner.device}")
+        if mode != "eager" and not self.runner.capturable:
+            raise ValueError(f"graphs={mode!r}: the model has MoE layers (host syncs), run it with graphs='eager'")
+        self._graphs = mode
+
+    @property
+    def capture_s(self) -> float:
+        """Wall seconds spent capturing CUDA graphs since :meth:`prefill` (all step shapes)."""
+        return sum(b.graph.capture_s for b in self._buckets.values())
 
     # -- request set-up -----------------------------------------------------------------------
 
@@ -241,11 +378,14 @@ class SpeculativeEngine:
             raise ValueError("max_new_tokens must be >= 1")
         plan = self.plan([p.numel() for p in prompts], max_new_tokens)
         plan.check(self.max_pool_bytes)
+        self._buckets.clear()  # graphs of a previous request hold its pool's addresses
+        self._attn.clear()
         self.pool = None  # free a previous request's pool first
         self.pool = KVPool(plan.num_pages, self.page_size, num_layers=r.num_layers, dtype=r.cache_dtype,
                            device=r.device, max_seqs=len(prompts),
                            max_seq_len=max(plan.pages_per_seq) * self.page_size)
         self.max_new_tokens = max_new_tokens
+        self._max_tree = self.budget + 1
         self.seqs = []
         first = []
         t0 = _now(r.device)
@@ -266,7 +406,8 @@ class SpeculativeEngine:
         return first, _now(r.device) - t0
 
     def reset(self) -> None:
-        """Back to the state right after prefill: generated tokens dropped, prompt KV kept."""
+        """Back to the state right after prefill: generated tokens dropped, prompt KV kept
+        (captured step graphs are kept too)."""
         for s in self.seqs:
             self.pool.truncate(s.sid, s.prompt_len)
             s.length = s.prompt_len + 1
@@ -275,38 +416,52 @@ class SpeculativeEngine:
 
     # -- decoding -----------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def decode(self, max_new_tokens: int | None = None, *, eos_token_id: int | None = None,
                max_steps: int | None = None, progress: Callable[[int], None] | None = None) -> GenerateResult:
         """Decode until each sequence holds ``max_new_tokens`` new tokens (the first came from the
-        prefill), emitted ``eos_token_id``, or ``max_steps`` steps ran."""
+        prefill), emitted ``eos_token_id``, or ``max_steps`` steps ran.
+
+        A step: the drafter (host), the reservation's host half and the attention plan (host
+        decisions, two small copies), then the step's phases (eager, or a captured graph replayed: draft
+        tree, forward, acceptance, KV commit), then one device-to-host read of the emitted tokens.
+        """
         if self.pool is None:
             raise RuntimeError("call prefill() first")
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if max_new > self.max_new_tokens:
             raise ValueError(f"the KV pool was sized for {self.max_new_tokens} new tokens, asked {max_new}")
+        spec = self.drafter is not None and self.budget > 0 and self.depth > 0
+        if spec and self.budget + 1 > self._max_tree:
+            raise ValueError(f"budget {self.budget}: the KV pool was sized at prefill for trees of "
+                             f"{self._max_tree} nodes (budget {self._max_tree - 1})")
         r = self.runner
-        res = GenerateResult(tokens=[])
-        timer = StepTimer(r.device)
+        res = GenerateResult(tokens=[], graphs=self._mode())
+        clock = PhaseClock(r.device)
         for s in self.seqs:
             s.done = self._finished(s, max_new, eos_token_id)
         while any(not s.done for s in self.seqs) and (max_steps is None or res.steps < max_steps):
             t_step = _now(r.device)
             active = [s for s in self.seqs if not s.done]
-            ids = [s.sid for s in active]
-            t0 = time.perf_counter()
-            tree = self._draft(active)
-            res.draft_s += time.perf_counter() - t0
-            step = self.pool.reserve_step(ids, tree)
-            t_fwd = timer.mark()
-            logits = r.forward(step, self.pool.kv_layers, timer, plan=_flash_plan(r, step))
-            timer.add_total(t_fwd, timer.mark())
-            acc = accept_greedy(tree, logits)
-            # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
-            rows = step.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
-            top2 = logits.topk(2, dim=-1).values[rows].to("cpu", non_blocking=True)  # [B, D+1, 2]
-            host = torch.cat([acc.lengths[:, None], acc.new_tokens], 1).cpu()  # the step's sync
+            ids = tuple(s.sid for s in active)
+            bucket, attn = self._bucket(ids, spec)
+            draft = None
+            if spec:
+                t0 = time.perf_counter()
+                draft = self._draft(active)
+                res.draft_s += time.perf_counter() - t0
+            bucket.stage([int(s.buf[s.length - 1]) for s in active], draft)
+            self.pool.book_tree(ids, bucket.n)  # host counts only; the step places the pages
+            if attn is not None:
+                attn.plan([self.pool.seq_len(i) for i in ids], [bucket.n * b for b in range(len(ids) + 1)])
+            if not bucket.graph.captured:  # the rows tensor a capture bakes in, held by the bucket
+                bucket.rows = self.pool.device_rows(ids)  # (the pool's row cache may drop it later)
+            captured_before = bucket.graph.capture_s
+            if not bucket.graph.run(clock):  # a replay: the commit's host half
+                self.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
+            host, top2 = bucket.read()  # the step's sync
             lengths = host[:, 0]
-            self.pool.commit(ids, acc.accepted, acc.lengths, num_accepted_host=lengths)
+            self.pool.finalize_commit(lengths)
             for b, s in enumerate(active):
                 a = int(lengths[b])
                 res.kept += min(a, max_new - (s.length - s.prompt_len))
@@ -315,13 +470,16 @@ class SpeculativeEngine:
                 s.length += a
                 res.accepted.append(a)
                 s.done = self._finished(s, max_new, eos_token_id)
-            res.tree_nodes += step.num_rows
+            capture = bucket.graph.capture_s - captured_before
+            res.capture_s += capture
+            res.captures += capture > 0
+            res.tree_nodes += bucket.n * len(ids)
             res.steps += 1
-            res.decode_s += _now(r.device) - t_step
+            res.decode_s += _now(r.device) - t_step - capture
             if progress:
                 progress(int(lengths.sum()))
-        timer.flush()
-        res.attn_s, res.forward_s = timer.attn_s, timer.total_s
+        clock.flush()
+        res.phase_s = dict(clock.seconds)
         res.tokens = [self._output(s, max_new, eos_token_id) for s in self.seqs]
         res.top2 = [torch.stack(s.top2[: len(t)]) for s, t in zip(self.seqs, res.tokens)]
         return res
@@ -336,16 +494,33 @@ class SpeculativeEngine:
 
     # -- pieces -------------------------------------------------------------------------------
 
-    def _draft(self, active: list[_Seq]):
-        dev = self.runner.device
-        roots = torch.tensor([int(s.buf[s.length - 1]) for s in active], dtype=torch.int64, device=dev)
-        if self.drafter is None or self.budget <= 0 or self.depth <= 0:
-            return build_ddtree(torch.zeros(len(active), 0, 1, device=dev), 0, roots)
+    def _bucket(self, ids: tuple[int, ...], spec: bool) -> tuple[_Bucket, VerifyAttention | None]:
+        """The step shape's bucket (made on first use) and the kernel's planned attention."""
+        r = self.runner
+        attn = None
+        if r.kernel != "reference":
+            attn = self._attn.get(r.kernel)
+            if attn is None:
+                attn = self._attn[r.kernel] = VerifyAttention(len(self.seqs), self._max_tree, r.num_heads, r.device,
+                                                              kernel=r.kernel)
+        mode = self._mode()
+        key = (r.kernel, mode, ids, spec, self.budget if spec else 0, self.depth if spec else 0)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self, ids, spec, mode, attn)
+        return bucket, attn
+
+    def _mode(self) -> str:
+        """How steps run now: :attr:`graphs`, but eager with the float64 ``reference`` kernel (it
+        reads the lengths on the host)."""
+        return "eager" if self.runner.kernel == "reference" else self.graphs
+
+    def _draft(self, active: list[_Seq]) -> torch.Tensor:
         logits = self.drafter.draft([s.context() for s in active], self.depth)
         want = (len(active), self.depth, self.runner.vocab_size)
         if tuple(logits.shape) != want:
             raise ValueError(f"drafter {self.drafter.name} returned {tuple(logits.shape)}, expected {want}")
-        return build_ddtree(logits.to(dev), self.budget, roots)
+        return logits
 
     def _output(self, s: _Seq, max_new: int, eos: int | None) -> list[int]:
         out = s.buf[s.prompt_len : s.length].tolist()[:max_new]
@@ -386,13 +561,6 @@ def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Seq
     tok = torch.tensor([list(t[0]) + [-1] * (width - len(t[0])) for t in trees], device=dev)
     tree = tree_from_parents(par, tok, [len(t[0]) for t in trees])
     return runner.forward(pool.reserve_step(ids, tree), pool.kv_layers), pool, ids
-
-
-def _flash_plan(runner: MLARunner, step: VerifyStep):
-    """The flash kernel's plan of the step (built once, reused by every layer), on CUDA."""
-    if runner.kernel not in ("flash", "auto") or runner.device.type != "cuda":
-        return None
-    return step.plan(runner.num_heads)
 
 
 def _now(device: torch.device) -> float:

@@ -1,0 +1,226 @@
+"""The speculative step as phases, run eagerly (CPU) or as captured CUDA graphs (GPU only).
+
+CPU: the phase clock and the eager step graph, the mode checks, the pool's capturable half of
+``reserve_step`` and the host half of a replayed commit, the per-step time split of a result.
+GPU: decoding with one graph per step shape, and with a graph per phase, gives the tokens of
+eager decoding, across step shapes that change as sequences finish, with each shape captured once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import DEVICE, requires_cuda
+from kdtree_engine.ddtree import accept_greedy, build_ddtree
+from kdtree_engine.kvpool import KVPool
+from kdtree_engine.model import MLARunner, Phase, build_random_model, tiny_config
+from kdtree_engine.model.drafters import SyntheticDrafter
+from kdtree_engine.model.graphs import PhaseClock, StepGraph
+from kdtree_engine.model.speculative import GenerateResult, SpeculativeEngine, check_lossless
+
+
+def test_eager_step_graph_runs_phases_in_order_and_times_each_kind():
+    seen = []
+
+    def phase(kind, name, sleep=0.0):
+        return Phase(kind, name, lambda: (seen.append(name), time.sleep(sleep)))
+
+    g = StepGraph([phase("tree", "t", 0.01), phase("attention", "a0", 0.02), phase("rest", "r"),
+                   phase("attention", "a1", 0.02)], "eager", "cpu")
+    clock = PhaseClock("cpu")
+    assert g.run(clock) is True and g.run(clock) is True  # eager: the Python runs every time
+    assert seen == ["t", "a0", "r", "a1"] * 2
+    assert set(clock.seconds) == {"tree", "attention", "rest"}
+    assert clock.seconds["attention"] >= 0.08 and clock.seconds["tree"] >= 0.02
+    assert clock.total_s == pytest.approx(sum(clock.seconds.values()))
+    assert not g.captured and g.capture_s == 0.0
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU's refusal of graph modes")
+def test_graph_modes_need_cuda():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        StepGraph([], "graph", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StepGraph([], "step", "cpu")
+    runner = MLARunner(build_random_model(tiny_config(), seed=0), kernel="reference", cache_dtype=torch.float16)
+    assert SpeculativeEngine(runner).graphs == "eager"
+    with pytest.raises(ValueError, match="graphs='phases' captures CUDA graphs"):
+        SpeculativeEngine(runner, graphs="phases")
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        SpeculativeEngine(runner, graphs="on")
+
+
+def test_moe_model_is_not_capturable():
+    dense = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)
+    assert MLARunner(build_random_model(dense, seed=0), kernel="reference").capturable
+    assert not MLARunner(build_random_model(tiny_config(), seed=0), kernel="reference").capturable
+
+
+def _pool_and_tree(page_size=4):
+    pool = KVPool(64, page_size, device=DEVICE, max_seqs=3, max_seq_len=96)
+    ids = [pool.add_sequence() for _ in range(3)]
+    pool.extend(ids, [5, 0, 13])
+    g = torch.Generator().manual_seed(1)
+    tree = build_ddtree(torch.randn(3, 3, 20, generator=g).to(DEVICE), 7, torch.tensor([1, 2, 3], device=DEVICE))
+    return pool, ids, tree
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_step_inputs_is_the_device_half_of_reserve_step(page_size):
+    pool, ids, tree = _pool_and_tree(page_size)
+    whole = pool.reserve_step(ids, tree)
+    pool, ids, tree = _pool_and_tree(page_size)  # the same pool again
+    pool.reserve_tree(ids, tree.num_nodes_host)
+    half = pool.step_inputs(ids, tree)
+    for name in ("tokens", "rope_pos", "slots", "page_table", "kv_lens", "qo_indptr", "tree_mask"):
+        assert torch.equal(getattr(whole, name), getattr(half, name)), name
+    assert half.page_table.shape == (3, pool.max_pages_per_seq)  # every column: a fixed shape
+    assert half.kv_lens_host == whole.kv_lens_host == tuple(p + tree.width for p in (5, 0, 13))
+    # slot of node j = the page table's place of position P_b + j
+    pt = half.page_table.cpu().long()
+    for b, P in enumerate((5, 0, 13)):
+        for j in range(tree.width):
+            row = half.qo_indptr_host[b] + j
+            assert int(half.slots[row]) == int(pt[b, (P + j) // page_size]) * page_size + (P + j) % page_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_book_and_place_tree_are_reserve_tree(page_size):
+    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after step."""
+    pools = []
+    for split in (False, True):
+        pool, ids, tree = _pool_and_tree(page_size)
+        for step in range(3):
+            if split:
+                pool.book_tree(ids, tree.width)
+                pool.place_tree(ids, tree.width)
+            else:
+                pool.reserve_tree(ids, tree.num_nodes_host)
+            pool.check()
+            s = pool.step_inputs(ids, tree)
+            acc = torch.tensor([[0, 1 + step], [0, -1], [0, 2]], device=DEVICE)
+            pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2])
+            pool.check()
+        pools.append((s.slots, s.page_table, s.kv_lens, pool.num_free_pages, pool._top.clone(),
+                      pool._stack.clone(), [pool.seq_len(i) for i in ids]))
+    for a, b in zip(*pools):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+
+
+def test_step_inputs_and_replayed_commit_refuse_a_missing_reservation():
+    pool, ids, tree = _pool_and_tree()
+    with pytest.raises(ValueError, match="not the reserved ones"):
+        pool.step_inputs(ids, tree)
+    with pytest.raises(ValueError, match="seq_ids must be sequences with a tree reserved"):
+        pool.replayed_commit(ids, torch.ones(3, dtype=torch.int64, device=DEVICE), 4)
+    step = pool.reserve_step(ids, tree)
+    with pytest.raises(ValueError, match="accepted_width must be a positive int"):
+        pool.replayed_commit(ids, torch.ones(3, dtype=torch.int64, device=DEVICE), 0)
+    res = accept_greedy(tree, torch.randn(step.num_rows, 20, device=DEVICE))
+    pool.commit(ids, res.accepted, res.lengths)
+    with pytest.raises(RuntimeError, match="a commit is pending"):
+        pool.replayed_commit(ids, res.lengths, res.accepted.shape[1])
+    pool.finalize_commit(res.lengths.cpu())
+
+
+def test_replayed_commit_books_what_commit_books():
+    """The host half alone (its kernel ran elsewhere) leaves the host counts commit leaves."""
+    states = []
+    for replayed in (False, True):
+        pool, ids, tree = _pool_and_tree()
+        step = pool.reserve_step(ids, tree)
+        res = accept_greedy(tree, torch.randn(step.num_rows, 20, generator=torch.Generator().manual_seed(3)).to(DEVICE))
+        lengths = res.lengths.cpu()
+        if replayed:
+            pool.replayed_commit(ids, res.lengths, res.accepted.shape[1], num_accepted_host=lengths)
+        else:
+            pool.commit(ids, res.accepted, res.lengths, num_accepted_host=lengths)
+        states.append(([pool.seq_len(i) for i in ids], [pool.tree_size(i) for i in ids], pool.num_free_pages))
+    assert states[0] == states[1]
+
+
+def test_result_splits_the_step():
+    res = GenerateResult(tokens=[[1]], steps=4, decode_s=0.040, kept=8,
+                         phase_s={"attention": 0.010, "tree": 0.002, "accept": 0.002, "rest": 0.018})
+    assert res.step_ms == pytest.approx(10.0) and res.device_ms == pytest.approx(8.0)
+    assert res.host_ms == pytest.approx(2.0) and res.attn_ms == pytest.approx(2.5)
+    assert res.kind_ms("tree") == pytest.approx(0.5) and res.kind_ms("step") == 0.0
+    assert res.attn_share == pytest.approx(0.25) and res.tokens_per_s == pytest.approx(200.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: decoding through captured graphs
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["step", "phases"])
+@pytest.mark.parametrize("kernel", ["flash", "auto", "naive"])
+def test_graph_decoding_equals_eager(mode, kernel):
+    """Plain and speculative decoding replayed from graphs emit eager decoding's tokens; sequences
+    finish at different steps (new step shapes, captured then); each shape is captured once."""
+    cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)  # dense: capturable
+    model = build_random_model(cfg, seed=0, dtype=torch.float32, device="cuda")
+    runner = MLARunner(model, kernel=kernel, cache_dtype=torch.float16)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (P,), generator=g).tolist() for P in (300, 41, 170)]
+    new = 24
+    eager = SpeculativeEngine(runner, None, budget=12, depth=4, page_size=16, graphs="eager")
+    eager.prefill(prompts, new)
+    plain = eager.decode()
+    refs = [p + t for p, t in zip(prompts, plain.tokens)]
+    drafter = SyntheticDrafter(refs, cfg.vocab_size, agreement=0.6, seed=1)
+    eager.drafter = drafter
+    eager.reset()
+    spec = eager.decode()
+    assert spec.steps < new - 1
+
+    eng = SpeculativeEngine(runner, None, budget=12, depth=4, page_size=16, graphs=mode)
+    eng.prefill(prompts, new)
+    for d, want in ((None, plain), (drafter, spec)):
+        eng.drafter = d
+        for _ in range(2):  # the second decode replays the shapes the first captured
+            eng.reset()
+            res = eng.decode()
+            assert res.graphs == mode
+            report = check_lossless(res.tokens, want.tokens, want.top2, tie_tol=0.0)
+            assert report.exact, f"{mode} {kernel} {getattr(d, 'name', 'plain')}: {report.line()}"
+            assert res.accepted == want.accepted
+    assert all(b.graph.captured for b in eng._buckets.values() if b.graph.runs > 1)
+    assert all(b.graph.runs >= 1 for b in eng._buckets.values())
+    assert eng.capture_s > 0
+    kinds = set(res.phase_s)
+    assert kinds == ({"step"} if mode == "step" else {"tree", "attention", "accept", "rest"})
+
+
+@requires_cuda
+def test_replayed_graph_steps_do_not_sync_inside():
+    """Once captured, a step is host work + one replay + one read: the replay itself launches no
+    synchronising op (sync debug mode raises on any), and the step time is mostly device time."""
+    cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)
+    model = build_random_model(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    runner = MLARunner(model, kernel="flash")
+    eng = SpeculativeEngine(runner, None, budget=8, depth=3, page_size=16, graphs="step")
+    eng.prefill([[1, 2, 3] * 50, [4, 5] * 30], 12)
+    eng.decode(max_steps=2)  # warm-up, capture
+    bucket = next(iter(eng._buckets.values()))
+    assert bucket.graph.captured
+    clock = PhaseClock("cuda")
+    eng.reset()
+    ids = bucket.ids
+    bucket.stage([7, 8], None)
+    eng.pool.book_tree(ids, bucket.n)
+    attn = eng._attn["flash"]
+    attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert bucket.graph.run(clock) is False  # a replay
+        eng.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ints, _ = bucket.read()
+    eng.pool.finalize_commit(ints[:, 0])
+    assert ints[:, 0].tolist() == [1, 1]
