@@ -26,10 +26,16 @@ from kdtree_engine.ddtree import kernels as K
 
 
 def compile_sm90(fn, types: dict, consts: dict, num_warps: int) -> str:
-    """ptxas's line for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``."""
+    """ptxas's figures for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``.
+
+    Every pointer is taken as 16-byte aligned, and every int argument the kernel does not exclude
+    from specialisation (``vocab``, the logits' row stride) as divisible by 16, as at V = 163840."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
+    aligned = [n for n in names if n not in consts and n not in fixed and types[n] != "fp32"]
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -51,7 +57,7 @@ WALK_TYPES = dict(
     stride_row="i32", stride_out="i32", temp_val="fp32", top_k="i32", top_p_val="fp32",
 )
 WALK_CONSTS = dict(USE_STARTS=False, SAMPLE=False, TOP_K=False, TEMP_ROWS=False, TOP_P_ROWS=False, CAP=1,
-                   SEQS=1, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=1)
+                   SEQS=1, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=1, UNROLL=K.STREAM_UNROLL)
 SAMPLE_CONSTS = dict(WALK_CONSTS, SAMPLE=True, BLOCK_V=K.SAMPLE_BLOCK_V)
 SAMPLE_TYPES = dict(WALK_TYPES, tgt="*bf16")
 
@@ -59,7 +65,8 @@ CASES = [
     ("_finish_topk_kernel (V=163840, K=512)", K._finish_topk_kernel,
      dict(logits="*bf16", vals="*bf16", ids="*i64", out_lp="*i64", out_ids="*i64", tmp="*i64",
           num_rows="i32", vocab="i32", stride_row="i32"),
-     dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, BLOCK_V=4096, BLOCK_K=512, RANK_SORT=False, CHUNK=512),
+     dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, BLOCK_V=4096, BLOCK_K=512, RANK_SORT=False, CHUNK=512,
+          UNROLL=K.STREAM_UNROLL),
      8),
     ("_expand_kernel (budget 512, K=512, L=16)", K._expand_kernel,
      dict(lp="*i64", ids="*i64", roots="*i64", sec_tab="*i64", pair_off="*i64", kept_off="*i64", keys="*i64",

@@ -22,6 +22,7 @@ __all__ = ["walk", "sample_walk", "expand", "finish_topk"]
 # helpers
 
 _INT64_MAX = tl.constexpr(2**63 - 1)
+STREAM_UNROLL = 4  # chunks per iteration of a program's pass over a vocabulary row (loads in flight)
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def _round_half_even(x):
     return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
 
 
-@triton.jit(do_not_specialize=["num_rows", "vocab", "stride_row"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _finish_topk_kernel(
     logits, vals, ids, out_lp, out_ids, tmp,
     num_rows, vocab, stride_row,
@@ -77,6 +78,7 @@ def _finish_topk_kernel(
     BLOCK_K: tl.constexpr,
     RANK_SORT: tl.constexpr,
     CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Rows ``i_p * ROWS ..`` of :func:`kdtree_engine.ddtree.draft_topk` after ``torch.topk``.
 
@@ -91,13 +93,14 @@ def _finish_topk_kernel(
     p_x = logits + o_r.to(tl.int64)[:, None] * stride_row  # [R, 1]
     b_old = tl.full([ROWS, BLOCK_V], float("-inf"), tl.float32)  # running max per lane
     b_s = tl.zeros([ROWS, BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        o_v = v0 + tl.arange(0, BLOCK_V)[None, :]
-        b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
-        b_m = tl.maximum(b_old, b_x)
-        b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
-        b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
-        b_old = b_m
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):  # UNROLL independent loads in flight
+            o_v = v0 + j * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+            b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
+            b_m = tl.maximum(b_old, b_x)
+            b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
+            b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
+            b_old = b_m
     m = tl.max(b_old, axis=1)  # [R]
     m = tl.where(m > float("-inf"), m, 0.0)
     lse = m + tl.log(tl.sum(b_s * tl.exp(b_old - m[:, None]), axis=1))  # [R]
@@ -145,6 +148,7 @@ def finish_topk(logits, vals, ids, scale: int, floor: float):
         BLOCK_K=block_k,
         RANK_SORT=rank_sort,
         CHUNK=min(block_k, max(1, 2**20 // (rows * block_k))),
+        UNROLL=STREAM_UNROLL,
         num_warps=8 if block_v >= 2048 else 4,
     )
     return out_lp, out_ids
@@ -234,7 +238,8 @@ def _nth_equal(p_x, vocab, m_row, t, key, nth, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _sample_top_k(p_x, vocab, m_row, t, k, p, u01, p_bv, p_bi, CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sample_top_k(p_x, vocab, m_row, t, k, p, u01, p_bv, p_bi,
+                  CAP: tl.constexpr, BLOCK_V: tl.constexpr, UNROLL: tl.constexpr):
     """One sample per row of ``softmax(filter_logits(x))`` with an int top-k ``k <= CAP / 2``
     (``[S]`` int64 columns), by inverse CDF at the uniform ``u01``; ``k = 1, u01 = 0`` gives the
     first argmax (greedy rows). Only the kept tokens are ranked, in a candidate buffer:
@@ -253,10 +258,11 @@ def _sample_top_k(p_x, vocab, m_row, t, k, p, u01, p_bv, p_bi, CAP: tl.constexpr
     o_v = tl.arange(0, BLOCK_V)[None, :]
     # 1. lane maxima
     b_max = tl.full([p_x.shape[0], BLOCK_V], float("-inf"), tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        m = m_row[:, None] & (v0 + o_v < vocab)
-        x = tl.load(p_x + v0 + o_v, mask=m, other=float("-inf")).to(tl.float32)
-        b_max = tl.maximum(b_max, tl.math.div_rn(x, t[:, None]))
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):
+            c = v0 + j * BLOCK_V + o_v
+            x = tl.load(p_x + c, mask=m_row[:, None] & (c < vocab), other=float("-inf")).to(tl.float32)
+            b_max = tl.maximum(b_max, tl.math.div_rn(x, t[:, None]))
     none = tl.zeros(k.shape, tl.int64)
     lo = _largest_key(_key(b_max), 1, none, none, k)
     # 2. the candidates
@@ -314,19 +320,20 @@ def _sample_top_k(p_x, vocab, m_row, t, k, p, u01, p_bv, p_bi, CAP: tl.constexpr
 
 
 @triton.jit
-def _sample_full(p_x, vocab, m_row, t, greedy, u01, BLOCK_V: tl.constexpr):
+def _sample_full(p_x, vocab, m_row, t, greedy, u01, BLOCK_V: tl.constexpr, UNROLL: tl.constexpr):
     """One sample per row of ``softmax(x / t)`` (no top-k, no top-p), ``[S]`` int64, by inverse
     CDF at ``u01``; ``greedy`` rows: the first argmax. Two passes over the row."""
     o_v = tl.arange(0, BLOCK_V)[None, :]
     b_old = tl.full([p_x.shape[0], BLOCK_V], float("-inf"), tl.float32)
     b_s = tl.zeros([p_x.shape[0], BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        m = m_row[:, None] & (v0 + o_v < vocab)
-        y = tl.math.div_rn(tl.load(p_x + v0 + o_v, mask=m, other=float("-inf")).to(tl.float32), t[:, None])
-        b_m = tl.maximum(b_old, y)
-        b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)
-        b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(y - b_ref)
-        b_old = b_m
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):
+            c = v0 + j * BLOCK_V + o_v
+            y = tl.math.div_rn(tl.load(p_x + c, mask=m_row[:, None] & (c < vocab), other=float("-inf")).to(tl.float32), t[:, None])
+            b_m = tl.maximum(b_old, y)
+            b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)
+            b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(y - b_ref)
+            b_old = b_m
     top = tl.max(b_old, axis=1)
     top = tl.where(top > float("-inf"), top, 0.0)
     goal = u01 * tl.sum(b_s * tl.exp(b_old - top[:, None]), axis=1)
@@ -345,8 +352,8 @@ def _sample_full(p_x, vocab, m_row, t, greedy, u01, BLOCK_V: tl.constexpr):
     return tl.where(col >= 0, col, last)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_depth", "vocab", "stride_tree", "seq_rows", "stride_row",
-                               "stride_out", "temp_val", "top_k", "top_p_val"])
+@triton.jit(do_not_specialize=["num_seqs", "max_depth", "stride_tree", "seq_rows", "stride_out", "temp_val",
+                               "top_k", "top_p_val"])
 def _walk_kernel(
     tok, par, num_nodes, tgt, starts,
     temp, top_p, seed, buf_v, buf_i,
@@ -364,6 +371,7 @@ def _walk_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """The walks of sequences ``i_s * SEQS ..``: from the root, move to the lowest-index child
     whose token is the target's token at the current node, while one exists (at most
@@ -426,9 +434,9 @@ def _walk_kernel(
                         p = tl.zeros([SEQS], tl.float32) + top_p_val
                     k = tl.where(greedy, 1, tl.zeros([SEQS], tl.int32) + top_k)
                     want = _sample_top_k(p_x, vocab, alive, t, k, tl.where(greedy, 2.0, p), u01,
-                                         buf_v + p_buf, buf_i + p_buf, CAP, BLOCK_V)
+                                         buf_v + p_buf, buf_i + p_buf, CAP, BLOCK_V, UNROLL)
                 else:
-                    want = _sample_full(p_x, vocab, alive, t, greedy, u01, BLOCK_V)
+                    want = _sample_full(p_x, vocab, alive, t, greedy, u01, BLOCK_V, UNROLL)
             else:
                 want = tl.load(tgt + row, mask=alive, other=-1)  # [S]
             hit = (b_par == cur[:, None]) & (b_tok == want[:, None])
@@ -494,6 +502,7 @@ def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(max_depth + 1),
         BLOCK_V=block_v,
+        UNROLL=STREAM_UNROLL,
         num_warps=8 if sample and block_v >= 2048 else 4,
     )
     return acc, acc_tok, new_tok, lengths, bonus
