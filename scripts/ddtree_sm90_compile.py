@@ -71,7 +71,7 @@ CASES = [
     ("_expand_kernel (budget 512, K=512, L=16)", K._expand_kernel,
      dict(lp="*i64", ids="*i64", roots="*i64", sec_tab="*i64", pair_off="*i64", kept_off="*i64", keys="*i64",
           emit="*i32", tmp="*i64", out_tok="*i64", out_par="*i64", out_dep="*i64", out_rank="*i64",
-          out_score="*i64", num_seqs="i32", depth_cap="i32", n_draft="i32", stride_top="i32",
+          out_score="*i64", out_num="*i64", num_seqs="i32", depth_cap="i32", n_draft="i32", stride_top="i32",
           stride_scratch="i32", stride_out="i32"),
      dict(K=512, S=18, SLOT_BITS=10, DEPTH_BITS=5, SEQS=1, BLOCK_C=4096, BLOCK_T=8192, RANK_SORT=False,
           CHUNK_C=4096, CHUNK_T=8192),

@@ -533,7 +533,7 @@ def sample_walk(tokens, parents, num_nodes, logits, starts, max_depth: int, *, t
 def _expand_kernel(
     lp, ids, roots, sec_tab, pair_off, kept_off,
     keys, emit, tmp,
-    out_tok, out_par, out_dep, out_rank, out_score,
+    out_tok, out_par, out_dep, out_rank, out_score, out_num,
     num_seqs, depth_cap, n_draft,
     stride_top, stride_scratch, stride_out,
     K: tl.constexpr,
@@ -553,7 +553,8 @@ def _expand_kernel(
     sec_tab: int64, the candidates of every depth, ``parent slot * K + rank``; depth d's are
     ``sec_tab[pair_off[d]:pair_off[d+1]]``, it keeps ``kept_off[d+1] - kept_off[d]`` of them.
     keys, emit: ``[B, total]`` int64 / int32 scratch (row stride ``stride_scratch``).
-    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank, score.
+    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank, score;
+    out_num: ``[B]`` int64, the node count ``n_draft + 1``.
 
     Depth d: every candidate's within-depth key ``(-score) << S | sec`` (unique), sorted; the
     first ``kept`` are stored in key order (slot = position). Then the kept nodes of all depths
@@ -621,6 +622,7 @@ def _expand_kernel(
     tl.store(out_dep + p_root, zero, mask=m_s)
     tl.store(out_rank + p_root, zero - 1, mask=m_s)
     tl.store(out_score + p_root, zero, mask=m_s)
+    tl.store(out_num + o_s, zero + n_draft + 1, mask=m_s)
 
 
 def _bits(x: int) -> int:
@@ -631,12 +633,13 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
     """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``.
 
     Returns ``(tokens, parents, depths, ranks, scores)``, each ``[B, min(budget, total) + 1]``
-    int64 (node 0 the root)."""
+    int64 (node 0 the root), and ``num_nodes`` ``[B]`` int64."""
     B, _, K = lp.shape
     dev = lp.device
     n_draft = min(budget, total)
     keys = torch.empty(B, total, dtype=torch.int64, device=dev)
     emit = torch.empty(B, total, dtype=torch.int32, device=dev)
+    num_nodes = torch.empty(B, dtype=torch.int64, device=dev)
     out = torch.empty(5, B, n_draft + 1, dtype=torch.int64, device=dev)
     block_c = triton.next_power_of_2(max_pairs)
     block_t = triton.next_power_of_2(total)
@@ -650,7 +653,7 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
     _expand_kernel[(grid,)](
         lp, ids, roots, sec_tab, pair_off, kept_off,
         keys, emit, tmp,
-        out[0], out[1], out[2], out[3], out[4],
+        out[0], out[1], out[2], out[3], out[4], num_nodes,
         B, depth_cap, n_draft,
         lp.stride(0), keys.stride(0), out.stride(1),
         K=K,
@@ -665,4 +668,4 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
         CHUNK_T=chunk_t,
         num_warps=min(16, max(4, seqs * block_t // 512)),
     )
-    return tuple(out.unbind(0))
+    return (*out.unbind(0), num_nodes)
