@@ -104,21 +104,27 @@ def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, walk, devic
             assert not bool((tree.parents[b] == last).any())
 
 
-@pytest.mark.parametrize("walk", sorted(WALKS))
-def test_walk_on_ragged_shuffled_trees(walk, device):
-    g = torch.Generator().manual_seed(7)
-    sizes = [1, 9, 70, 33, 2]
+def ragged_tree(device, g, V: int, sizes=(1, 9, 30, 17, 2)):
+    """Ragged trees of ``sizes`` nodes with shuffled node order (children before parents too) and
+    distinct tokens below ``V`` (so siblings are distinct)."""
     parents, tokens = [], []
     for n in sizes:
         par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-        perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()  # children before parents too
+        perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()
         new = [0] * n
         for old, p in enumerate(par):
             new[perm[old]] = -1 if p < 0 else perm[p]
         parents.append(new)
-        tokens.append(torch.randperm(1000, generator=g)[:n].tolist())  # distinct: siblings distinct
+        tokens.append(torch.randperm(V, generator=g)[:n].tolist())
     tree = tree_from_parents(parents, tokens)
-    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device), sizes)
+    return tree_from_parents(tree.parents.to(device), tree.tokens.to(device), list(sizes))
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
+def test_walk_on_ragged_shuffled_trees(walk, device):
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 9, 70, 33, 2]
+    tree = ragged_tree(device, g, 1000, sizes)
     for p_match in (0.5, 1.0):
         tgt = matching_targets(tree, p_match, 1000, g)
         flat = torch.cat([tgt[b, :n] for b, n in enumerate(sizes)])  # verify rows, qo_indptr order
@@ -165,6 +171,12 @@ def test_accept_bad_inputs(device):
         accept_tokens(None, torch.zeros(12, dtype=torch.long, device=device))
     with pytest.raises(TypeError, match="prefix_lens"):
         commit_positions(accept_tokens(tree, torch.zeros(12, dtype=torch.long, device=device)), [0, 0])
+    with pytest.raises(ValueError, match="target_logits"):
+        accept_sampling(tree, torch.zeros(7, 4, device=device), top_k=2)
+    with pytest.raises(TypeError, match="target_logits"):
+        accept_sampling(tree, torch.zeros(12, 4, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="top_p"):
+        accept_sampling(tree, torch.zeros(12, 4, device=device), top_k=2, top_p=1.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,20 +379,25 @@ def filter_kwargs(f, rows: int, device, g):
 
 
 @pytest.mark.parametrize("f", FUSED, ids=[str(i) for i in range(len(FUSED))])
-def test_fused_sampling_is_sampling_every_node_then_walking(f, device):
+@pytest.mark.parametrize("trees", ["ddtree", "ragged"])
+def test_fused_sampling_is_sampling_every_node_then_walking(f, trees, device):
     """The walk samples only the nodes it reaches; each draw depends on (seed, row) only, so the
     result equals drawing at every row (one-node trees over the same rows) and walking those."""
     g = torch.Generator().manual_seed(4)
     V, L, budget, B = 30, 4, 20, 6
-    draft = torch.randn(B, L, V, generator=g)
-    tree = build_ddtree(draft.to(device), budget, torch.randint(0, V, (B,), generator=g).to(device))
+    if trees == "ddtree":
+        draft = torch.randn(B, L, V, generator=g)
+        tree = build_ddtree(draft.to(device), budget, torch.randint(0, V, (B,), generator=g).to(device))
+    else:
+        tree = ragged_tree(device, g, V)
+        B = tree.batch_size
     vb = compile_tree(tree, torch.zeros(B, dtype=torch.long, device=device))
-    # targets that often follow the draft: the walk goes deep
+    # targets that often follow the tree: the walk goes deep
     logits = torch.randn(B, tree.width, V, generator=g)
     first = tree_links(tree)[0].cpu()  # [B, n]
     child_tok = tree.tokens.cpu().gather(1, first.clamp(min=0))
     logits.scatter_add_(2, child_tok[..., None], torch.where(first >= 0, 8.0, 0.0)[..., None])
-    logits = logits.view(vb.num_rows, V)
+    logits = logits[tree.node_mask().cpu()]  # [T, V] verify rows
     kw = filter_kwargs(f, vb.num_rows, device, g)
     gen = torch.Generator(device=device).manual_seed(21)
     got = accept_sampling(tree, logits.to(device), generator=gen, **kw)

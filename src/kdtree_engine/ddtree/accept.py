@@ -86,14 +86,15 @@ def _check_param(name, value, rows: int, device):
     return value
 
 
-def _filter_args(logits, temperature, top_k, top_p):
-    """Checked filter parameters of ``logits [R, V]``: ``(temperature, k_static, k_rows, top_p)``;
-    temperature and top_p a number or a ``[R]`` tensor (top_p None: off), ``k_static`` the int
-    top-k when it filters (``0 < top_k < V``) else None, ``k_rows`` a ``[R]`` tensor top-k or None."""
+def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
+    """Checked filter parameters of ``logits [R, V]`` (called ``name`` in errors):
+    ``(temperature, k_static, k_rows, top_p)``; temperature and top_p a number or a ``[R]``
+    tensor (top_p None: off), ``k_static`` the int top-k when it filters (``0 < top_k < V``) else
+    None, ``k_rows`` a ``[R]`` tensor top-k or None."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError("logits must be a floating-point torch.Tensor")
+        raise TypeError(f"{name} must be a floating-point torch.Tensor")
     if logits.dim() != 2 or logits.shape[1] < 1:
-        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+        raise ValueError(f"{name} must be [R, V], got shape {tuple(logits.shape)}")
     R, V = logits.shape
     dev = logits.device
     temperature = _check_param("temperature", temperature, R, dev)
@@ -372,7 +373,7 @@ def accept_sampling(
     """
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
-    temp, k_static, k_rows, p = _filter_args(target_logits, temperature, top_k, top_p)
+    temp, k_static, k_rows, p = _filter_args(target_logits, temperature, top_k, top_p, "target_logits")
     T, V = target_logits.shape
     if target_logits.device != tree.device:
         raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
