@@ -5,7 +5,8 @@ target logits ``[T, V]`` is its next-token distribution after node j of sequence
 
 * **Greedy**: the target's token at each node is its argmax (first index among ties).
 * **Sampling**: the target's token at each node is one sample of the target distribution after
-  :func:`filter_probs` (temperature, top-k, top-p).
+  :func:`filter_probs` (temperature, top-k, top-p); only the nodes the walk reaches are sampled
+  (the others' samples could not change the walk).
 
 Then the walk: start at the root; while the current node has a child whose token equals the
 target's token at the current node, move to that child. The accepted path (root first) and the
@@ -14,9 +15,12 @@ way the output is exactly a sample of the (filtered) target: each emitted token 
 own sample in the context of the tokens before it; the draft only decides how many of them one
 verify step yields. Children of a node must carry distinct tokens (DDTree and EAGLE trees do).
 
-The walk is computed without a loop over depth: a node is on the accepted path iff every edge
-from the root to it matches (child token == target token at the parent), an AND along the path
-evaluated by pointer jumping in ``log2(max_depth)`` rounds.
+On CUDA (and on the CPU under Triton's interpreter) the walk is one kernel, one program per
+sequence, which for sampling also filters and samples the rows it reaches
+(:mod:`.kernels`). The tensor-op walk of the CPU without the interpreter has no loop over depth:
+a node is on the accepted path iff every edge from the root to it matches (child token ==
+target token at the parent), an AND along the path evaluated by pointer jumping in
+``log2(max_depth)`` rounds.
 """
 
 from __future__ import annotations

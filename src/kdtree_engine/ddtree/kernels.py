@@ -209,15 +209,17 @@ def _scan_row(p_x, vocab, m_row, t, lo, strict, p_bv, p_bi,
         u = _key(y)
         ge = m & (u >= lo[:, None])
         gt = m & (u > lo[:, None])
+        n_ge = tl.sum(ge.to(tl.int32), axis=1)
+        n_gt = tl.sum(gt.to(tl.int32), axis=1)
         if STORE:
-            sel = tl.where(strict[:, None], gt, ge)
-            if tl.sum(sel.to(tl.int32)) > 0:
+            if tl.sum(tl.where(strict, n_gt, n_ge)) > 0:  # the cumsum only where entries are stored
+                sel = tl.where(strict[:, None], gt, ge)
                 pos = tl.where(strict, g, f)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
                 ok = sel & (pos < CAP)
                 tl.store(p_bv + pos, y, mask=ok)
                 tl.store(p_bi + pos, v0 + o_v, mask=ok)
-        f += tl.sum(ge.to(tl.int32), axis=1)
-        g += tl.sum(gt.to(tl.int32), axis=1)
+        f += n_ge
+        g += n_gt
     return f, g
 
 
