@@ -17,6 +17,7 @@ from kdtree_engine.ddtree import (
     commit_positions,
     compile_tree,
     filter_probs,
+    tree_links,
     sample_from_probs,
     tree_from_parents,
 )
@@ -103,21 +104,27 @@ def test_walk_matches_reference_on_ddtrees(B, L, V, budget, p_match, walk, devic
             assert not bool((tree.parents[b] == last).any())
 
 
-@pytest.mark.parametrize("walk", sorted(WALKS))
-def test_walk_on_ragged_shuffled_trees(walk, device):
-    g = torch.Generator().manual_seed(7)
-    sizes = [1, 9, 70, 33, 2]
+def ragged_tree(device, g, V: int, sizes=(1, 9, 30, 17, 2)):
+    """Ragged trees of ``sizes`` nodes with shuffled node order (children before parents too) and
+    distinct tokens below ``V`` (so siblings are distinct)."""
     parents, tokens = [], []
     for n in sizes:
         par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-        perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()  # children before parents too
+        perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()
         new = [0] * n
         for old, p in enumerate(par):
             new[perm[old]] = -1 if p < 0 else perm[p]
         parents.append(new)
-        tokens.append(torch.randperm(1000, generator=g)[:n].tolist())  # distinct: siblings distinct
+        tokens.append(torch.randperm(V, generator=g)[:n].tolist())
     tree = tree_from_parents(parents, tokens)
-    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device), sizes)
+    return tree_from_parents(tree.parents.to(device), tree.tokens.to(device), list(sizes))
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
+def test_walk_on_ragged_shuffled_trees(walk, device):
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 9, 70, 33, 2]
+    tree = ragged_tree(device, g, 1000, sizes)
     for p_match in (0.5, 1.0):
         tgt = matching_targets(tree, p_match, 1000, g)
         flat = torch.cat([tgt[b, :n] for b, n in enumerate(sizes)])  # verify rows, qo_indptr order
@@ -164,6 +171,12 @@ def test_accept_bad_inputs(device):
         accept_tokens(None, torch.zeros(12, dtype=torch.long, device=device))
     with pytest.raises(TypeError, match="prefix_lens"):
         commit_positions(accept_tokens(tree, torch.zeros(12, dtype=torch.long, device=device)), [0, 0])
+    with pytest.raises(ValueError, match="target_logits"):
+        accept_sampling(tree, torch.zeros(7, 4, device=device), top_k=2)
+    with pytest.raises(TypeError, match="target_logits"):
+        accept_sampling(tree, torch.zeros(12, 4, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="top_p"):
+        accept_sampling(tree, torch.zeros(12, 4, device=device), top_k=2, top_p=1.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,3 +342,169 @@ def test_lossy_rule_is_detected(device):
     first = accept_tokens(tree, tokens).new_tokens[:, 0].cpu()
     stat, dof = chi2_stat(torch.bincount(first, minlength=V), torch.softmax(table[2].double(), 0))
     assert stat > chi2_bound(dof)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused sampler (kernels.sample_walk): the walk samples only the nodes it reaches
+
+
+def root_only(rows: int, device):
+    """``rows`` one-node trees: sequence b's root is verify row b, so the walk samples every row."""
+    tree = tree_from_parents([[-1]] * rows, [[0]] * rows)
+    return tree_from_parents(tree.parents.to(device), tree.tokens.to(device))
+
+
+def sample_rows(logits, seed, **filt):
+    """The fused sampler's draw at every row of ``logits [R, V]`` (generator seeded ``seed``)."""
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
+    return accept_sampling(root_only(logits.shape[0], logits.device), logits, generator=gen, **filt).bonus
+
+
+FUSED = [
+    dict(temperature=0.8, top_k=5, top_p=0.7),
+    dict(temperature=1.3, top_k=12),
+    dict(temperature=0.9),
+    dict(temperature="rows", top_k=6, top_p="rows"),
+]
+
+
+def filter_kwargs(f, rows: int, device, g):
+    """``f`` with "rows" replaced by per-row tensors (some temperatures <= 0: greedy rows)."""
+    out = dict(f)
+    if out.get("temperature") == "rows":
+        out["temperature"] = (torch.rand(rows, generator=g) * 1.5 - 0.3).to(device)
+    if out.get("top_p") == "rows":
+        out["top_p"] = (torch.rand(rows, generator=g) * 0.9 + 0.1).to(device)
+    return out
+
+
+@pytest.mark.parametrize("f", FUSED, ids=[str(i) for i in range(len(FUSED))])
+@pytest.mark.parametrize("trees", ["ddtree", "ragged"])
+def test_fused_sampling_is_sampling_every_node_then_walking(f, trees, device):
+    """The walk samples only the nodes it reaches; each draw depends on (seed, row) only, so the
+    result equals drawing at every row (one-node trees over the same rows) and walking those."""
+    g = torch.Generator().manual_seed(4)
+    V, L, budget, B = 30, 4, 20, 6
+    if trees == "ddtree":
+        draft = torch.randn(B, L, V, generator=g)
+        tree = build_ddtree(draft.to(device), budget, torch.randint(0, V, (B,), generator=g).to(device))
+    else:
+        tree = ragged_tree(device, g, V)
+        B = tree.batch_size
+    vb = compile_tree(tree, torch.zeros(B, dtype=torch.long, device=device))
+    # targets that often follow the tree: the walk goes deep
+    logits = torch.randn(B, tree.width, V, generator=g)
+    first = tree_links(tree)[0].cpu()  # [B, n]
+    child_tok = tree.tokens.cpu().gather(1, first.clamp(min=0))
+    logits.scatter_add_(2, child_tok[..., None], torch.where(first >= 0, 8.0, 0.0)[..., None])
+    logits = logits[tree.node_mask().cpu()]  # [T, V] verify rows
+    kw = filter_kwargs(f, vb.num_rows, device, g)
+    gen = torch.Generator(device=device).manual_seed(21)
+    got = accept_sampling(tree, logits.to(device), generator=gen, **kw)
+    everywhere = sample_rows(logits.to(device), 21, **kw)
+    assert_same_result(got, accept_reference(tree, everywhere))
+    assert float((got.lengths > 2).double().mean()) > 0.3
+    again = accept_sampling(tree, logits.to(device), generator=torch.Generator(device=device).manual_seed(21), **kw)
+    assert_same_result(got, again)  # deterministic for a generator state
+
+
+def tied_logits(rows: int, V: int, g) -> torch.Tensor:
+    """Logits on a coarse grid (many ties, as bf16 has at a large vocabulary)."""
+    return torch.randint(-6, 4, (rows, V), generator=g).float() * 0.5
+
+
+@pytest.mark.parametrize("f", FUSED, ids=[str(i) for i in range(len(FUSED))])
+@pytest.mark.parametrize("small", [False, True], ids=["sizes", "tiny-buffer"])
+def test_fused_samples_lie_in_the_filtered_support(f, small, device, monkeypatch):
+    """Every draw is a token that :func:`filter_probs` keeps; greedy rows draw the first argmax.
+    ``tiny-buffer`` shrinks the candidate buffer and the lanes so that the overflow paths (ties
+    past the buffer, the bisection of the lower bound) run."""
+    from kdtree_engine.ddtree import kernels
+
+    if small:
+        monkeypatch.setattr(kernels, "SAMPLE_CAP_MIN_INTERPRETED", 1)
+        monkeypatch.setattr(kernels, "SAMPLE_CAP_MIN", 1)
+        monkeypatch.setattr(kernels, "SAMPLE_BLOCK_V", 4)
+    g = torch.Generator().manual_seed(8)
+    R, V = 400, 70
+    logits = tied_logits(R, V, g).to(device)
+    kw = filter_kwargs(f, R, device, g)
+    for seed in range(3):
+        s = sample_rows(logits, seed, **kw).cpu()
+        probs = filter_probs(logits, kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p")).cpu()
+        assert bool((probs.gather(1, s[:, None]) > 0).all())
+        t = kw.get("temperature", 1.0)
+        if isinstance(t, torch.Tensor):
+            greedy = (t <= 0).cpu()
+            assert torch.equal(s[greedy], logits.argmax(1).cpu()[greedy])
+
+
+FUSED_CHI2 = [
+    # name, temperature, top_k, top_p, logits builder
+    ("ties-past-buffer", 1.0, 3, 0.5),
+    ("lower-bound-bisection", 0.5, 3, None),
+    ("ties-past-buffer-no-top-p", 0.7, 3, None),
+]
+
+
+def chi2_logits(name: str, V: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    if name.startswith("ties"):  # two tokens above 50 tied ones: the 3rd largest ties 50 times
+        x = torch.rand(V, generator=g) - 3.0
+        x[:2] = 1.0
+        x[torch.randperm(V - 2, generator=g)[:50] + 2] = 0.5
+        return x
+    x = torch.rand(V, generator=g)  # lane 0 of 4 holds the large values
+    x[::4] = 4.0 + torch.rand(V // 4, generator=g)
+    return x
+
+
+@pytest.mark.parametrize("name,temperature,top_k,top_p", FUSED_CHI2, ids=[c[0] for c in FUSED_CHI2])
+def test_fused_overflow_paths_are_lossless(name, temperature, top_k, top_p, device, monkeypatch):
+    """Chi-square of the fused draws against :func:`filter_probs` where the candidate buffer (8
+    entries here) overflows: ties at the top-k threshold past it, and a lower bound from 4 lanes
+    that bisection must raise."""
+    from kdtree_engine.ddtree import kernels
+
+    monkeypatch.setattr(kernels, "SAMPLE_CAP_MIN_INTERPRETED", 1)
+    monkeypatch.setattr(kernels, "SAMPLE_CAP_MIN", 1)
+    monkeypatch.setattr(kernels, "SAMPLE_BLOCK_V", 4)
+    V, R = 96, 6000
+    row = chi2_logits(name, V)
+    logits = row.expand(R, V).to(device)
+    s = sample_rows(logits, 5, temperature=temperature, top_k=top_k, top_p=top_p).cpu()
+    probs = filter_probs(row[None].to(device), temperature, top_k, top_p)[0].cpu().double()
+    stat, dof = chi2_stat(torch.bincount(s, minlength=V), probs)
+    assert dof >= 2 and stat < chi2_bound(dof), f"chi2={stat:.1f} dof={dof}"
+
+
+# ----------------------------------------------------------------------------------------------
+# fixed shapes: what a CUDA graph captures
+
+
+@pytest.mark.parametrize("kind", ["random", "all-equal", "one-hot"])
+def test_step_shapes_do_not_depend_on_values(kind, device):
+    """Every output of the per-step functions has a shape fixed by (B, L, V, budget) and the
+    counts on the device: the values of the logits (ties everywhere, a single token) change
+    neither the tree's shape nor the acceptance's."""
+    B, L, V, budget = 3, 5, 40, 24
+    g = torch.Generator().manual_seed(6)
+    draft = {"random": torch.randn(B, L, V, generator=g), "all-equal": torch.zeros(B, L, V),
+             "one-hot": torch.full((B, L, V), -30.0).index_fill_(2, torch.tensor([7]), 5.0)}[kind].to(device)
+    roots = torch.randint(0, V, (B,), generator=g).to(device)
+    ref = build_ddtree(torch.randn(B, L, V, generator=g).to(device), budget, roots)
+    tree = build_ddtree(draft, budget, roots)
+    for f in ("tokens", "parents", "depths", "ranks", "scores", "num_nodes"):
+        x, y = getattr(tree, f), getattr(ref, f)
+        assert x.shape == y.shape and x.dtype == y.dtype and x.device.type == device.split(":")[0], f
+    assert tree.num_nodes_host == ref.num_nodes_host and tree.max_depth == ref.max_depth
+    T = sum(tree.num_nodes_host)
+    for target in (torch.randn(T, V, generator=g), torch.zeros(T, V)):
+        target = target.to(device)
+        for res in (accept_greedy(tree, target),
+                    accept_sampling(tree, target, temperature=0.7, top_k=5, top_p=0.9),
+                    accept_sampling(tree, target, temperature=0.7)):
+            for f in ("accepted", "accepted_tokens", "new_tokens"):
+                assert getattr(res, f).shape == (B, tree.max_depth + 1), f
+            assert res.lengths.shape == (B,) and res.bonus.shape == (B,)
+            assert res.lengths.device == tree.device

@@ -5,7 +5,8 @@ target logits ``[T, V]`` is its next-token distribution after node j of sequence
 
 * **Greedy**: the target's token at each node is its argmax (first index among ties).
 * **Sampling**: the target's token at each node is one sample of the target distribution after
-  :func:`filter_probs` (temperature, top-k, top-p).
+  :func:`filter_probs` (temperature, top-k, top-p); only the nodes the walk reaches are sampled
+  (the others' samples could not change the walk).
 
 Then the walk: start at the root; while the current node has a child whose token equals the
 target's token at the current node, move to that child. The accepted path (root first) and the
@@ -14,9 +15,12 @@ way the output is exactly a sample of the (filtered) target: each emitted token 
 own sample in the context of the tokens before it; the draft only decides how many of them one
 verify step yields. Children of a node must carry distinct tokens (DDTree and EAGLE trees do).
 
-The walk is computed without a loop over depth: a node is on the accepted path iff every edge
-from the root to it matches (child token == target token at the parent), an AND along the path
-evaluated by pointer jumping in ``log2(max_depth)`` rounds.
+On CUDA (and on the CPU under Triton's interpreter) the walk is one kernel, one program per
+sequence, which for sampling also filters and samples the rows it reaches
+(:mod:`.kernels`). The tensor-op walk of the CPU without the interpreter has no loop over depth:
+a node is on the accepted path iff every edge from the root to it matches (child token ==
+target token at the parent), an AND along the path evaluated by pointer jumping in
+``log2(max_depth)`` rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import interpreting
-from .kernels import walk
+from .kernels import MAX_FUSED_TOP_K, sample_walk, walk
 from .tree import DraftTree, _jump_iters
 
 __all__ = [
@@ -68,8 +72,9 @@ class AcceptResult:
 # target tokens per node
 
 
-def _row_param(name, value, rows: int, device, dtype, default):
-    """A per-row parameter as a ``[rows, 1]`` tensor, or None when it is off for every row."""
+def _check_param(name, value, rows: int, device):
+    """A per-row parameter as given: None, a number, or a ``[rows]`` tensor on ``device`` (a 0-d
+    tensor is broadcast)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -79,9 +84,43 @@ def _row_param(name, value, rows: int, device, dtype, default):
             raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {tuple(value.shape)}")
         if value.device != torch.device(device):
             raise ValueError(f"{name} is on {value.device}, expected {device} (the logits' device)")
-        return value.to(dtype)[:, None]
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+    return value
+
+
+def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
+    """Checked filter parameters of ``logits [R, V]`` (called ``name`` in errors):
+    ``(temperature, k_static, k_rows, top_p)``; temperature and top_p a number or a ``[R]``
+    tensor (top_p None: off), ``k_static`` the int top-k when it filters (``0 < top_k < V``) else
+    None, ``k_rows`` a ``[R]`` tensor top-k or None."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"{name} must be [R, V], got shape {tuple(logits.shape)}")
+    R, V = logits.shape
+    dev = logits.device
+    temperature = _check_param("temperature", temperature, R, dev)
+    k_static = k_rows = None
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        k_static = top_k if 0 < top_k < V else None
+    elif top_k is not None:
+        k_rows = _check_param("top_k", top_k, R, dev)
+    if top_p is not None and not isinstance(top_p, torch.Tensor):
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return temperature, k_static, k_rows, _check_param("top_p", top_p, R, dev)
+
+
+def _rows(value, rows: int, device, dtype, default):
+    """A checked per-row parameter as a ``[rows, 1]`` tensor, or None when it is ``default`` (off)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)[:, None]
     if value == default:
         return None
     return torch.full((rows, 1), value, dtype=dtype, device=device)
@@ -111,26 +150,14 @@ def filter_logits(
     An int ``top_k`` uses ``torch.topk(top_k)``; a tensor ``top_k`` or a top-p without top-k sorts
     the whole row (costly at V = 163840; prefer an int top_k alongside top_p). No host sync.
     """
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError("logits must be a floating-point torch.Tensor")
-    if logits.dim() != 2 or logits.shape[1] < 1:
-        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    temperature, k_static, k_row, top_p = _filter_args(logits, temperature, top_k, top_p)
     R, V = logits.shape
     dev = logits.device
-    temp = _row_param("temperature", temperature, R, dev, torch.float32, 1.0)
-    k_row = None
-    k_static = None
-    if isinstance(top_k, int) and not isinstance(top_k, bool):
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        k_static = top_k if 0 < top_k < V else None
-    elif top_k is not None:
-        k_row = _row_param("top_k", top_k, R, dev, torch.int64, None)
+    temp = _rows(temperature, R, dev, torch.float32, 1.0)
+    if k_row is not None:
+        k_row = k_row.to(torch.int64)[:, None]
         k_row = torch.where((k_row <= 0) | (k_row > V), V, k_row)
-    if top_p is not None and not isinstance(top_p, torch.Tensor):
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    p_row = _row_param("top_p", top_p, R, dev, torch.float32, 1.0)
+    p_row = _rows(top_p, R, dev, torch.float32, 1.0)
     if p_row is not None:  # top_p >= 1 is off (cumsum rounding must not drop the tail)
         p_row = torch.where(p_row >= 1, float("inf"), p_row)
 
@@ -327,14 +354,56 @@ def accept_sampling(
     top_p: float | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> AcceptResult:
-    """Lossless sampling acceptance: one sample of the filtered target per node, then the walk.
+    """Lossless sampling acceptance: the walk, with the target's token at each node one sample of
+    the filtered target (:func:`filter_logits`) there.
 
-    Per-row parameters (``[T]`` tensors) let each sequence use its own settings.
+    Args:
+        tree: the verified trees.
+        target_logits: ``[T, V]`` verify rows (row of node j of tree b = qo_indptr[b] + j).
+        temperature, top_k, top_p: as :func:`filter_logits`; per-row parameters (``[T]``
+            tensors) let each sequence use its own settings.
+        generator: of the samples; the result is a function of its state (no host sync).
+
+    Only the nodes the walk reaches are sampled (each node's sample is independent of the
+    others', so sampling the rest could not change the path). On CUDA (and on the CPU under
+    Triton's interpreter), with an int ``top_k <= 1024`` (any top-p) or with neither top-k nor
+    top-p: one kernel launch (:func:`kernels.sample_walk`) that filters and samples one row of
+    the target per reached node, by inverse CDF at a uniform drawn from ``(seed, row)``, the seed
+    one draw of ``generator``; it reads each reached row two or three times and never
+    materialises a filtered ``[T, V]``. Otherwise (a tensor top_k, top-p without top-k, the CPU
+    without the interpreter): every row filtered by :func:`filter_logits`, sampled by an
+    exponential race, then :func:`accept_tokens`. Both draw exactly from the filtered target;
+    they use the generator differently, so their samples differ.
     """
-    tokens = target_tokens_sampled(
-        target_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    temp, k_static, k_rows, p = _filter_args(target_logits, temperature, top_k, top_p, "target_logits")
+    T, V = target_logits.shape
+    if target_logits.device != tree.device:
+        raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
+    if T != sum(tree.num_nodes_host):
+        raise ValueError(f"target_logits must have T={sum(tree.num_nodes_host)} rows, got {T}")
+    top_p_on = isinstance(p, torch.Tensor) or (p is not None and p < 1)
+    fused = k_rows is None and (k_static or 0) <= MAX_FUSED_TOP_K and (k_static is not None or not top_p_on)
+    if not fused or not (tree.device.type == "cuda" or interpreting()):
+        tokens = target_tokens_sampled(
+            target_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        return accept_tokens(tree, tokens)
+    logits = target_logits if target_logits.stride(1) == 1 else target_logits.contiguous()
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=tree.device, generator=generator)
+
+    def rows(x, off):
+        if isinstance(x, torch.Tensor):
+            return x.to(torch.float32).contiguous()
+        return off if x is None else float(x)
+
+    acc, acc_tokens, new_tokens, lengths, bonus = sample_walk(
+        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, logits,
+        None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
+        temp=rows(temp, 1.0), top_k=k_static or 0, top_p=rows(p, 2.0), seed=seed,
     )
-    return accept_tokens(tree, tokens)
+    return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,10 +12,16 @@ construct_graph    the same, replayed from a CUDA graph (CUDA only)
 expand_host        :func:`expand_topk_reference`: one device->host copy of the top-K, a Python
                    heap per sequence, the tree copied back (what a host-side DDTree costs)
 compile            :func:`compile_tree` (masks, positions, links)
-accept_greedy      :func:`accept_greedy` on target logits ``[T, V]`` (argmax + walk)
+accept_greedy      :func:`accept_greedy` on random target logits ``[T, V]`` (argmax + walk;
+                   the walk stops at the root or one node below)
 accept_greedy_graph  the same, replayed from a CUDA graph (CUDA only)
-accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9
+accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9, random target
+                   logits (the fused kernel samples one or two rows per sequence)
 accept_sample_graph  the same, replayed from a CUDA graph (CUDA only; the default generator)
+accept_*_deep      the same two on "deep" target logits: at every node with children the first
+                   child's token gets logit +100, so the walk goes to the tree's deepest level
+                   (``max_depth + 1`` rows sampled per sequence: the worst case); ``deep_length``
+                   is the mean accepted length seen
 walk               :func:`accept_tokens` alone (target tokens given)
 step               topk + expand + compile + accept_greedy, eager
 step_graph         the same four captured in one CUDA graph (CUDA only)
@@ -47,7 +53,7 @@ import torch
 from ..bench.report import machine_info, machine_line
 from ..bench.timing import capture_graph, event_times_ms, wall_times_ms
 from .accept import accept_greedy, accept_sampling, accept_tokens
-from .tree import compile_tree, draft_topk, expand_topk, expand_topk_reference
+from .tree import DraftTree, compile_tree, draft_topk, expand_topk, expand_topk_reference, tree_links
 
 __all__ = ["run_benchmark", "main"]
 
@@ -64,16 +70,21 @@ STAGES = (
     "accept_greedy_graph",
     "accept_sample",
     "accept_sample_graph",
+    "accept_greedy_deep",
+    "accept_greedy_deep_graph",
+    "accept_sample_deep",
+    "accept_sample_deep_graph",
     "walk",
     "step",
     "step_graph",
 )
 
-# issue 13: (name, stage, batch, budget, target us) at V = 163840, L = 16
+# issue 13: (name, stage, batch, budget, target us) at V = 163840, L = 16; acceptance on the deep
+# targets (the walk reaches max_depth: the most rows the sampler reads)
 TARGETS = (
     ("top-k + expansion", "construct", 1, 512, 100.0),
-    ("greedy acceptance", "accept_greedy", 1, 512, 50.0),
-    ("sampling acceptance", "accept_sample", 16, 512, 1000.0),
+    ("greedy acceptance", "accept_greedy_deep", 1, 512, 50.0),
+    ("sampling acceptance", "accept_sample_deep", 16, 512, 1000.0),
 )
 
 
@@ -92,6 +103,17 @@ def _time_graph(fn: Callable[[], object], dev: torch.device, reps: int, warmup: 
     ms = event_times_ms(lambda _j: graph.replay(), reps)
     del graph
     return statistics.median(ms) * 1e3
+
+
+def deep_targets(tree: DraftTree, target: torch.Tensor) -> torch.Tensor:
+    """``target [T, V]`` (rows ``b * n + j`` of a uniform tree) with logit +100 at the first
+    child's token of every node that has children: greedy and sampled walks go to the leaves."""
+    B, n = tree.batch_size, tree.width
+    first = tree_links(tree)[0]
+    b, j = (first >= 0).nonzero(as_tuple=True)
+    deep = target.clone()
+    deep.view(B, n, -1)[b, j, tree.tokens[b, first[b, j]]] = 100.0
+    return deep
 
 
 def _same_tree(a, b) -> bool:
@@ -153,7 +175,7 @@ def run_benchmark(
         k = min(budget, vocab)
         T = batch * (budget + 1)
         prefix = torch.randint(100, 5000, (batch,), generator=gen).to(dev)
-        target = None
+        target = deep = None
         try:
             target = (torch.randn(T, vocab, generator=gen) * 3).to(device=dev, dtype=dtype)
         except Exception as exc:  # e.g. out of memory at a huge batch: the other stages still run
@@ -183,8 +205,8 @@ def run_benchmark(
         def construct(i: int = 0):
             return expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
 
-        def sample(generator=None):
-            return accept_sampling(tree, target, temperature=0.7, top_k=50, top_p=0.9, generator=generator)
+        def sample(generator=None, logits=target):
+            return accept_sampling(tree, logits, temperature=0.7, top_k=50, top_p=0.9, generator=generator)
 
         stage("topk", lambda: _time_wall(lambda i: draft_topk(drafts[i % n_rot], k), dev, reps, warmup))
         stage("expand", lambda: _time_wall(lambda i: expand_topk(top, budget, roots), dev, reps, warmup))
@@ -201,6 +223,10 @@ def run_benchmark(
                 "accept_sample",
                 lambda: _time_wall(lambda i: sample(sgen), dev, reps, warmup),
             )
+            deep = deep_targets(tree, target)
+            row["deep_length"] = float(accept_greedy(tree, deep).lengths.double().mean())
+            stage("accept_greedy_deep", lambda: _time_wall(lambda i: accept_greedy(tree, deep), dev, reps, warmup))
+            stage("accept_sample_deep", lambda: _time_wall(lambda i: sample(sgen, deep), dev, reps, warmup))
             stage("walk", lambda: _time_wall(lambda i: accept_tokens(tree, tgt_tokens), dev, reps, warmup))
             stage("step", lambda: _time_wall(step, dev, reps, warmup))
         if cuda and graphs:
@@ -209,8 +235,10 @@ def run_benchmark(
             if target is not None:
                 stage("accept_greedy_graph", lambda: _time_graph(lambda: accept_greedy(tree, target), dev, reps, warmup))
                 stage("accept_sample_graph", lambda: _time_graph(sample, dev, reps, warmup))
+                stage("accept_greedy_deep_graph", lambda: _time_graph(lambda: accept_greedy(tree, deep), dev, reps, warmup))
+                stage("accept_sample_deep_graph", lambda: _time_graph(lambda: sample(None, deep), dev, reps, warmup))
                 stage("step_graph", lambda: _time_graph(step, dev, reps, warmup))
-        del target
+        del target, deep
         rows.append(row)
         if verbose:
             _print_row(row, header=len(rows) == 1)
@@ -227,9 +255,11 @@ def _print_row(row: dict, header: bool) -> None:
     cols = ("budget", "nodes") + STAGES
     if header:
         print("times in us (eager: wall-clock between syncs; *_graph: CUDA-graph replay, GPU time)")
-        print(" ".join(f"{c:>13}" for c in cols) + "  ok")
+        print(" ".join(f"{c:>13}" for c in cols) + "  ok  deep_length")
     vals = [str(row["budget"]), str(row["nodes"])] + [_fmt(row.get(s)) for s in STAGES]
-    print(" ".join(f"{v:>13}" for v in vals) + f"  {'yes' if row.get('matches_reference') else 'NO'}")
+    deep = row.get("deep_length")
+    print(" ".join(f"{v:>13}" for v in vals) + f"  {'yes' if row.get('matches_reference') else 'NO'}"
+          f"  {'-' if deep is None else f'{deep:.1f}'}")
 
 
 def target_table(rows: list[dict]) -> list[dict]:

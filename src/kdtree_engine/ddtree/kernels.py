@@ -15,13 +15,14 @@ import triton.language as tl
 
 from ..backend import interpreting
 
-__all__ = ["walk", "expand", "finish_topk"]
+__all__ = ["walk", "sample_walk", "expand", "finish_topk"]
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers
 
 _INT64_MAX = tl.constexpr(2**63 - 1)
+STREAM_UNROLL = 4  # chunks per iteration of a program's pass over a vocabulary row (loads in flight)
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def _round_half_even(x):
     return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
 
 
-@triton.jit(do_not_specialize=["num_rows", "vocab", "stride_row"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _finish_topk_kernel(
     logits, vals, ids, out_lp, out_ids, tmp,
     num_rows, vocab, stride_row,
@@ -77,6 +78,7 @@ def _finish_topk_kernel(
     BLOCK_K: tl.constexpr,
     RANK_SORT: tl.constexpr,
     CHUNK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Rows ``i_p * ROWS ..`` of :func:`kdtree_engine.ddtree.draft_topk` after ``torch.topk``.
 
@@ -91,13 +93,14 @@ def _finish_topk_kernel(
     p_x = logits + o_r.to(tl.int64)[:, None] * stride_row  # [R, 1]
     b_old = tl.full([ROWS, BLOCK_V], float("-inf"), tl.float32)  # running max per lane
     b_s = tl.zeros([ROWS, BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        o_v = v0 + tl.arange(0, BLOCK_V)[None, :]
-        b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
-        b_m = tl.maximum(b_old, b_x)
-        b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
-        b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
-        b_old = b_m
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):  # UNROLL independent loads in flight
+            o_v = v0 + j * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+            b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
+            b_m = tl.maximum(b_old, b_x)
+            b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
+            b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
+            b_old = b_m
     m = tl.max(b_old, axis=1)  # [R]
     m = tl.where(m > float("-inf"), m, 0.0)
     lse = m + tl.log(tl.sum(b_s * tl.exp(b_old - m[:, None]), axis=1))  # [R]
@@ -145,32 +148,247 @@ def finish_topk(logits, vals, ids, scale: int, floor: float):
         BLOCK_K=block_k,
         RANK_SORT=rank_sort,
         CHUNK=min(block_k, max(1, 2**20 // (rows * block_k))),
+        UNROLL=STREAM_UNROLL,
         num_warps=8 if block_v >= 2048 else 4,
     )
     return out_lp, out_ids
 
 
 # ----------------------------------------------------------------------------------------------
-# the acceptance walk
+# the acceptance walk, on given target tokens or sampling the target along the path
+
+SAMPLE_BLOCK_V = 4096  # lanes of the sampler: vocabulary columns per step, and the lane maxima
+SAMPLE_CAP_MIN = 256  # smallest candidate buffer of the sampler (it holds at least 2 * top_k)
+SAMPLE_CAP_MIN_INTERPRETED = 16  # the interpreter's: many sequences per program, small vocabularies
+MAX_FUSED_TOP_K = 1024  # a larger int top_k samples through the tensor-op filter
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_depth", "stride_tree", "stride_tgt", "stride_out"])
+@triton.jit
+def _key(y):
+    """``[..]`` int64 key in ``[0, 2**32)`` increasing with float32 ``y`` (-0.0 folded onto +0.0)."""
+    bits = (y + 0.0).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2**31
+
+
+@triton.jit
+def _unkey(u):
+    """The float32 whose :func:`_key` is ``u``."""
+    o = (u - 2**31).to(tl.int32)
+    return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _largest_key(b_u, b_w, x_u, x_w, need):
+    """Per row of ``[S, N]`` keys ``b_u`` with weights ``b_w`` (plus one extra entry per row,
+    ``x_u``/``x_w`` ``[S]``): the largest ``v`` in ``[0, 2**32)`` whose weight at or above it,
+    ``sum(b_w[b_u >= v]) + x_w * (x_u >= v)``, is ``>= need`` (0 when none is). Bisection on the
+    key's 32 bits; the weight is monotone in ``v``, so the answer is a key of an entry."""
+    v = tl.zeros(need.shape, tl.int64)
+    step = tl.full(need.shape, 2**31, tl.int64)
+    for _ in range(32):
+        c = v + step
+        w = tl.sum(tl.where(b_u >= c[:, None], b_w, 0), axis=1) + tl.where(x_u >= c, x_w, 0)
+        v = tl.where(w >= need, c, v)
+        step = step // 2
+    return v
+
+
+@triton.jit
+def _scan_row(p_x, vocab, m_row, t, lo, strict, p_bv, p_bi,
+              CAP: tl.constexpr, BLOCK_V: tl.constexpr, STORE: tl.constexpr):
+    """One pass over rows ``p_x`` (``[S, 1]`` pointers) of ``y = x / t``: ``(f, g)`` = the number
+    of entries with key ``>= lo`` / ``> lo`` (``[S]`` int32). STORE: the selected entries (``> lo``
+    where ``strict``, else ``>= lo``) in column order go to the candidate buffer ``p_bv`` (y) /
+    ``p_bi`` (column), the first CAP of them."""
+    o_v = tl.arange(0, BLOCK_V)[None, :]
+    f = tl.zeros(lo.shape, tl.int32)
+    g = tl.zeros(lo.shape, tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        m = m_row[:, None] & (v0 + o_v < vocab)
+        y = tl.math.div_rn(tl.load(p_x + v0 + o_v, mask=m, other=0.0).to(tl.float32), t[:, None])
+        u = _key(y)
+        ge = m & (u >= lo[:, None])
+        gt = m & (u > lo[:, None])
+        n_ge = tl.sum(ge.to(tl.int32), axis=1)
+        n_gt = tl.sum(gt.to(tl.int32), axis=1)
+        if STORE:
+            if tl.sum(tl.where(strict, n_gt, n_ge)) > 0:  # the cumsum only where entries are stored
+                sel = tl.where(strict[:, None], gt, ge)
+                pos = tl.where(strict, g, f)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+                ok = sel & (pos < CAP)
+                tl.store(p_bv + pos, y, mask=ok)
+                tl.store(p_bi + pos, v0 + o_v, mask=ok)
+        f += n_ge
+        g += n_gt
+    return f, g
+
+
+@triton.jit
+def _nth_equal(p_x, vocab, m_row, t, key, nth, BLOCK_V: tl.constexpr):
+    """``[S]`` int64: the column of the ``nth`` (0-based) entry of each row whose key is ``key``."""
+    o_v = tl.arange(0, BLOCK_V)[None, :]
+    seen = tl.zeros(key.shape, tl.int32)
+    col = tl.zeros(key.shape, tl.int64)
+    for v0 in range(0, vocab, BLOCK_V):
+        m = m_row[:, None] & (v0 + o_v < vocab)
+        y = tl.math.div_rn(tl.load(p_x + v0 + o_v, mask=m, other=0.0).to(tl.float32), t[:, None])
+        eq = m & (_key(y) == key[:, None])
+        pos = seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1) - 1
+        col += tl.sum(tl.where(eq & (pos == nth[:, None]), v0 + o_v, 0), axis=1).to(tl.int64)
+        seen += tl.sum(eq.to(tl.int32), axis=1)
+    return col
+
+
+@triton.jit
+def _sample_top_k(p_x, vocab, m_row, t, k, p, u01, p_bv, p_bi,
+                  CAP: tl.constexpr, BLOCK_V: tl.constexpr, UNROLL: tl.constexpr):
+    """One sample per row of ``softmax(filter_logits(x))`` with an int top-k ``k <= CAP / 2``
+    (``[S]`` int64 columns), by inverse CDF at the uniform ``u01``; ``k = 1, u01 = 0`` gives the
+    first argmax (greedy rows). Only the kept tokens are ranked, in a candidate buffer:
+
+    1. the k-th largest lane maximum (lane j: columns j, j + BLOCK_V, ..) is ``lo``, a lower bound
+       of the k-th largest y: at least k entries have a key ``>= lo``;
+    2. one pass stores the entries ``>= lo`` (``f`` of them, ``g`` strictly above); when they
+       overflow the buffer and ``g >= k``, ``lo`` rises by bisection (counting passes) until
+       ``f <= CAP`` or ``g < k`` (then ``lo`` is the k-th largest key, ``f - g`` entries tie at
+       it and only the ``g < k`` entries above it are stored; the ties are one weighted entry);
+    3. on the buffer: the top-k threshold, the top-p threshold (the largest key whose mass at or
+       above it reaches ``p`` times the top-k mass: the smallest most-probable set, plus ties),
+       and the inverse CDF over the kept entries (buffer in column order, then the ties).
+    """
+    o_c = tl.arange(0, CAP)[None, :]
+    o_v = tl.arange(0, BLOCK_V)[None, :]
+    # 1. lane maxima
+    b_max = tl.full([p_x.shape[0], BLOCK_V], float("-inf"), tl.float32)
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):
+            c = v0 + j * BLOCK_V + o_v
+            x = tl.load(p_x + c, mask=m_row[:, None] & (c < vocab), other=float("-inf")).to(tl.float32)
+            b_max = tl.maximum(b_max, tl.math.div_rn(x, t[:, None]))
+    none = tl.zeros(k.shape, tl.int64)
+    lo = _largest_key(_key(b_max), 1, none, none, k)
+    # 2. the candidates
+    strict = k < 0  # all False
+    f, g = _scan_row(p_x, vocab, m_row, t, lo, strict, p_bv, p_bi, CAP, BLOCK_V, True)
+    bad = m_row & (f > CAP) & (g >= k)
+    n_bad = tl.sum(bad.to(tl.int32))
+    if n_bad > 0:
+        hi = tl.full(lo.shape, 2**32, tl.int64)
+        for _ in range(32):
+            if tl.sum(bad.to(tl.int32)) > 0:
+                mid = (lo + hi) // 2
+                fm, gm = _scan_row(p_x, vocab, bad, t, mid, strict, p_bv, p_bi, CAP, BLOCK_V, False)
+                up = bad & (fm >= k)
+                lo = tl.where(up, mid, lo)
+                hi = tl.where(bad & ~up, mid, hi)
+                f = tl.where(up, fm, f)
+                g = tl.where(up, gm, g)
+                bad = bad & (f > CAP) & (g >= k)
+    strict = m_row & (f > CAP)
+    if n_bad + tl.sum(strict.to(tl.int32)) > 0:  # lo moved, or only the entries above it fit
+        _scan_row(p_x, vocab, m_row, t, lo, strict, p_bv, p_bi, CAP, BLOCK_V, True)
+    # 3. thresholds and the draw
+    n_buf = tl.where(strict, g, f)
+    m_buf = m_row[:, None] & (o_c < n_buf[:, None])
+    b_y = tl.load(p_bv + o_c, mask=m_buf, other=float("-inf"))
+    b_u = tl.where(m_buf, _key(b_y), 0)
+    n_tie = tl.where(strict, f - g, 0).to(tl.int64)
+    y_tie = _unkey(lo)
+    top = tl.maximum(tl.max(b_y, axis=1), tl.where(n_tie > 0, y_tie, float("-inf")))
+    b_e = tl.where(m_buf, tl.exp(b_y - top[:, None]), 0.0)
+    e_tie = tl.where(n_tie > 0, tl.exp(y_tie - top), 0.0)
+    thr = _largest_key(b_u, m_buf.to(tl.int64), lo, n_tie, k.to(tl.int64))
+    mass = tl.sum(tl.where(b_u >= thr[:, None], b_e, 0.0), axis=1) + tl.where(lo >= thr, n_tie * e_tie, 0.0)
+    use_p = m_row & (p < 1.0)
+    if tl.sum(use_p.to(tl.int32)) > 0:
+        thr_p = _largest_key(b_u, b_e, lo, n_tie * e_tie, p * mass)
+        thr = tl.where(use_p, tl.maximum(thr, thr_p), thr)
+    kept = m_buf & (b_u >= thr[:, None])
+    cdf = tl.cumsum(tl.where(kept, b_e, 0.0), axis=1)  # [S, CAP]
+    in_buf = tl.max(cdf, axis=1)
+    ties = tl.where(lo >= thr, n_tie, 0)
+    goal = u01 * (in_buf + ties * e_tie)
+    hit = kept & (cdf > goal[:, None])
+    first = tl.min(tl.where(hit, o_c, CAP), axis=1)
+    last = tl.max(tl.where(kept, o_c, -1), axis=1)
+    pick = tl.where(first < CAP, first, last)
+    col = tl.sum(tl.where(o_c == pick[:, None], tl.load(p_bi + o_c, mask=m_buf, other=0), 0), axis=1).to(tl.int64)
+    from_ties = m_row & (ties > 0) & (first == CAP)
+    if tl.sum(from_ties.to(tl.int32)) > 0:
+        nth = ((goal - in_buf) / tl.where(e_tie > 0, e_tie, 1.0)).to(tl.int64)
+        nth = tl.minimum(tl.maximum(nth, 0), ties - 1)
+        col = tl.where(from_ties, _nth_equal(p_x, vocab, from_ties, t, lo, nth, BLOCK_V), col)
+    return col
+
+
+@triton.jit
+def _sample_full(p_x, vocab, m_row, t, greedy, u01, BLOCK_V: tl.constexpr, UNROLL: tl.constexpr):
+    """One sample per row of ``softmax(x / t)`` (no top-k, no top-p), ``[S]`` int64, by inverse
+    CDF at ``u01``; ``greedy`` rows: the first argmax. Two passes over the row."""
+    o_v = tl.arange(0, BLOCK_V)[None, :]
+    b_old = tl.full([p_x.shape[0], BLOCK_V], float("-inf"), tl.float32)
+    b_s = tl.zeros([p_x.shape[0], BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V * UNROLL):
+        for j in tl.static_range(UNROLL):
+            c = v0 + j * BLOCK_V + o_v
+            y = tl.math.div_rn(tl.load(p_x + c, mask=m_row[:, None] & (c < vocab), other=float("-inf")).to(tl.float32), t[:, None])
+            b_m = tl.maximum(b_old, y)
+            b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)
+            b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(y - b_ref)
+            b_old = b_m
+    top = tl.max(b_old, axis=1)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    goal = u01 * tl.sum(b_s * tl.exp(b_old - top[:, None]), axis=1)
+    run = tl.zeros(top.shape, tl.float32)
+    col = tl.full(top.shape, -1, tl.int64)
+    last = tl.zeros(top.shape, tl.int64)
+    for v0 in range(0, vocab, BLOCK_V):
+        m = m_row[:, None] & (v0 + o_v < vocab)
+        y = tl.math.div_rn(tl.load(p_x + v0 + o_v, mask=m, other=float("-inf")).to(tl.float32), t[:, None])
+        w = tl.where(m, tl.where(greedy[:, None], (y == top[:, None]).to(tl.float32), tl.exp(y - top[:, None])), 0.0)
+        cdf = run[:, None] + tl.cumsum(w, axis=1)
+        first = tl.min(tl.where((cdf > goal[:, None]) & (w > 0), v0 + o_v, vocab), axis=1).to(tl.int64)
+        col = tl.where((col < 0) & (first < vocab), first, col)
+        last = tl.maximum(last, tl.max(tl.where(w > 0, v0 + o_v, 0), axis=1).to(tl.int64))
+        run = tl.max(cdf, axis=1)
+    return tl.where(col >= 0, col, last)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "max_depth", "stride_tree", "seq_rows", "stride_out", "temp_val",
+                               "top_k", "top_p_val"])
 def _walk_kernel(
     tok, par, num_nodes, tgt, starts,
+    temp, top_p, seed, buf_v, buf_i,
     acc, acc_tok, new_tok, lengths, bonus,
-    num_seqs, max_depth,
-    stride_tree, stride_tgt, stride_out,
+    num_seqs, max_depth, vocab,
+    stride_tree, seq_rows, stride_row, stride_out,
+    temp_val, top_k, top_p_val,
     USE_STARTS: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TEMP_ROWS: tl.constexpr,
+    TOP_P_ROWS: tl.constexpr,
+    CAP: tl.constexpr,
     SEQS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """The walks of sequences ``i_s * SEQS ..``: from the root, move to the lowest-index child
-    whose token is the target's token at the current node, at most ``max_depth`` times.
+    whose token is the target's token at the current node, while one exists (at most
+    ``max_depth`` moves); the program stops when all its walks have.
 
     tok, par: ``[B, n]`` int64 (row stride ``stride_tree``, unit column stride), -1 padded.
-    tgt: int64 target tokens; node j of sequence b at ``starts[b] + j`` (USE_STARTS, flat rows)
-    or ``b * stride_tgt + j``.
-    acc, acc_tok, new_tok: ``[B, max_depth+1]`` int64 (row stride ``stride_out``); lengths, bonus: ``[B]``.
+    Node j of sequence b is flat row ``r = starts[b] + j`` (USE_STARTS) or ``b * seq_rows + j``.
+    The target's token at a node: ``tgt[r]`` (int64 tokens), or SAMPLE: one sample of the
+    filtered target logits ``tgt[r * stride_row + :vocab]`` at the uniform ``rand(seed, r)``, only
+    for the nodes the walk reaches. Filtering as :func:`kdtree_engine.ddtree.filter_logits`:
+    temperature (``temp[r]`` or ``temp_val``; <= 0: greedy), TOP_K: int top-k ``top_k`` (else no
+    top-k and no top-p), top-p (``top_p[r]`` or ``top_p_val``; >= 1: off); ``buf_v``/``buf_i``:
+    ``[programs * SEQS, CAP]`` float32/int32 candidate buffers.
+    acc, acc_tok, new_tok: ``[B, max_depth+1]`` int64 (row stride ``stride_out``, BLOCK_D >= its
+    width); lengths, bonus: ``[B]``.
     """
     i_s = tl.program_id(0)
     o_s = i_s * SEQS + tl.arange(0, SEQS)
@@ -182,38 +400,68 @@ def _walk_kernel(
     b_par = tl.load(par + p_tree[:, None] + o_n[None, :], mask=m_sn, other=-2)  # [S, BN]
     b_tok = tl.load(tok + p_tree[:, None] + o_n[None, :], mask=m_sn, other=-1)  # [S, BN]
     if USE_STARTS:
-        p_tgt = tgt + tl.load(starts + o_s, mask=m_s, other=0)  # [S]
+        row0 = tl.load(starts + o_s, mask=m_s, other=0).to(tl.int64)  # [S]
     else:
-        p_tgt = tgt + o_s.to(tl.int64) * stride_tgt
+        row0 = o_s.to(tl.int64) * seq_rows
     p_out = o_s.to(tl.int64) * stride_out  # [S]
-    tl.store(acc + p_out, tl.zeros([SEQS], tl.int64), mask=m_s)
-    tl.store(acc_tok + p_out, tl.load(tok + p_tree, mask=m_s, other=-1), mask=m_s)
+    o_d = tl.arange(0, BLOCK_D)[None, :]
+    m_d = m_s[:, None] & (o_d <= max_depth)
+    pad = tl.full([SEQS, BLOCK_D], -1, tl.int64)
+    tl.store(acc + p_out[:, None] + o_d, tl.where(o_d == 0, 0, pad), mask=m_d)
+    root_tok = tl.load(tok + p_tree, mask=m_s, other=-1)
+    tl.store(acc_tok + p_out[:, None] + o_d, tl.where(o_d == 0, root_tok[:, None], pad), mask=m_d)
+    tl.store(new_tok + p_out[:, None] + o_d, pad, mask=m_d)
+    p_buf = o_s.to(tl.int64)[:, None] * CAP  # [S, 1] (programs own consecutive rows)
     cur = tl.zeros([SEQS], tl.int64)
     alive = m_s
     length = tl.full([SEQS], 1, tl.int64)
-    for d in range(max_depth):
-        want = tl.load(p_tgt + cur, mask=m_s, other=-1)  # [S]
-        hit = (b_par == cur[:, None]) & (b_tok == want[:, None])
-        nxt = tl.min(tl.where(hit, o_n[None, :], BLOCK_N), axis=1).to(tl.int64)  # [S]
-        found = (nxt < BLOCK_N) & alive
-        nxt_tok = tl.load(tok + p_tree + nxt, mask=found, other=-1)
-        tl.store(acc + p_out + d + 1, tl.where(found, nxt, -1), mask=m_s)
-        tl.store(acc_tok + p_out + d + 1, nxt_tok, mask=m_s)
-        tl.store(new_tok + p_out + d, tl.where(found, nxt_tok, tl.where(alive, want, -1)), mask=m_s)
-        cur = tl.where(found, nxt, cur)
-        alive = found
-        length += found.to(tl.int64)
-    last = tl.load(p_tgt + cur, mask=m_s, other=-1)
-    tl.store(new_tok + p_out + max_depth, tl.where(alive, last, -1), mask=m_s)
+    last = tl.full([SEQS], -1, tl.int64)
+    depth_cap = tl.zeros([SEQS], tl.int32) + max_depth  # a node at max_depth has no children
+    for d in range(max_depth + 1):
+        if tl.sum(alive.to(tl.int32)) > 0:
+            row = row0 + cur
+            if SAMPLE:
+                if TEMP_ROWS:
+                    t = tl.load(temp + row, mask=alive, other=1.0).to(tl.float32)
+                else:
+                    t = tl.zeros([SEQS], tl.float32) + temp_val
+                greedy = t <= 0.0
+                t = tl.where(greedy, 1.0, t)
+                u01 = tl.where(greedy, 0.0, tl.rand(tl.load(seed), row.to(tl.int32)))
+                p_x = tgt + row[:, None] * stride_row  # [S, 1]
+                if TOP_K:
+                    if TOP_P_ROWS:
+                        p = tl.load(top_p + row, mask=alive, other=2.0).to(tl.float32)
+                    else:
+                        p = tl.zeros([SEQS], tl.float32) + top_p_val
+                    k = tl.where(greedy, 1, tl.zeros([SEQS], tl.int32) + top_k)
+                    want = _sample_top_k(p_x, vocab, alive, t, k, tl.where(greedy, 2.0, p), u01,
+                                         buf_v + p_buf, buf_i + p_buf, CAP, BLOCK_V, UNROLL)
+                else:
+                    want = _sample_full(p_x, vocab, alive, t, greedy, u01, BLOCK_V, UNROLL)
+            else:
+                want = tl.load(tgt + row, mask=alive, other=-1)  # [S]
+            hit = (b_par == cur[:, None]) & (b_tok == want[:, None])
+            nxt = tl.min(tl.where(hit, o_n[None, :], BLOCK_N), axis=1).to(tl.int64)  # [S]
+            found = (nxt < BLOCK_N) & alive & (depth_cap > d)
+            nxt_tok = tl.load(tok + p_tree + nxt, mask=found, other=-1)
+            tl.store(acc + p_out + d + 1, nxt, mask=found)
+            tl.store(acc_tok + p_out + d + 1, nxt_tok, mask=found)
+            tl.store(new_tok + p_out + d, tl.where(found, nxt_tok, want), mask=alive)
+            last = tl.where(alive & ~found, want, last)
+            cur = tl.where(found, nxt, cur)
+            alive = found
+            length += found.to(tl.int64)
     tl.store(bonus + o_s, last, mask=m_s)
     tl.store(lengths + o_s, length, mask=m_s)
 
 
-def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
-    """Launch :func:`_walk_kernel` on contiguous int64 ``[B, n]`` trees; ``target`` is ``[B, n]``
-    (``starts`` None) or flat ``[T]`` with sequence b at ``starts[b]``.
-
-    Returns ``(accepted, accepted_tokens, new_tokens, lengths, bonus)``."""
+def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_depth: int, sample=None):
+    """Launch :func:`_walk_kernel` on contiguous int64 ``[B, n]`` trees. ``target``: int64 tokens
+    (``sample`` None) or float logits ``[T, V]`` with unit column stride; node j of sequence b is
+    row ``starts[b] + j``, or ``b * seq_rows + j`` with ``starts`` None. ``sample``: dict with
+    ``temp``/``top_p`` (``[T]`` tensors or floats), ``top_k`` (int, 0: no top-k) and ``seed``
+    (``[1]`` int64 tensor)."""
     B, n = tokens.shape
     dev = tokens.device
     acc = torch.empty(B, max_depth + 1, dtype=torch.int64, device=dev)
@@ -222,17 +470,62 @@ def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
     lengths = torch.empty(B, dtype=torch.int64, device=dev)
     bonus = torch.empty(B, dtype=torch.int64, device=dev)
     block_n = triton.next_power_of_2(n)
-    seqs = _seqs_per_program(B, block_n)
-    _walk_kernel[(triton.cdiv(B, seqs),)](
+    s = sample or {}
+    vocab = target.shape[1] if sample else 1
+    top_k = s.get("top_k", 0)
+    block_v = min(triton.next_power_of_2(vocab), SAMPLE_BLOCK_V) if sample else 1
+    cap_min = SAMPLE_CAP_MIN_INTERPRETED if interpreting() else SAMPLE_CAP_MIN
+    cap = max(cap_min, 2 * triton.next_power_of_2(top_k)) if top_k else 1
+    if not sample:
+        seqs = _seqs_per_program(B, block_n)
+    elif interpreting():
+        seqs = min(triton.next_power_of_2(B), max(1, 2**16 // max(block_v, cap, block_n)))
+    else:
+        seqs = 1  # a row of the vocabulary per program and step
+    grid = triton.cdiv(B, seqs)
+    buf_v = torch.empty(grid * seqs * cap if top_k else 1, dtype=torch.float32, device=dev)
+    buf_i = torch.empty(buf_v.shape, dtype=torch.int32, device=dev)
+    temp, top_p = s.get("temp", 1.0), s.get("top_p", 2.0)
+    temp_rows, top_p_rows = isinstance(temp, torch.Tensor), isinstance(top_p, torch.Tensor)
+    _walk_kernel[(grid,)](
         tokens, parents, num_nodes, target, target if starts is None else starts,
+        temp if temp_rows else buf_v, top_p if top_p_rows else buf_v, s.get("seed", lengths), buf_v, buf_i,
         acc, acc_tok, new_tok, lengths, bonus,
-        B, max_depth,
-        tokens.stride(0), 0 if starts is not None else target.stride(0), acc.stride(0),
+        B, max_depth, vocab,
+        tokens.stride(0), seq_rows, target.stride(0) if sample else 1, acc.stride(0),
+        1.0 if temp_rows else float(temp), top_k, 2.0 if top_p_rows else float(top_p),
         USE_STARTS=starts is not None,
+        SAMPLE=bool(sample),
+        TOP_K=top_k > 0,
+        TEMP_ROWS=temp_rows,
+        TOP_P_ROWS=top_p_rows,
+        CAP=cap,
         SEQS=seqs,
         BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(max_depth + 1),
+        BLOCK_V=block_v,
+        UNROLL=STREAM_UNROLL,
+        num_warps=8 if sample and block_v >= 2048 else 4,
     )
     return acc, acc_tok, new_tok, lengths, bonus
+
+
+def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
+    """The walk on given target tokens: ``target`` int64 ``[B, n]`` (``starts`` None, unit column
+    stride, row stride ``n``) or flat ``[T]`` with sequence b at ``starts[b]``.
+
+    Returns ``(accepted, accepted_tokens, new_tokens, lengths, bonus)``."""
+    seq_rows = target.stride(0) if starts is None else 0
+    return _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows, max_depth)
+
+
+def sample_walk(tokens, parents, num_nodes, logits, starts, max_depth: int, *, temp, top_k: int, top_p, seed):
+    """The walk sampling the target along it: ``logits [T, V]`` (unit column stride), sequence b's
+    node j at row ``starts[b] + j`` (or ``b * n + j`` with ``starts`` None). ``temp``, ``top_p``:
+    floats or ``[T]`` float32 tensors; ``top_k``: int in ``[0, MAX_FUSED_TOP_K]`` (0: no top-k,
+    then no top-p either); ``seed``: ``[1]`` int64. Same returns as :func:`walk`."""
+    return _walk_launch(tokens, parents, num_nodes, logits, starts, tokens.shape[1], max_depth,
+                        dict(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +535,7 @@ def walk(tokens, parents, num_nodes, target, starts, max_depth: int):
 def _expand_kernel(
     lp, ids, roots, sec_tab, pair_off, kept_off,
     keys, emit, tmp,
-    out_tok, out_par, out_dep, out_rank, out_score,
+    out_tok, out_par, out_dep, out_rank, out_score, out_num,
     num_seqs, depth_cap, n_draft,
     stride_top, stride_scratch, stride_out,
     K: tl.constexpr,
@@ -262,7 +555,8 @@ def _expand_kernel(
     sec_tab: int64, the candidates of every depth, ``parent slot * K + rank``; depth d's are
     ``sec_tab[pair_off[d]:pair_off[d+1]]``, it keeps ``kept_off[d+1] - kept_off[d]`` of them.
     keys, emit: ``[B, total]`` int64 / int32 scratch (row stride ``stride_scratch``).
-    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank, score.
+    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank, score;
+    out_num: ``[B]`` int64, the node count ``n_draft + 1``.
 
     Depth d: every candidate's within-depth key ``(-score) << S | sec`` (unique), sorted; the
     first ``kept`` are stored in key order (slot = position). Then the kept nodes of all depths
@@ -330,6 +624,7 @@ def _expand_kernel(
     tl.store(out_dep + p_root, zero, mask=m_s)
     tl.store(out_rank + p_root, zero - 1, mask=m_s)
     tl.store(out_score + p_root, zero, mask=m_s)
+    tl.store(out_num + o_s, zero + n_draft + 1, mask=m_s)
 
 
 def _bits(x: int) -> int:
@@ -340,12 +635,13 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
     """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``.
 
     Returns ``(tokens, parents, depths, ranks, scores)``, each ``[B, min(budget, total) + 1]``
-    int64 (node 0 the root)."""
+    int64 (node 0 the root), and ``num_nodes`` ``[B]`` int64."""
     B, _, K = lp.shape
     dev = lp.device
     n_draft = min(budget, total)
     keys = torch.empty(B, total, dtype=torch.int64, device=dev)
     emit = torch.empty(B, total, dtype=torch.int32, device=dev)
+    num_nodes = torch.empty(B, dtype=torch.int64, device=dev)
     out = torch.empty(5, B, n_draft + 1, dtype=torch.int64, device=dev)
     block_c = triton.next_power_of_2(max_pairs)
     block_t = triton.next_power_of_2(total)
@@ -359,7 +655,7 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
     _expand_kernel[(grid,)](
         lp, ids, roots, sec_tab, pair_off, kept_off,
         keys, emit, tmp,
-        out[0], out[1], out[2], out[3], out[4],
+        out[0], out[1], out[2], out[3], out[4], num_nodes,
         B, depth_cap, n_draft,
         lp.stride(0), keys.stride(0), out.stride(1),
         K=K,
@@ -374,4 +670,4 @@ def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: 
         CHUNK_T=chunk_t,
         num_warps=min(16, max(4, seqs * block_t // 512)),
     )
-    return tuple(out.unbind(0))
+    return (*out.unbind(0), num_nodes)

@@ -339,7 +339,7 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
         return _root_only(roots)
     if dev.type == "cuda" or interpreting():
         sec_tab, pair_off, kept_off, max_pairs, total = _kernel_plan(K, depth_cap, budget, str(dev))
-        tokens, parents, depths, ranks, scores = expand(
+        tokens, parents, depths, ranks, scores, num_nodes = expand(
             lp.contiguous(), ids.contiguous(), roots.contiguous(), sec_tab, pair_off, kept_off,
             budget, depth_cap, max_pairs, total,
         )
@@ -348,7 +348,7 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
             tokens=tokens,
             parents=parents,
             depths=depths,
-            num_nodes=torch.full((B,), n, dtype=torch.int64, device=dev),
+            num_nodes=num_nodes,
             num_nodes_host=(n,) * B,
             max_depth=depth_cap,
             ranks=ranks,

@@ -1,0 +1,104 @@
+"""Compile every DDTree Triton kernel for sm_90a without a GPU, and print registers and spills.
+
+The CPU tests run the kernels through Triton's interpreter, which accepts code the compiler
+rejects (a non-constexpr global, for one). This compiles each kernel of
+``kdtree_engine.ddtree.kernels`` with the constexprs its launcher picks at the issue-13 sizes
+(V = 163840, L = 16, budget 512, K = 512, top-k 50) and runs the bundled ``ptxas -v`` on the PTX:
+
+    PYTHONPATH=src python scripts/ddtree_sm90_compile.py
+
+Needs a Triton with the NVIDIA backend (no GPU, no CUDA driver); exit status 1 if one fails.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kdtree_engine.ddtree import kernels as K
+
+
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int) -> str:
+    """ptxas's figures for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``.
+
+    Every pointer is taken as 16-byte aligned, and every int argument the kernel does not exclude
+    from specialisation (``vocab``, the logits' row stride) as divisible by 16, as at V = 163840."""
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
+    fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
+    aligned = [n for n in names if n not in consts and n not in fixed and types[n] != "fp32"]
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ck.asm["ptx"])
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                           capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    stack = re.search(r"(\d+) bytes stack frame", r.stderr)
+    return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'} B, "
+            f"spill loads {spill.group(2) if spill else '?'} B, stack {stack.group(1) if stack else '?'} B, "
+            f"shared {ck.metadata.shared} B")
+
+
+WALK_TYPES = dict(
+    tok="*i64", par="*i64", num_nodes="*i64", tgt="*i64", starts="*i64", temp="*fp32", top_p="*fp32",
+    seed="*i64", buf_v="*fp32", buf_i="*i32", acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64",
+    bonus="*i64", num_seqs="i32", max_depth="i32", vocab="i32", stride_tree="i32", seq_rows="i32",
+    stride_row="i32", stride_out="i32", temp_val="fp32", top_k="i32", top_p_val="fp32",
+)
+WALK_CONSTS = dict(USE_STARTS=False, SAMPLE=False, TOP_K=False, TEMP_ROWS=False, TOP_P_ROWS=False, CAP=1,
+                   SEQS=1, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=1, UNROLL=K.STREAM_UNROLL)
+SAMPLE_CONSTS = dict(WALK_CONSTS, SAMPLE=True, BLOCK_V=K.SAMPLE_BLOCK_V)
+SAMPLE_TYPES = dict(WALK_TYPES, tgt="*bf16")
+
+CASES = [
+    ("_finish_topk_kernel (V=163840, K=512)", K._finish_topk_kernel,
+     dict(logits="*bf16", vals="*bf16", ids="*i64", out_lp="*i64", out_ids="*i64", tmp="*i64",
+          num_rows="i32", vocab="i32", stride_row="i32"),
+     dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, BLOCK_V=4096, BLOCK_K=512, RANK_SORT=False, CHUNK=512,
+          UNROLL=K.STREAM_UNROLL),
+     8),
+    ("_expand_kernel (budget 512, K=512, L=16)", K._expand_kernel,
+     dict(lp="*i64", ids="*i64", roots="*i64", sec_tab="*i64", pair_off="*i64", kept_off="*i64", keys="*i64",
+          emit="*i32", tmp="*i64", out_tok="*i64", out_par="*i64", out_dep="*i64", out_rank="*i64",
+          out_score="*i64", out_num="*i64", num_seqs="i32", depth_cap="i32", n_draft="i32", stride_top="i32",
+          stride_scratch="i32", stride_out="i32"),
+     dict(K=512, S=18, SLOT_BITS=10, DEPTH_BITS=5, SEQS=1, BLOCK_C=4096, BLOCK_T=8192, RANK_SORT=False,
+          CHUNK_C=4096, CHUNK_T=8192),
+     16),
+    ("_walk_kernel tokens (n=513)", K._walk_kernel, WALK_TYPES, WALK_CONSTS, 4),
+    ("_walk_kernel tokens, flat rows (n=513)", K._walk_kernel, WALK_TYPES, dict(WALK_CONSTS, USE_STARTS=True), 4),
+    ("_walk_kernel sample top-k 50 (V=163840, CAP=256)", K._walk_kernel, SAMPLE_TYPES,
+     dict(SAMPLE_CONSTS, TOP_K=True, CAP=256), 8),
+    ("_walk_kernel sample top-k, per-row temperature/top-p, flat rows", K._walk_kernel, SAMPLE_TYPES,
+     dict(SAMPLE_CONSTS, TOP_K=True, CAP=256, TEMP_ROWS=True, TOP_P_ROWS=True, USE_STARTS=True), 8),
+    ("_walk_kernel sample top-k 1024 (CAP=2048)", K._walk_kernel, SAMPLE_TYPES,
+     dict(SAMPLE_CONSTS, TOP_K=True, CAP=2048), 8),
+    ("_walk_kernel sample, temperature only", K._walk_kernel, SAMPLE_TYPES, SAMPLE_CONSTS, 8),
+]
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, target sm_90a")
+    failed = 0
+    for name, fn, types, consts, warps in CASES:
+        try:
+            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps)}")
+        except Exception as exc:  # report every kernel, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
