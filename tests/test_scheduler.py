@@ -48,20 +48,20 @@ def test_device_tables_equal_the_host_line_schedule(seed):
     """Strided device lengths (every other element of a bigger buffer), up to 300 programs, page
     tiles 16 and 64, H 1-128, trees 1-69 nodes, KV up to ~20k and one of 100k."""
     for kv, n, H, P, c, max_batch in random_batches(seed, 25):
-        p = VerifyPlan(max_batch, int(n.max()), H, "cpu", config=CONFIGS[c], num_programs=P)
+        p = VerifyPlan(max_batch, int(n.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
         qo = np.concatenate([[0], np.cumsum(n)])
-        kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32)
+        kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32, device=DEVICE)
         kv_dev[::2] = torch.tensor(kv)
-        qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32)
+        qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32, device=DEVICE)
         qo_dev[::2] = torch.tensor(qo)
         p.plan_on_device(kv_dev[::2], qo_dev[::2])
         first, seg, grp = host_line_tables(p, kv, n)
         t = p.tables
         S, G = seg.shape[1], grp.shape[1]
         what = f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} {CONFIGS[c]}"
-        assert np.array_equal(t.prog_first_seg.numpy(), first), what
-        assert np.array_equal(t.segments.numpy()[:, :S], seg), what
-        assert int(t.group_count[0]) == G and np.array_equal(t.groups.numpy()[:, :G], grp), what
+        assert np.array_equal(t.prog_first_seg.cpu().numpy(), first), what
+        assert np.array_equal(t.segments.cpu().numpy()[:, :S], seg), what
+        assert int(t.group_count[0]) == G and np.array_equal(t.groups.cpu().numpy()[:, :G], grp), what
         assert p.kv_lens.tolist() == kv.tolist() and p.qo_indptr.tolist() == qo.tolist()
         assert t.num_groups is None and p.num_rows is None
 

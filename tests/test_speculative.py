@@ -14,6 +14,8 @@ import torch
 from kdtree_engine.model import MLARunner, build_random_model, tiny_config
 from kdtree_engine.model.drafters import NGramDrafter, SyntheticDrafter
 from kdtree_engine.model.speculative import RequestTooLarge, SpeculativeEngine, check_lossless
+from kdtree_engine.verify import available_kernels
+from kdtree_engine.verify.op import KERNELS
 
 V = 128
 NEW = 40
@@ -84,11 +86,22 @@ def test_lossless_page_size_one(model, prompts, hf_greedy):
     assert res.mean_accepted > 1.5
 
 
-@pytest.mark.parametrize("kernel", ["naive", "flash"])
+def test_runner_takes_every_verify_kernel_by_name(model):
+    """Every kernel verify_attention runs by name is a runner kernel (the demo's --kernel hopper
+    crashed on the H200 when the runner knew only naive/flash/auto)."""
+    for kernel in (*KERNELS, "auto", "reference"):
+        assert MLARunner(model, kernel=kernel).kernel == kernel
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        MLARunner(model, kernel="fast")
+
+
+@pytest.mark.parametrize("kernel", ["naive", "flash", "hopper"])
 def test_lossless_real_kernels(kernel, device):
     """The loop with the real kernels against HF generate: on the CPU (Triton interpreter) a ragged
     pair, 12 tokens, exact; on CUDA three prompts up to 300 tokens, 40 tokens and three drafters,
     exact or diverging only where HF's two best logits are within 1e-2 (fp16 cache rounding)."""
+    if kernel not in available_kernels(device):
+        pytest.skip(f"{kernel} does not run on {device}")
     model = build_random_model(tiny_config(), seed=0, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(2)
     cuda = device == "cuda"

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..kvpool.step import VerifyStep
 from ..verify.contract import D_QK, D_ROPE, D_V
+from ..verify.op import KERNELS
 
 __all__ = [
     "MLARunner",
@@ -51,7 +52,7 @@ __all__ = [
     "hf_tree_logits",
 ]
 
-KERNEL_CHOICES = ("naive", "flash", "auto", "reference")
+KERNEL_CHOICES = (*KERNELS, "auto", "reference")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class MLARunner:
 
     Args:
         hf_model: a ``DeepseekV3ForCausalLM`` (eval mode). Its parameters are used in place.
-        kernel: ``"naive"``, ``"flash"``, ``"auto"`` (kernels of :func:`verify_attention`) or
+        kernel: ``"naive"``, ``"flash"``, ``"hopper"``, ``"auto"`` (kernels of :func:`verify_attention`) or
             ``"reference"`` (:func:`kdtree_engine.reference`: float64 on the same 16-bit q and
             cache; for CPU tests of the loop, where the Triton interpreter is slow). May be
             changed between calls.
