@@ -209,18 +209,19 @@ def test_replayed_graph_steps_do_not_sync_inside():
     assert bucket.graph.captured
     clock = PhaseClock("cuda")
     eng.reset()
-    ids = bucket.ids
-    bucket.stage([7, 8], None)
-    eng.pool.book_tree(ids, bucket.n)
-    attn = eng._attn["flash"]
-    attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        assert bucket.graph.run(clock) is False  # a replay
-        eng.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    ints, _ = bucket.read()
-    eng.pool.finalize_commit(ints[:, 0])
+    with torch.inference_mode():  # as decode() runs a step: the bucket's buffers are inference tensors
+        ids = bucket.ids
+        bucket.stage([7, 8], None)
+        eng.pool.book_tree(ids, bucket.n)
+        attn = eng._attn["flash"]
+        attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert bucket.graph.run(clock) is False  # a replay
+            eng.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ints, _ = bucket.read()
+        eng.pool.finalize_commit(ints[:, 0])
     assert ints[:, 0].tolist() == [1, 1]
