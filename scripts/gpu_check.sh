@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
 #   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize tune
-#                                        (default: all but tune; BENCH_ARGS, DEMO_ARGS, ... pass options;
+#                                        (default: all but tune; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -30,7 +30,7 @@ for stage in "${stages[@]}"; do
     bench)
       python3 -m kdtree_engine.bench.cli ${BENCH_ARGS:---quick} ${FLASHMLA_DIR:+--flashmla "$FLASHMLA_DIR"} --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
     ddtree)
-      python3 -m kdtree_engine.ddtree.bench --json "$OUT/ddtree.json" 2>&1 | tee -a "$OUT/log.txt" | tail -40 || status=1 ;;
+      python3 -m kdtree_engine.ddtree.bench ${DDTREE_ARGS:---targets} --json "$OUT/ddtree.json" 2>&1 | tee -a "$OUT/log.txt" | tail -40 || status=1 ;;
     kvpool)
       python3 -m kdtree_engine.kvpool_bench ${KVPOOL_ARGS:-} --json "$OUT/kvpool.json" 2>&1 | tee -a "$OUT/log.txt" | tail -60 || status=1 ;;
     demo)
