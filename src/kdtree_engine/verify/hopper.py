@@ -79,6 +79,26 @@ if HAVE_GLUON:
                                                    mask=gl.expand_dims(m_row, 1))
 
     @gluon.jit
+    def _segment(i_s, seg_seq, seg_row0, seg_kv_start, seg_kv_end, qo_indptr, stride_qo):
+        """Segment ``i_s`` of the plan: its sequence, first packed row, KV range ``[kv_start, kv_end)``,
+        and the sequence's first query token and node count."""
+        i_b = gl.load(seg_seq + i_s)
+        row0 = gl.load(seg_row0 + i_s)
+        kv_start = gl.load(seg_kv_start + i_s)
+        kv_end = gl.load(seg_kv_end + i_s)
+        qo_start = gl.load(qo_indptr + i_b * stride_qo)
+        n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+        return i_b, row0, kv_start, kv_end, qo_start, n_nodes
+
+    @gluon.jit
+    def _packed_rows(row0, qo_start, n_nodes, H: gl.constexpr, BLOCK_M: gl.constexpr, L: gl.constexpr):
+        """Packed rows ``row0 + [0, BLOCK_M)`` in layout ``L``: the row indices (row r = node r // H,
+        head r % H), which are real rows (``< n_nodes * H``), and each row's query token (the padding
+        rows clamped to the last node)."""
+        o_m = row0 + gl.arange(0, BLOCK_M, layout=L)
+        return o_m, o_m < n_nodes * H, (qo_start + gl.minimum(o_m // H, n_nodes - 1)).to(gl.int64)
+
+    @gluon.jit
     def _ws_loader(q, kv, page_table, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
                    s_q, s_q_rope, s_k_lat, s_k_rope, bars,
                    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
@@ -98,20 +118,15 @@ if HAVE_GLUON:
         singles1 = 0
         i_p = gl.program_id(0)
         for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
-            i_b = gl.load(seg_seq + i_s)
-            row0 = gl.load(seg_row0 + i_s)
-            kv_start = gl.load(seg_kv_start + i_s)
-            kv_end = gl.load(seg_kv_end + i_s)
-            qo_start = gl.load(qo_indptr + i_b * stride_qo)
-            n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
+            i_b, row0, kv_start, kv_end, qo_start, n_nodes = _segment(i_s, seg_seq, seg_row0, seg_kv_start,
+                                                                       seg_kv_end, qo_indptr, stride_qo)
             p_pages = page_table + i_b.to(gl.int64) * stride_pt
 
-            o_m = row0 + gl.arange(0, BLOCK_M, layout=ROW_L)
-            o_t = (qo_start + gl.minimum(o_m // H, n_nodes - 1)).to(gl.int64)
+            o_m, m_rows, o_t = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_L)
             p_qrow = q + o_t * stride_qt + (o_m % H) * stride_qh
             mbarrier.wait(bars.index(_Q_EMPTY), (n_seg & 1) ^ 1)
-            _copy_rows(s_q.index(0), p_qrow, o_m < n_nodes * H, D_LAT, L)
-            _copy_rows(s_q_rope.index(0), p_qrow + D_LAT, o_m < n_nodes * H, D_ROPE, L)
+            _copy_rows(s_q.index(0), p_qrow, m_rows, D_LAT, L)
+            _copy_rows(s_q_rope.index(0), p_qrow + D_LAT, m_rows, D_ROPE, L)
             async_copy.mbarrier_arrive(bars.index(_Q_FULL), increment_count=False)
             n_seg += 1
 
@@ -155,7 +170,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _swap_rows(buf, bars, n_swaps, x, WG: gl.constexpr, ROW_L: gl.constexpr):
         """Publish this consumer's row vector ``x [BLOCK_M]`` in ``buf [2 * BLOCK_M]`` and return the
-        other consumer's (``n_swaps``: swaps done so far, which gives the barrier's phase)."""
+        other consumer's (``n_swaps``: swaps done before this one, which gives the barrier's phase)."""
         BLOCK_M: gl.constexpr = x.shape[0]
         buf.slice(WG * BLOCK_M, BLOCK_M).store(x)
         gl.thread_barrier()  # every thread's store lands before the single-thread arrive
@@ -238,25 +253,18 @@ if HAVE_GLUON:
         dt: gl.constexpr = s_q.dtype
 
         n_seg = 0
-        n_swaps = 0  # row-sum swaps (one per segment)
         steps = 0
         own_uses = 0
         i_p = gl.program_id(0)
         for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
-            i_b = gl.load(seg_seq + i_s)
-            row0 = gl.load(seg_row0 + i_s)
-            kv_start = gl.load(seg_kv_start + i_s)
-            kv_end = gl.load(seg_kv_end + i_s)
+            i_b, row0, kv_start, kv_end, qo_start, n_nodes = _segment(i_s, seg_seq, seg_row0, seg_kv_start,
+                                                                       seg_kv_end, qo_indptr, stride_qo)
             i_part = gl.load(seg_partial + i_s)
-            qo_start = gl.load(qo_indptr + i_b * stride_qo)
-            n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
             prefix = gl.load(kv_lens + i_b * stride_kl) - n_nodes
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
             # tiles starting below clean_end hold prefix keys only and need no mask
             clean_end = kv_start + gl.maximum(gl.minimum(kv_end, prefix) - kv_start, 0) // BLOCK_N * BLOCK_N
-            o_ms = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
-            m_rows_s = o_ms < n_nodes * H
-            o_ts = (qo_start + gl.minimum(o_ms // H, n_nodes - 1)).to(gl.int64)
+            o_ms, m_rows_s, o_ts = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_S)
             p_mask_rows = tree_mask + o_ts * stride_mt  # [BM]
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
@@ -339,18 +347,17 @@ if HAVE_GLUON:
                     mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _ROPE))
                 steps += 1
             mbarrier.arrive(bars.index(_Q_EMPTY))
-            l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_swaps, l_i, WG, ROW_S)
-            n_swaps += 1
+            # one row-sum swap per segment: n_seg - 1 swaps came before this one
+            l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
 
             has_key = l_i > 0
             l_safe = gl.where(has_key, l_i, 1.0)
             lse2 = gl.where(has_key, m_i + gl.log2(l_safe), float("-inf"))  # log2-sum-exp2
             b_o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
-            o_mo = row0 + gl.arange(0, BLOCK_M, layout=ROW_O)
-            m_rows_o = gl.expand_dims(o_mo < n_nodes * H, 1)
+            o_mo, m_rows_o, o_to = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_O)
+            m_rows_o = gl.expand_dims(m_rows_o, 1)
             o_do = WG * HALF + gl.arange(0, HALF, layout=COL_O)
             if i_part < 0:
-                o_to = (qo_start + gl.minimum(o_mo // H, n_nodes - 1)).to(gl.int64)
                 p_out = out + gl.expand_dims(o_to * stride_ot + (o_mo % H) * stride_oh, 1) + gl.expand_dims(o_do, 0)
                 gl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rows_o)
                 if WG == 0:
