@@ -11,6 +11,7 @@ import torch
 
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
+from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
 from kdtree_engine.verify import plan as vplan
 from kdtree_engine.verify.plan import FlashConfig, VerifyPlan
@@ -141,15 +142,7 @@ def test_cuda_graph_with_the_plan_replays_after_new_lengths():
         attn.run(q_buf, kv_buf, pt_buf, mask_buf, out=out, lse=lse)
 
     load(steps[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(lambda _i: step(), [0])
     for spec in steps + steps[:1]:
         c = load(spec)
         out.fill_(math.nan)
