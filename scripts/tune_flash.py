@@ -1,11 +1,13 @@
 """Flash-kernel tuning probe for the GPU: compiler report and timing per tile config and shape.
 
     PYTHONPATH=src python scripts/tune_flash.py [--configs 64x64x8x2,64x32x8x3] [--shapes ...]
+        [--kernel flash|hopper] [--schedules auto,line,parts]
 
-For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape:
-median us (CUDA graph replay of the planned call), TFLOP/s, TB/s, % of the roofline floor from
-ceilings measured in this run, and a correctness check against the float64 reference on one
-sequence. Prints a table; --json writes the rows.
+For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape
+and schedule (``auto``: the plan's choice; ``line``, ``parts``: that candidate of
+``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
+% of the roofline floor from ceilings measured in this run, the schedule's modelled cost, and a
+correctness check against the float64 reference on one sequence. Prints a table; --json writes the rows.
 """
 
 from __future__ import annotations
@@ -14,14 +16,36 @@ import argparse
 import json
 import math
 
+import numpy as np
 import torch
 
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.bench.timing import measure_ceilings
 from kdtree_engine.testing import TOLERANCES, compare, random_tree
 from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
-from kdtree_engine.verify import triton_flash
+from kdtree_engine.verify import hopper, plan as vplan, triton_flash
 from kdtree_engine.verify.plan import FlashConfig, plan_verify
+
+AUTO_SCHEDULE = vplan.schedule
+
+
+def forced_schedule(name: str):
+    """``verify.plan.schedule`` with one candidate forced (``auto``: the plan's own choice)."""
+    if name == "auto":
+        return AUTO_SCHEDULE
+
+    def only(row_blocks, tiles, num_programs, min_tiles=vplan.MIN_SPLIT_TILES):
+        R, T = np.asarray(row_blocks, dtype=np.int64), np.asarray(tiles, dtype=np.int64)
+        P = max(1, min(num_programs, int((R * T).sum())))
+        chunk = -(-int((R * T).sum()) // P)
+        snap = min(min_tiles, chunk // 4)
+        if name == "line":
+            return vplan._line_schedule(R, T, P, chunk, snap)
+        if name == "parts":
+            return vplan._parts_schedule(R, T, P, snap)
+        raise ValueError(f"unknown schedule {name!r}")
+
+    return only
 
 
 def time_graph(fn, reps: int = 50) -> float:
@@ -83,11 +107,39 @@ def parse_config(text: str) -> FlashConfig:
     return FlashConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
 
 
+def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | None:
+    """Plan (with schedule ``sched``), check one sequence against the reference, time the graph."""
+    try:
+        vplan.schedule = forced_schedule(sched)
+        try:
+            plan = plan_verify([L] * B, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
+        finally:
+            vplan.schedule = AUTO_SCHEDULE
+        R = np.full(B, -(-n * H // cfg.block_m))
+        T = np.full(B, -(-L // cfg.block_n))
+        cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs))
+        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ok = compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
+            compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
+        rep = compiled_report(hopper._hopper_verify_kernel if kernel == "hopper" else triton_flash._verify_flash_kernel)
+        t = time_graph(lambda: verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse))
+    except Exception as exc:  # a config that does not compile or fit: report, go on
+        print(f"{H}x{n}x{B}x{L - n} {sched}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+    return dict(schedule=sched, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
+                groups=plan.num_groups, ok=ok, **rep)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="64x32x8x3,64x32x8x2,64x64x8x1,64x32x4x3,32x32x4x1,32x32x4x2")
     parser.add_argument("--shapes", default="16x9x1x131072x1,64x33x1x16384x1,64x33x4x131072x1,128x33x1x65536x1,"
                         "16x9x16x4096x1,64x65x16x1024x1,64x33x1x16384x64,8x9x1x1024x1")
+    parser.add_argument("--kernel", default="flash", choices=("flash", "hopper"))
+    parser.add_argument("--schedules", default="auto")
     parser.add_argument("--json")
     args = parser.parse_args()
     ceilings = measure_ceilings()  # the benchmark's own ceilings: one definition of the floor
@@ -104,28 +156,18 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         for cfg_text in args.configs.split(","):
-            cfg = parse_config(cfg_text)
-            try:
-                plan = plan_verify([L] * B, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
-                out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-                lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-                verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse)
-                torch.cuda.synchronize()
-                ok = compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
-                    compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
-                rep = compiled_report(triton_flash._verify_flash_kernel)
-                t = time_graph(lambda: verify_attention(**c, kernel="flash", plan=plan, out=out, lse=lse))
-            except Exception as exc:  # a config that does not compile or fit: report, go on
-                print(f"{shape_text:>22} {cfg_text:>12}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            row = dict(shape=shape_text, config=cfg_text, us=t * 1e6, tflops=flops / t / 1e12,
-                       tbps=nbytes / t / 1e12, pct_floor=100 * floor / t, floor_us=floor * 1e6,
-                       programs=plan.num_programs, segments=plan.num_segments, groups=plan.num_groups, ok=ok, **rep)
-            rows.append(row)
-            print(f"{shape_text:>22} {cfg_text:>12} {'PASS' if ok else 'FAIL'} {row['us']:9.1f} us "
-                  f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
-                  f"({row['floor_us']:.1f} us) programs={plan.num_programs} segments={plan.num_segments} regs={rep['regs']} spills={rep['spills']} "
-                  f"smem={rep['smem']} wgmma={rep['wgmma']}", flush=True)
+            for sched in args.schedules.split(","):
+                row = run_config(args.kernel, c, parse_config(cfg_text), sched, H, n, B, L, ref_out, ref_lse)
+                if row is None:
+                    continue
+                row.update(shape=shape_text, config=cfg_text, tflops=flops / row["us"] / 1e6,
+                           tbps=nbytes / row["us"] / 1e6, pct_floor=1e8 * floor / row["us"], floor_us=floor * 1e6)
+                rows.append(row)
+                print(f"{shape_text:>22} {cfg_text:>12} {sched:>5} {'PASS' if row['ok'] else 'FAIL'} {row['us']:9.1f} us "
+                      f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
+                      f"({row['floor_us']:.1f} us) programs={row['programs']} segments={row['segments']} "
+                      f"cost={row['cost']} regs={row['regs']} spills={row['spills']} smem={row['smem']} "
+                      f"wgmma={row['wgmma']}", flush=True)
         del c
         torch.cuda.empty_cache()
     if args.json:

@@ -37,6 +37,7 @@ __all__ = [
     "INTERPRETER_CONFIG",
     "MIN_SPLIT_TILES",
     "SEGMENT_COST_TILES",
+    "HBM_TILES_PER_TILE_TIME",
     "pick_config",
     "resident_programs",
     "Pieces",
@@ -78,6 +79,13 @@ MIN_SPLIT_TILES = 4  # the line schedule does not cut a segment into pieces shor
 # fp32 written per program at ~32 GB/s per SM). Measured on the H200 (docs/perf_log.md, run 9):
 # ~16 us per extra segment against ~4.4 us per 64 x 64 tile.
 SEGMENT_COST_TILES = 3
+# KV tiles the GPU reads from HBM in the time one program computes one tile (64 rows x 64 positions):
+# H200, 4.25 TB/s, a tile of 64 x 576 bf16 = 73.7 KB, ~1.6 us per tile in the Hopper kernel (6.3k
+# cycles per two tiles, docs/perf_log.md run 18). A schedule whose programs read the same KV at
+# different times is HBM-bound when it reads more than this many tiles per tile time (run 18's
+# batch-4 shapes with few row blocks per sequence: 1.36-1.50x FlashMLA).
+HBM_TILES_PER_TILE_TIME = 90
+L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
@@ -132,11 +140,34 @@ class Pieces(NamedTuple):
 
 
 def schedule_cost(pieces: Pieces) -> int:
-    """Estimated time of a schedule in tiles: its longest program, a segment costing extra."""
+    """Estimated time of a schedule in tiles: the larger of its longest program (a segment costing
+    :data:`SEGMENT_COST_TILES` extra) and its KV traffic from HBM in tile times
+    (:data:`HBM_TILES_PER_TILE_TIME`).
+
+    The traffic counts a KV tile once for all pieces that read it at about the same time (their
+    programs then share it in L2): pieces of one sequence whose ``t0 - start`` (``start``: the
+    piece's start time in its program) lie within :data:`L2_STEP_TOLERANCE` tiles of each other
+    form one stream, which reads ``max t1 - min t0`` tiles. Programs that read the same KV at
+    different offsets each read it from HBM."""
     if len(pieces.prog) == 0:
         return 0
-    load = np.bincount(pieces.prog, weights=pieces.t1 - pieces.t0 + SEGMENT_COST_TILES)
-    return int(load.max())
+    seq, _, t0, t1, prog = pieces
+    work = t1 - t0 + SEGMENT_COST_TILES
+    load = np.bincount(prog, weights=work)
+    begin = np.cumsum(work) - work  # where each piece starts in the concatenation of all programs
+    new_prog = np.diff(prog, prepend=-1) != 0  # pieces are sorted by program
+    start = begin - begin[new_prog][np.cumsum(new_prog) - 1]
+    offset = t0 - start
+    order = np.lexsort((offset, seq))
+    seq_o, off_o = seq[order], offset[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (seq_o[1:] != seq_o[:-1]) | (off_o[1:] - off_o[:-1] > L2_STEP_TOLERANCE)
+    stream = np.cumsum(new) - 1
+    lo = np.full(stream[-1] + 1, np.iinfo(np.int64).max)
+    hi = np.zeros(stream[-1] + 1, dtype=np.int64)
+    np.minimum.at(lo, stream, t0[order])
+    np.maximum.at(hi, stream, t1[order])
+    return int(max(load.max(), (hi - lo).sum() / HBM_TILES_PER_TILE_TIME))
 
 
 def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES) -> Pieces:
@@ -145,6 +176,8 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     :func:`schedule_cost`; ties to the first) of
 
     - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
+    - KV parts (:func:`_parts_schedule`): the concatenated KV cut into parts, each read by one
+      program per row block at the same time (shared in L2);
     - whole segments (:func:`_whole_segments`: KV columns of a width W, each with every row block
       of its sequence, dealt longest first to the least-loaded program) for W = the smallest width
       that gives at most one segment per program, W = one program's share, and W = whole
@@ -167,10 +200,44 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
             return _whole_segments(R, T, P, lo)
         widths.append(lo)
     widths += [w for w in (chunk, longest) if w not in widths]
-    candidates = [_line_schedule(R, T, P, chunk, min(min_tiles, chunk // 4))]
+    snap = min(min_tiles, chunk // 4)
+    candidates = [_line_schedule(R, T, P, chunk, snap)]
+    if int(R.max()) <= P // 2:
+        candidates.append(_parts_schedule(R, T, P, snap))
     candidates += [_whole_segments(R, T, P, w) for w in sorted(widths)]
     costs = [schedule_cost(c) for c in candidates]
     return candidates[costs.index(min(costs))]
+
+
+def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
+    """The KV of all sequences end to end, cut into ``G = P // L`` parts of about equal length
+    (``L`` = the most row blocks of a sequence); program ``g * L + r`` runs row block r of every
+    sequence against its KV in part g, so the L programs of a part read the same KV at the same
+    time. A part boundary closer than ``snap`` tiles to a sequence's edge moves to the edge.
+    Balanced when every sequence has L row blocks (one tree size); sequences with fewer leave
+    programs of their part idle (the cost model weighs that)."""
+    L = int(R.max())
+    G = P // L
+    end = np.cumsum(T)
+    begin = end - T
+    total = int(end[-1])
+    bnd = np.arange(1, G, dtype=np.int64) * total // G  # part g ends at bnd[g]
+    k = np.searchsorted(end, bnd, side="right")  # the sequence holding bnd: begin[k] <= bnd < end[k]
+    s, e = begin[k], end[k]
+    cuts = np.where(bnd - s < snap, s, np.where(e - bnd < snap, e, bnd))
+    points = np.union1d(begin, cuts)  # every span (one sequence, one part) starts at a sequence start or a cut
+    points = points[points < total]
+    length = np.diff(points, append=total)
+    span_seq = np.searchsorted(end, points, side="right")
+    span_part = np.searchsorted(cuts, points, side="right")
+    n = R[span_seq]  # one piece per row block of the span's sequence
+    span = np.repeat(np.arange(len(points)), n)
+    row = np.arange(len(span)) - np.repeat(np.cumsum(n) - n, n)
+    seq = span_seq[span]
+    t0 = points[span] - begin[seq]
+    prog = span_part[span] * L + row
+    by = np.argsort(prog, kind="stable")
+    return Pieces(seq[by], row[by], t0[by], (t0 + length[span])[by], prog[by])
 
 
 def _smallest_width(R: np.ndarray, T: np.ndarray, P: int, total: int, n_blocks: int) -> int:
