@@ -34,7 +34,7 @@ def forced_schedule(name: str):
     if name == "auto":
         return AUTO_SCHEDULE
 
-    def only(row_blocks, tiles, num_programs, min_tiles=vplan.MIN_SPLIT_TILES):
+    def only(row_blocks, tiles, num_programs, min_tiles=vplan.MIN_SPLIT_TILES, costs=None):
         R, T = np.asarray(row_blocks, dtype=np.int64), np.asarray(tiles, dtype=np.int64)
         P = max(1, min(num_programs, int((R * T).sum())))
         chunk = -(-int((R * T).sum()) // P)
@@ -117,7 +117,7 @@ def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | No
             vplan.schedule = AUTO_SCHEDULE
         R = np.full(B, -(-n * H // cfg.block_m))
         T = np.full(B, -(-L // cfg.block_n))
-        cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs))
+        cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs), plan.costs)
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)

@@ -109,7 +109,7 @@ def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, program
     chunk = math.ceil(total / P)
     line = vplan._line_schedule(np.array(row_blocks), np.array(tiles), P, chunk, min(vplan.MIN_SPLIT_TILES, chunk // 4))
     assert vplan.schedule_cost(pieces) <= vplan.schedule_cost(line)
-    assert vplan.schedule_cost(pieces) >= chunk + vplan.SEGMENT_COST_TILES  # no program can do better
+    assert vplan.schedule_cost(pieces) >= chunk + vplan.TRITON_COSTS.segment_tiles  # no program can do better
     load = np.bincount(line.prog, weights=line.t1 - line.t0)
     assert load.max() <= chunk + 2 * vplan.MIN_SPLIT_TILES
 
@@ -147,7 +147,7 @@ def test_planned_kernels_run_each_schedule(kernel, candidate, monkeypatch):
     if kernel not in available_kernels(DEVICE):
         pytest.skip(f"{kernel} does not run here")
 
-    def forced(R, T, P, min_tiles=vplan.MIN_SPLIT_TILES):
+    def forced(R, T, P, min_tiles=vplan.MIN_SPLIT_TILES, costs=None):
         R, T = np.asarray(R, dtype=np.int64), np.asarray(T, dtype=np.int64)
         chunk = -(-int((R * T).sum()) // P)
         if candidate == "line":
@@ -163,15 +163,27 @@ def test_planned_kernels_run_each_schedule(kernel, candidate, monkeypatch):
 
 
 def test_schedule_keeps_row_blocks_of_a_sequence_on_the_same_kv():
-    """64 heads x 9 nodes x 4 sequences at 131072 (9 row blocks each, 132 programs): the line
-    schedule's programs read each sequence's KV at 36 different offsets (HBM-bound, run 18: 1.50x
-    FlashMLA); the plan takes KV parts instead, read by 9 programs at once."""
+    """64 heads x 9 nodes x 4 sequences at 131072 (9 row blocks each, 132 programs), Hopper kernel
+    costs: the line schedule's programs read each sequence's KV at 36 different offsets (HBM-bound,
+    run 18: 1.50x FlashMLA); the plan takes KV parts instead, read by 9 programs at once. The
+    Triton kernel's tiles take 2.7x as long, so there the line schedule is not HBM-bound."""
     R, T = np.full(4, 9), np.full(4, 2049)
     line = vplan._line_schedule(R, T, 132, 559, 4)
-    chosen = vplan.schedule(R, T, 132)
-    assert vplan.schedule_cost(chosen) < vplan.schedule_cost(line)
-    assert vplan.schedule_cost(line) > 559 + 2 * vplan.SEGMENT_COST_TILES  # the memory term decides
+    hopper_costs = vplan.HOPPER_COSTS
+    chosen = vplan.schedule(R, T, 132, costs=hopper_costs)
+    assert vplan.schedule_cost(chosen, hopper_costs) < vplan.schedule_cost(line, hopper_costs)
+    assert vplan.schedule_cost(line, hopper_costs) > 559 + 3 * hopper_costs.segment_tiles  # the memory term decides
     assert len(set(zip(chosen.seq.tolist(), (chosen.t0).tolist()))) <= 132 // 9 + 4
+    assert vplan.schedule_cost(line, vplan.TRITON_COSTS) <= 559 + 3 * vplan.TRITON_COSTS.segment_tiles
+
+
+def test_plan_costs_follow_the_device():
+    assert vplan.default_costs(torch.device("cpu")) == vplan.TRITON_COSTS
+    if HAS_CUDA:
+        on_hopper = torch.cuda.get_device_capability(0) == (9, 0)
+        assert vplan.default_costs(torch.device("cuda", 0)) == (vplan.HOPPER_COSTS if on_hopper else vplan.TRITON_COSTS)
+    plan = vplan.VerifyPlan(2, 9, 4, DEVICE, costs=vplan.HOPPER_COSTS)
+    assert plan.costs == vplan.HOPPER_COSTS
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}")

@@ -36,8 +36,10 @@ __all__ = [
     "CONFIGS",
     "INTERPRETER_CONFIG",
     "MIN_SPLIT_TILES",
-    "SEGMENT_COST_TILES",
-    "HBM_TILES_PER_TILE_TIME",
+    "ScheduleCosts",
+    "TRITON_COSTS",
+    "HOPPER_COSTS",
+    "default_costs",
     "pick_config",
     "resident_programs",
     "Pieces",
@@ -75,16 +77,26 @@ CONFIGS = (
 )
 INTERPRETER_CONFIG = FlashConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 MIN_SPLIT_TILES = 4  # the line schedule does not cut a segment into pieces shorter than this (tiles)
-# A segment's fixed cost in KV tiles: q block load, pipeline fill, epilogue (a partial: 128 KB of
-# fp32 written per program at ~32 GB/s per SM). Measured on the H200 (docs/perf_log.md, run 9):
-# ~16 us per extra segment against ~4.4 us per 64 x 64 tile.
-SEGMENT_COST_TILES = 3
-# KV tiles the GPU reads from HBM in the time one program computes one tile (64 rows x 64 positions):
-# H200, 4.25 TB/s, a tile of 64 x 576 bf16 = 73.7 KB, ~1.6 us per tile in the Hopper kernel (6.3k
-# cycles per two tiles, docs/perf_log.md run 18). A schedule whose programs read the same KV at
-# different times is HBM-bound when it reads more than this many tiles per tile time (run 18's
-# batch-4 shapes with few row blocks per sequence: 1.36-1.50x FlashMLA).
-HBM_TILES_PER_TILE_TIME = 90
+
+
+class ScheduleCosts(NamedTuple):
+    """The schedule cost model's constants, in tile times (one program, one 64 x 64 tile) of the
+    kernel that runs the plan (see :func:`schedule_cost`)."""
+
+    segment_tiles: int  # a segment's fixed cost: q block load, pipeline fill, epilogue, its partial's combine
+    hbm_tiles_per_tile: int  # KV tiles (64 x 576 bf16: 73.7 KB) the GPU reads from HBM in one tile time
+
+
+# Measured on the H200 (docs/perf_log.md; 4.25 TB/s from HBM). The Triton flash kernel: ~16 us per
+# extra segment against ~4.4 us per tile (run 9). The Hopper kernel: ~1.6-1.9 us per tile (runs 18,
+# 20); its segments are costed as the Triton kernel's in tiles, the setting run 20 measured (one
+# data point, 64x9x1x131072, suggests ~7.6 tiles; costing 8 there moves 64x9x4x16384 off the parts
+# schedule that run 20 measured 14% faster, so it is not taken). A schedule whose programs read the
+# same KV at different times is HBM-bound when it reads more than hbm_tiles_per_tile tiles per tile
+# time (run 18's batch-4 shapes with few row blocks per sequence on the Hopper kernel: 1.36-1.50x
+# FlashMLA; run 20 with the parts schedule: 1.09-1.25x).
+TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
+HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=90)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
@@ -139,10 +151,18 @@ class Pieces(NamedTuple):
     prog: np.ndarray
 
 
-def schedule_cost(pieces: Pieces) -> int:
-    """Estimated time of a schedule in tiles: the larger of its longest program (a segment costing
-    :data:`SEGMENT_COST_TILES` extra) and its KV traffic from HBM in tile times
-    (:data:`HBM_TILES_PER_TILE_TIME`).
+def default_costs(device: torch.device) -> ScheduleCosts:
+    """The cost model of the kernel ``kernel="auto"`` runs on ``device``: :data:`HOPPER_COSTS` on an
+    sm_90 GPU, :data:`TRITON_COSTS` elsewhere."""
+    if device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) == (9, 0):
+        return HOPPER_COSTS
+    return TRITON_COSTS
+
+
+def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
+    """Estimated time of a schedule in tile times: the larger of its longest program (a segment
+    costing ``costs.segment_tiles`` extra) and its KV traffic from HBM (``costs.hbm_tiles_per_tile``
+    tiles per tile time).
 
     The traffic counts a KV tile once for all pieces that read it at about the same time (their
     programs then share it in L2): pieces of one sequence whose ``t0 - start`` (``start``: the
@@ -152,7 +172,7 @@ def schedule_cost(pieces: Pieces) -> int:
     if len(pieces.prog) == 0:
         return 0
     seq, _, t0, t1, prog = pieces
-    work = t1 - t0 + SEGMENT_COST_TILES
+    work = t1 - t0 + costs.segment_tiles
     load = np.bincount(prog, weights=work)
     begin = np.cumsum(work) - work  # where each piece starts in the concatenation of all programs
     new_prog = np.diff(prog, prepend=-1) != 0  # pieces are sorted by program
@@ -167,13 +187,14 @@ def schedule_cost(pieces: Pieces) -> int:
     hi = np.zeros(stream[-1] + 1, dtype=np.int64)
     np.minimum.at(lo, stream, t0[order])
     np.maximum.at(hi, stream, t1[order])
-    return int(max(load.max(), (hi - lo).sum() / HBM_TILES_PER_TILE_TIME))
+    return int(max(load.max(), (hi - lo).sum() / costs.hbm_tiles_per_tile))
 
 
-def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES) -> Pieces:
+def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
+             costs: ScheduleCosts = TRITON_COSTS) -> Pieces:
     """Cut the work (sequence b: ``row_blocks[b]`` row blocks x ``tiles[b]`` KV tiles) into pieces
     run by programs ``0 .. num_programs - 1`` (some may get none): the cheapest (by
-    :func:`schedule_cost`; ties to the first) of
+    :func:`schedule_cost` under ``costs``; ties to the first) of
 
     - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
     - KV parts (:func:`_parts_schedule`): the concatenated KV cut into parts, each read by one
@@ -197,16 +218,16 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     if n_blocks <= P:
         lo = _smallest_width(R, T, P, total, n_blocks)
         if lo <= chunk:
-            return _whole_segments(R, T, P, lo)
+            return _whole_segments(R, T, P, lo, costs.segment_tiles)
         widths.append(lo)
     widths += [w for w in (chunk, longest) if w not in widths]
     snap = min(min_tiles, chunk // 4)
     candidates = [_line_schedule(R, T, P, chunk, snap)]
     if int(R.max()) <= P // 2:
         candidates.append(_parts_schedule(R, T, P, snap))
-    candidates += [_whole_segments(R, T, P, w) for w in sorted(widths)]
-    costs = [schedule_cost(c) for c in candidates]
-    return candidates[costs.index(min(costs))]
+    candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
+    times = [schedule_cost(c, costs) for c in candidates]
+    return candidates[times.index(min(times))]
 
 
 def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
@@ -254,10 +275,11 @@ def _smallest_width(R: np.ndarray, T: np.ndarray, P: int, total: int, n_blocks: 
         lo, hi = int(ws[j - 1]) + 1, int(ws[j])
 
 
-def _whole_segments(R: np.ndarray, T: np.ndarray, P: int, width: int) -> Pieces:
+def _whole_segments(R: np.ndarray, T: np.ndarray, P: int, width: int, segment_tiles: int) -> Pieces:
     """KV columns of ``width`` tiles x row blocks, dealt longest first (sequence order on ties) to
-    the least-loaded program (lowest index on ties): the first P segments one per program, the
-    rest through a heap (a Python loop over the segments past the first P)."""
+    the least-loaded program (lowest index on ties; a segment costing ``segment_tiles`` extra): the
+    first P segments one per program, the rest through a heap (a Python loop over the segments
+    past the first P)."""
     cols = -(-T // width)
     n = R * cols  # segments per sequence
     seq = np.repeat(np.arange(len(R)), n)
@@ -267,7 +289,7 @@ def _whole_segments(R: np.ndarray, T: np.ndarray, P: int, width: int) -> Pieces:
     t1 = np.minimum(t0 + width, T[seq])
     if len(seq) <= P:
         return Pieces(seq, local % Rs, t0, t1, np.arange(len(seq)))
-    cost = t1 - t0 + SEGMENT_COST_TILES
+    cost = t1 - t0 + segment_tiles
     order = np.argsort(-cost, kind="stable")
     prog = np.empty(len(seq), dtype=np.int64)
     prog[order[:P]] = np.arange(P)
@@ -352,7 +374,8 @@ class VerifyPlan:
     share a plan must run one after another on one stream (they share the partials).
 
     ``schedule_cache``: schedules kept by (row blocks, KV tiles) per sequence (host memory only;
-    0: compute every plan's schedule).
+    0: compute every plan's schedule). ``costs``: the host schedule's cost model (default: that of
+    the kernel ``"auto"`` runs on the device, :func:`default_costs`).
     """
 
     def __init__(
@@ -365,6 +388,7 @@ class VerifyPlan:
         config: FlashConfig | None = None,
         num_programs: int | None = None,
         schedule_cache: int = SCHEDULE_CACHE,
+        costs: ScheduleCosts | None = None,
     ):
         for name, v, hi in (("max_batch", max_batch, 1 << 20), ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
                             ("num_heads", num_heads, MAX_HEADS), ("num_programs", num_programs or 1, 1 << 20)):
@@ -429,6 +453,7 @@ class VerifyPlan:
         self.max_kv_len = self.max_nodes = 0
         self._schedules: dict[bytes, tuple] = {}  # (row blocks, tiles) -> tables, least recently used first
         self._cache_size = schedule_cache
+        self.costs = costs or default_costs(device)
         self._staged = None  # the key whose tables the staging buffer holds
 
     @property
@@ -543,7 +568,7 @@ class VerifyPlan:
 
     def _schedule_tables(self, R: np.ndarray, T: np.ndarray):
         """The tables of the schedule of one (row blocks, KV tiles) per sequence: see :meth:`_tables_of`."""
-        return self._tables_of(schedule(R, T, self.num_programs), R)
+        return self._tables_of(schedule(R, T, self.num_programs, costs=self.costs), R)
 
     def _tables_of(self, pieces: Pieces, R: np.ndarray):
         """The tables of a schedule of row blocks ``R`` per sequence: ``prog_first_seg [P + 1]``,
