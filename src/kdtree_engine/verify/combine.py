@@ -2,8 +2,8 @@
 
 Shared by every kernel that consumes a :class:`~kdtree_engine.verify.plan.VerifyPlan` (the Triton
 flash kernel, the Hopper kernel): a segment that covers only part of its row block's KV writes a
-normalised partial ``[BLOCK_M, 512]`` fp32 and its log2-sum-exp; one program per (split group, row)
-merges them. No atomics: bitwise deterministic.
+normalised partial ``[BLOCK_M, 512]`` fp32 and its log2-sum-exp; a fixed grid of programs merges
+them row by row. No atomics: bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .plan import FlashTables
 __all__ = ["combine"]
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+SPLITS_PER_ROUND = 8  # partial rows [8, 512] fp32 loaded at once: 32 registers per thread at 4 warps
 
 
 @triton.jit
@@ -26,13 +27,19 @@ def _combine_kernel(
     partial_out, partial_lse, out, lse, qo_indptr,
     group_seq, group_row0, group_first, group_count, num_groups,
     stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
-    H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr,
+    H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Merge the KV splits of one packed row: one program per (split group, row of the block); the
-    grid covers the plan's capacity, programs past ``num_groups[0]`` groups exit."""
-    i_g = tl.program_id(0)
-    i_r = tl.program_id(1)
-    if i_g < tl.load(num_groups):  # the grid covers the capacity; the rest exit
+    """Merge the KV splits of packed rows: program p takes the rows ``p, p + grid, ...`` of the
+    ``num_groups[0] x BLOCK_M`` (split group, row of the block) items, so a fixed grid (graph-safe)
+    has no programs that only exit. Per row, the splits' log2-sum-exps are read ``BLOCK_S`` at a time
+    for their maximum, then the partials ``[BLOCK_S, 512]`` at a time, weighted against it: loads
+    that do not wait on each other (a split count of 44 is 6 rounds, not 44 dependent ones)."""
+    o_d = tl.arange(0, D_LATENT)
+    o_s = tl.arange(0, BLOCK_S)
+    n_items = tl.load(num_groups) * BLOCK_M
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        i_g = item // BLOCK_M
+        i_r = item % BLOCK_M
         i_b = tl.load(group_seq + i_g)
         row = tl.load(group_row0 + i_g) + i_r
         qo_start = tl.load(qo_indptr + i_b * stride_qo)
@@ -40,21 +47,21 @@ def _combine_kernel(
         if row < n_nodes * H:
             first = tl.load(group_first + i_g)
             count = tl.load(group_count + i_g)
-            o_d = tl.arange(0, D_LATENT)
             b_m = tl.full([], float("-inf"), tl.float32)
+            for s0 in range(0, count, BLOCK_S):
+                o_p = (first + s0 + o_s).to(tl.int64) * BLOCK_M + i_r
+                b_lse2 = tl.load(partial_lse + o_p, mask=s0 + o_s < count, other=float("-inf"))
+                b_m = tl.maximum(b_m, tl.max(b_lse2, 0))
+            b_m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
             b_l = tl.zeros([], tl.float32)
             b_acc = tl.zeros([D_LATENT], tl.float32)
-            for s in range(count):
-                o_p = (first + s).to(tl.int64) * BLOCK_M + i_r
-                b_lse2 = tl.load(partial_lse + o_p)
-                b_m_new = tl.maximum(b_m, b_lse2)
-                b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-                b_w = tl.exp2(b_lse2 - b_m_use)
-                b_alpha = tl.exp2(b_m - b_m_use)
-                b_part = tl.load(partial_out + o_p * D_LATENT + o_d)
-                b_acc = b_acc * b_alpha + b_w * b_part
-                b_l = b_l * b_alpha + b_w
-                b_m = b_m_new
+            for s0 in range(0, count, BLOCK_S):
+                m_s = s0 + o_s < count
+                o_p = (first + s0 + o_s).to(tl.int64) * BLOCK_M + i_r
+                b_w = tl.exp2(tl.load(partial_lse + o_p, mask=m_s, other=float("-inf")) - b_m_use)
+                b_part = tl.load(partial_out + o_p[:, None] * D_LATENT + o_d[None, :], mask=m_s[:, None], other=0.0)
+                b_acc += tl.sum(b_w[:, None] * b_part, 0)
+                b_l += tl.sum(b_w, 0)
             has_key = b_l > 0
             b_l_safe = tl.where(has_key, b_l, 1.0)
             o_t = (qo_start + row // H).to(tl.int64)
@@ -76,6 +83,6 @@ def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
     g = plan.group_rows
     ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
     H, bm = q.shape[1], plan.config.block_m
-    _COMBINE((spec_key((out, lse, qo_indptr), ints), H, bm), (plan.groups.shape[1], bm),
+    _COMBINE((spec_key((out, lse, qo_indptr), ints), H, bm), (min(plan.groups.shape[1] * bm, 4 * plan.num_programs),),
              (plan.partial_out, plan.partial_lse, out, lse, qo_indptr, g[0], g[1], g[2], g[3], plan.group_count, *ints),
-             dict(H=H, BLOCK_M=bm, D_LATENT=D_V, num_warps=4))
+             dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, num_warps=4))
