@@ -30,9 +30,12 @@ from .plan import FlashConfig, VerifyPlan
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
+_KERNEL_NAMES = ("auto",) + KERNELS
+
+
 def _kernel_name(kernel) -> str:
-    if kernel not in ("auto",) + KERNELS:
-        raise ValueError(f"kernel must be one of {('auto',) + KERNELS}; got {kernel!r}")
+    if kernel not in _KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {_KERNEL_NAMES}; got {kernel!r}")
     return kernel
 
 
@@ -190,19 +193,21 @@ def verify_attention(
         info = sig.info
     kernel = _kernel_name(kernel)
     sm_scale = _scale(sm_scale)
-    _check_backend(q.device)
+    cuda = q.is_cuda
+    if not cuda:
+        _check_backend(q.device)
     given = plan is not None
     if kernel != "naive" and not given:
-        if q.is_cuda:  # device lengths: the device scheduler, no sync
+        if cuda:  # device lengths: the device scheduler, no sync
             ws = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, q.device)
-            plan = ws.plan_on_device(kv_lens, qo_indptr)
+            plan = ws.plan_on_device(kv_lens, qo_indptr, signature=sig)
         else:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device)
             plan = ws.plan(kv, qo)
-    check_host_lengths = validate is None and q.device.type != "cpu"
+    check_host_lengths = validate is None and cuda
     if validate is None:
-        validate = q.device.type == "cpu"
+        validate = not cuda
     if validate:
         check_content(page_table, kv_lens, qo_indptr, tree_mask, info)
     if compiling or plan is None:  # traced, or the naive kernel without a plan: one-off launches

@@ -438,7 +438,7 @@ class VerifyPlan:
         self.state = object()
         return self
 
-    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor) -> VerifyPlan:
+    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None) -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
         int32 on the plan's device (any strides), one launch of the scheduler kernel
         (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
@@ -450,12 +450,16 @@ class VerifyPlan:
         the combine kernel always runs). Malformed lengths are clamped, never written past the
         tables, and give wrong results: check them with
         :func:`~kdtree_engine.verify.contract.check_lengths` (one sync) where that matters.
-        Returns self.
+
+        ``signature``: a hashable object that stands for the lengths' dtypes, devices, shapes,
+        strides and 16-byte alignment (e.g. the caller's
+        :class:`~kdtree_engine.verify.contract.Signature` of the call's inputs), saving their
+        reading; they are checked when first seen either way. Returns self.
         """
         try:
             ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
-            key = (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype, qo_indptr.device,
-                   qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15)
+            key = signature or (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
+                                qo_indptr.device, qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15)
             launch = self._device_launches.get(key)
         except (AttributeError, TypeError):  # not tensors: named below
             key = launch = None
