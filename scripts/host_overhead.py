@@ -22,8 +22,9 @@ unplanned call plans from host lengths; its GPU path (device scheduler, then the
 estimated as ``device plan + given plan`` (``verify_attention(..., plan=)``).
 
 On CUDA nothing is stubbed: the device's own config and grid, the plan's host-to-device copy.
-Each kernel is compiled once per shape before timing (a few shapes, one or two head counts: a new
-H compiles the kernels again). ~30 s for the default shapes on an H200 with a warm Triton cache.
+Each kernel is compiled by the first call of a shape, before its timing; the default shapes use two
+head counts, and each H compiles the scheduler, the kernel and the combine once (the compiles
+dominate the run time: not measured here, expect well under a minute with a warm Triton cache).
 """
 
 from __future__ import annotations
