@@ -1,14 +1,30 @@
-"""Host microseconds of the verify fast path: ``VerifyAttention.plan`` for B = 1..64 (host lengths,
-and device lengths: the device scheduler's launch), ``VerifyAttention.run`` and unplanned
-``verify_attention``.
+"""Host microseconds of the verify fast path: ``VerifyAttention.plan`` (host lengths, and device
+lengths: the device scheduler's launch), ``VerifyAttention.run`` and unplanned ``verify_attention``.
 
-    PYTHONPATH=src python scripts/host_overhead.py [--device cpu|cuda] [--programs 132]
+    PYTHONPATH=src python scripts/host_overhead.py [--device cpu|cuda] [--programs 132] [--shapes ...]
+
+Two host times per call:
+
+- ``burst``: after a sync, ``--burst`` calls (a few launches each: the launch queue never fills),
+  the fastest of ``--repeats`` bursts, per call: what the host spends, whatever the GPU does;
+- ``b2b``: ``--calls`` calls back to back without a sync, per call (issue 12's measure). Once the
+  launch queue is full the host waits for the GPU, so this is at least the GPU time per call,
+  printed beside it (``gpu``, CUDA events around the same calls).
 
 On the CPU the plan targets the H200's grid (64x64 tiles, 132 programs) without a GPU, and every
 kernel launch is stubbed at the compiled kernel (each :class:`~kdtree_engine.verify.launch.Launcher`
-gets a compiled kernel whose ``run`` does nothing), so the figures are all the Python of a call
-but Triton's C launcher. On CUDA nothing is stubbed; the device's own config and grid, and the
-plan's host-to-device copy, are included.
+gets a compiled kernel whose ``run`` does nothing), so the figures are all the Python of a call but
+Triton's launcher (on the GPU ~5-8 us per launch). Thread CPU time, the fastest of the repeats (a
+shared machine's noise only adds). ``run`` is split into its parts: the input checks
+(:class:`~kdtree_engine.verify.contract.InputCheck`), the prepared-launch lookup, the launches'
+Python (two: the kernel and the combine), and the rest (the method's own code). On the CPU the
+unplanned call plans from host lengths; its GPU path (device scheduler, then the planned call) is
+estimated as ``device plan + given plan`` (``verify_attention(..., plan=)``).
+
+On CUDA nothing is stubbed: the device's own config and grid, the plan's host-to-device copy.
+Each kernel is compiled by the first call of a shape, before its timing; the default shapes use two
+head counts, and each H compiles the scheduler, the kernel and the combine once (the compiles
+dominate the run time: not measured here, expect well under a minute with a warm Triton cache).
 """
 
 from __future__ import annotations
@@ -19,66 +35,124 @@ import time
 
 import torch
 
+SHAPES = ((1, 16, 9, 1024), (8, 16, 9, 4096), (1, 128, 9, 4096), (4, 128, 33, 16384))  # B, H, n, prefix
 
-def per_call_us(fn, calls: int, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` runs of ``calls`` calls, per call (a shared machine's noise only adds)."""
+
+def best_us(fn, calls: int, repeats: int, clock=time.perf_counter, sync=None) -> float:
+    """The fastest of ``repeats`` runs of ``calls`` calls, per call, in us (``sync()`` before each run)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        if sync is not None:
+            sync()
+        t0 = clock()
         for _ in range(calls):
             fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best * 1e6 / calls
+
+
+def gpu_us(fn, calls: int) -> tuple[float, float]:
+    """(host us per call, GPU us per call) of ``calls`` back-to-back calls (CUDA events)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host = time.perf_counter() - t0
+    end.synchronize()
+    return host * 1e6 / calls, start.elapsed_time(end) * 1e3 / calls
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--programs", type=int, default=132, help="grid on the CPU (the H200 runs 132)")
-    p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                   help="B x H x tree nodes x prefix, comma-separated")
+    p.add_argument("--calls", type=int, default=1000, help="back-to-back calls (cuda) / calls per repeat (cpu)")
+    p.add_argument("--burst", type=int, default=16, help="calls per burst (cuda)")
+    p.add_argument("--repeats", type=int, default=30)
     a = p.parse_args()
-    if a.device == "cpu":
+    cpu = a.device == "cpu"
+    if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kdtree_engine import VerifyAttention, verify_attention
     from kdtree_engine.verify import VerifyPlan
+    from kdtree_engine.verify.api import _prepared
     from kdtree_engine.verify.plan import CONFIGS
 
-    cpu = a.device == "cpu"
     kw = dict(config=CONFIGS[0], num_programs=a.programs) if cpu else {}
     if cpu:
         stub_launches()
-    print(f"device {a.device}; {'64x64 tiles, %d programs, launches stubbed' % a.programs if cpu else 'device config and grid'}")
-    print("plan us, new tiles: the host schedule computed every call (a step with new KV tile counts);")
-    print("plan us, kept: other lengths within the same tiles (the schedule is reused, lengths rewritten);")
-    print("plan us, device: the device scheduler's launch; run us: one planned layer; no plan us: verify_attention")
-    print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7}  {'new tiles':>9} {'kept':>6} {'device':>7} {'run':>6} {'no plan':>8}")
-    for B in (1, 2, 4, 8, 16, 32, 64):
-        for H, n, prefix in ((16, 9, 1024), (128, 9, 4096), (64, 64, 32768)):
-            attn = VerifyAttention(64, 64, H, a.device, **kw)  # a decode loop's maxima
-            kv = [prefix + n] * B
-            qo = list(range(0, B * n + 1, n))
+        print(f"cpu: 64x64 tiles, {a.programs} programs, launches stubbed; thread CPU us per call")
+        print("plan: new tiles (host schedule computed), kept (same tiles, lengths rewritten), device (scheduler launch)")
+        print("run: checks + lookup + launches + rest = total; given: verify_attention(plan=); unplanned on a GPU ~ "
+              "device + given")
+        print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'new':>6} {'kept':>5} {'device':>6} | {'checks':>6} "
+              f"{'lookup':>6} {'launch':>6} {'rest':>5} {'total':>6} | {'given':>6} {'unpl.':>6}")
+    else:
+        print(f"{torch.cuda.get_device_name()}: device config and grid; host us per call (burst of {a.burst}, "
+              f"fastest of {a.repeats}); b2b / gpu: {a.calls} calls back to back, host / GPU us per call")
+        print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'plan kept':>9} {'device':>6} | {'run':>5} {'b2b':>6} "
+              f"{'gpu':>6} | {'no plan':>7} {'b2b':>6} {'gpu':>6} | {'no plan / run':>13}")
+    sync = None if cpu else torch.cuda.synchronize
+    clock = time.thread_time if cpu else time.perf_counter
+    calls = a.calls if cpu else a.burst
+    for shape in a.shapes.split(","):
+        B, H, n, prefix = (int(x) for x in shape.split("x"))
+        attn = VerifyAttention(64, 64, H, a.device, **kw)  # a decode loop's maxima
+        kv = [prefix + n] * B
+        qo = list(range(0, B * n + 1, n))
+        kept = iter(range(10**9))
+        kept_us = best_us(lambda: attn.plan([x - next(kept) % 8 for x in kv], qo), calls, a.repeats, clock, sync)
+        kv_dev = torch.tensor(kv, dtype=torch.int32, device=a.device)
+        qo_dev = torch.tensor(qo, dtype=torch.int32, device=a.device)
+        dev_us = best_us(lambda: attn.workspace.plan_on_device(kv_dev, qo_dev), calls, a.repeats, clock, sync)
+        attn.plan(kv, qo)
+        T = B * n
+        q = torch.zeros(T, H, 576, dtype=torch.bfloat16, device=a.device)
+        kv_cache = torch.zeros(B * (prefix + n) + 1, 1, 576, dtype=torch.bfloat16, device=a.device)
+        page_table = torch.zeros(B, prefix + n, dtype=torch.int32, device=a.device)
+        mask = torch.zeros(T, 2, dtype=torch.int32, device=a.device)
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=a.device)
+        lse = torch.empty(T, H, dtype=torch.float32, device=a.device)
+        layer = (q, kv_cache, page_table, mask)
+        args = (q, kv_cache, page_table, kv_dev, qo_dev, mask)
+
+        def run():
+            attn.run(*layer, out=out, lse=lse)
+
+        def unplanned():  # on the CPU: plans from host lengths
+            verify_attention(*args, out=out, lse=lse, validate=False)
+
+        run_us = best_us(run, calls, a.repeats, clock, sync)
+        if cpu:
             computed = VerifyPlan(64, 64, H, a.device, schedule_cache=0, **kw)
-            new_us = per_call_us(lambda: computed.plan(kv, qo), a.calls)
-            kept = iter(range(10**9))
-            kept_us = per_call_us(lambda: attn.plan([x - next(kept) % 8 for x in kv], qo), a.calls)
-            kv_dev = torch.tensor(kv, dtype=torch.int32, device=a.device)
-            qo_dev = torch.tensor(qo, dtype=torch.int32, device=a.device)
-            dev_us = per_call_us(lambda: attn.workspace.plan_on_device(kv_dev, qo_dev), a.calls)
-            attn.plan(kv, qo)
-            T = B * n
-            q = torch.zeros(T, H, 576, dtype=torch.bfloat16, device=a.device)
-            kv_cache = torch.zeros(B * (prefix + n) + 1, 1, 576, dtype=torch.bfloat16, device=a.device)
-            page_table = torch.zeros(B, prefix + n, dtype=torch.int32, device=a.device)
-            mask = torch.zeros(T, 2, dtype=torch.int32, device=a.device)
-            out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=a.device)
-            lse = torch.empty(T, H, dtype=torch.float32, device=a.device)
-            run_us = per_call_us(lambda: attn.run(q, kv_cache, page_table, mask, out=out, lse=lse), a.calls)
-            args = (q, kv_cache, page_table, kv_dev, qo_dev, mask)
-            # on the CPU the unplanned call plans from host lengths (the device path needs CUDA)
-            unplanned_us = per_call_us(lambda: verify_attention(*args, out=out, lse=lse, validate=False), a.calls)
-            print(f"{B:>3} {H:>4} {n:>4} {prefix:>7}  {new_us:9.1f} {kept_us:6.1f} {dev_us:7.1f} {run_us:6.1f} "
-                  f"{unplanned_us:8.1f}", flush=True)
+            new_us = best_us(lambda: computed.plan(kv, qo), 10, a.repeats, clock)
+            ws = attn.workspace
+            tensors = (q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, mask, out, lse)
+            sig, ptrs = attn._check(*tensors)
+            call = _prepared(ws, sig, attn.kernel, attn._default_scale, tensors)
+            check_us = best_us(lambda: attn._check(*tensors), calls, a.repeats, clock)
+            lookup_us = best_us(lambda: _prepared(ws, sig, attn.kernel, attn._default_scale, tensors), calls,
+                                a.repeats, clock)
+            launch_us = best_us(lambda: call.run(tensors, ptrs, ws.tables.num_groups), calls, a.repeats, clock)
+            given_us = best_us(lambda: verify_attention(*args, out=out, lse=lse, plan=ws, validate=False), calls,
+                               a.repeats, clock)
+            rest = run_us - check_us - lookup_us - launch_us
+            print(f"{B:>3} {H:>4} {n:>4} {prefix:>7} | {new_us:6.1f} {kept_us:5.1f} {dev_us:6.1f} | {check_us:6.1f} "
+                  f"{lookup_us:6.1f} {launch_us:6.1f} {rest:5.1f} {run_us:6.1f} | {given_us:6.1f} "
+                  f"{dev_us + given_us:6.1f}", flush=True)
+        else:
+            unplanned_us = best_us(unplanned, calls, a.repeats, clock, sync)
+            run_b2b, run_gpu = gpu_us(run, a.calls)
+            un_b2b, un_gpu = gpu_us(unplanned, a.calls)
+            print(f"{B:>3} {H:>4} {n:>4} {prefix:>7} | {kept_us:9.1f} {dev_us:6.1f} | {run_us:5.1f} {run_b2b:6.1f} "
+                  f"{run_gpu:6.1f} | {unplanned_us:7.1f} {un_b2b:6.1f} {un_gpu:6.1f} | "
+                  f"{unplanned_us / run_us:13.2f}", flush=True)
 
 
 def stub_launches() -> None:
@@ -100,7 +174,7 @@ def stub_launches() -> None:
         def __getitem__(self, grid):
             return lambda *args, **kw: Compiled()
 
-    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     for launcher in (combine._COMBINE, scheduler._SCHEDULE, triton_flash._FLASH, triton_naive._NAIVE):
         assert isinstance(launcher, Launcher)

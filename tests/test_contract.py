@@ -114,3 +114,27 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 def test_device_mismatch(case):
     with pytest.raises(ValueError, match="kv_lens is on cpu"):
         call(case, kv_lens=case["kv_lens"].cpu())
+
+
+def test_input_check_cache_keeps_the_per_call_checks(case):
+    """A signature seen before skips the layout checks (the same Signature object comes back) but
+    never the overlap checks, which read addresses; another layout of the same shapes (a
+    transposed page table) is another signature, checked in full."""
+    from kdtree_engine.verify.contract import InputCheck
+
+    check = InputCheck()
+    T, H = case["q"].shape[:2]
+    inputs = [case[k] for k in ("q", "kv_cache", "page_table", "kv_lens", "qo_indptr", "tree_mask")]
+    buf = torch.zeros(T * H * 256 + T * H, dtype=torch.float32, device=DEVICE)
+    out = buf[: T * H * 256].view(torch.bfloat16).view(T, H, 512)
+    lse = buf[T * H * 256 :].view(T, H)
+    sig, ptrs = check(*inputs, out, lse)
+    assert check(*inputs, out, lse)[0] is sig and ptrs[6:] == (out.data_ptr(), lse.data_ptr())
+    with pytest.raises(ValueError, match="lse overlaps out"):
+        check(*inputs, out, buf[: T * H].view(T, H))  # the same signature, another address
+    page_table = inputs[2].t().contiguous().t()
+    assert page_table.stride() != inputs[2].stride()
+    other, _ = check(*inputs[:2], page_table, *inputs[3:], out, lse)
+    assert other is not sig and other.info == sig.info
+    with pytest.raises(TypeError, match="tree_mask must be a torch.Tensor"):
+        check(*inputs[:5], inputs[5].tolist(), out, lse)

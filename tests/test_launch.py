@@ -39,7 +39,7 @@ class FakeJit:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
 
 
@@ -58,6 +58,30 @@ def test_second_launch_of_a_key_calls_the_compiled_kernel(fake_cuda):
     # another key (an integer argument changed): through Triton again
     launch((spec_key((x,), (4,)), 7), (2,), (x, 4, 0.5), dict(C=7, D=1, num_warps=4))
     assert len(fn.launches) == 2 and len(fn.compiled.calls) == 1
+
+
+def test_prepared_launch_passes_data_pointers_on_the_current_stream(fake_cuda, monkeypatch):
+    """A Launch: the first call through Triton with the call's tensors; later calls hand the kept
+    kernel the per-call data pointers in the picked places, the fixed tensors as their pointers,
+    the stream read on each call."""
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    fn = FakeJit()
+    fn.arg_names = ["h", "a", "b", "t", "n", "C", "D"]
+    h, t = torch.zeros(4), torch.zeros(2)
+    x, y = torch.zeros(8), torch.ones(8)
+    launch = Launch(Launcher(fn), "k", (5, 2), (h,), (1, 0), (t, 3), dict(C=7, D=1, num_warps=4))
+    launch((x, y), (11, 22))
+    assert len(fn.launches) == 1 and not fn.compiled.calls
+    grid, args, kw = fn.launches[0]
+    assert grid == (5, 2) and args[0] is h and args[1] is y and args[2] is x and args[3:] == (t, 3)
+    launch((x, y), (11, 22))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 99, raising=False)
+    launch((x, y), (33, 44))
+    assert len(fn.launches) == 1
+    meta = ("fn", "meta", None, None, None)
+    assert fn.compiled.calls == [(5, 2, 1, 1234, *meta, h.data_ptr(), 22, 11, t.data_ptr(), 3, 7, 1),
+                                 (5, 2, 1, 99, *meta, h.data_ptr(), 44, 33, t.data_ptr(), 3, 7, 1)]
 
 
 def test_key_tells_alignment_and_dtype():

@@ -118,9 +118,15 @@ def test_run_checks_shapes_against_the_plan():
         attn.run(*args[:2], c["page_table"][:, :1], args[3])
     with pytest.raises(ValueError, match="sm_scale"):
         attn.run(*args, sm_scale=0.0)
+    attn.run(*args)  # passes, and keeps its signature's launches and the plan it was checked against
     attn.plan([40, 3], [0, 3, 5])  # a tree of 3 nodes still fits one mask word; the pages do not
     with pytest.raises(ValueError, match="fewer than the planned kv_len 40"):
         attn.run(*args)
+    attn.plan([5, 4], [0, 3, 4])  # T = 4: the same tensors no longer match the plan
+    with pytest.raises(ValueError, match="plan was built for H=2, T=4, B=2"):
+        attn.run(*args)
+    with pytest.raises(ValueError, match="plan was built for H=2, T=4, B=2"):
+        verify_attention(**c, plan=attn.workspace)
 
 
 def _op_args(attn, c, scale):

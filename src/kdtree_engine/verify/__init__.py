@@ -2,14 +2,16 @@
 
 - :mod:`.contract`: dimensions and input checks;
 - :mod:`.reference`: the float64 reference (any device);
-- :mod:`.launch`: kernel launches that skip Triton's Python launcher once compiled;
+- :mod:`.launch`: kernel launches that skip Triton's Python launcher once compiled, and launches
+  laid out once per call signature (:class:`~.launch.Launch`);
 - :mod:`.scheduler`: the device scheduler (a plan's tables from device lengths, no sync);
 - :mod:`.plan`: tile configs, the persistent schedule, the workspace (:class:`VerifyPlan`);
 - :mod:`.combine`: the kernel that merges a plan's KV splits (shared by the planned kernels);
 - :mod:`.triton_naive`, :mod:`.triton_flash`, :mod:`.hopper`: one module per kernel implementation
   (the Triton oracle, the portable Triton flash kernel, the Gluon sm_90a kernel), each a
-  ``launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan)``;
-- :mod:`.op`: the launchers by name, which kernel ``"auto"`` runs, and the
+  ``prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan)``
+  that lays out its launches for every call with those tensors' signature;
+- :mod:`.op`: the preparers by name, which kernel ``"auto"`` runs, and the
   ``kdtree::verify_attention`` torch op;
 - :mod:`.api`: :func:`verify_attention` and :class:`VerifyAttention` (plan once, run per layer).
 

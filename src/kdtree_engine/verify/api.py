@@ -23,16 +23,19 @@ import torch
 
 from ..backend import interpreting
 from ..masks import MAX_TREE_NODES
-from .contract import D_QK, D_V, InputCheck, check_content, check_inputs, check_lengths
-from .op import KERNELS, launcher, resolve, verify_attention_op
+from .contract import D_QK, D_V, InputCheck, Signature, VerifyInputs, check_content, check_inputs, check_lengths
+from .op import KERNELS, launch, preparer, resolve, verify_attention_op
 from .plan import FlashConfig, VerifyPlan
 
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
+_KERNEL_NAMES = ("auto",) + KERNELS
+
+
 def _kernel_name(kernel) -> str:
-    if kernel not in ("auto",) + KERNELS:
-        raise ValueError(f"kernel must be one of {('auto',) + KERNELS}; got {kernel!r}")
+    if kernel not in _KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {_KERNEL_NAMES}; got {kernel!r}")
     return kernel
 
 
@@ -60,7 +63,7 @@ _UNPLANNED: dict[tuple, VerifyPlan] = {}
 
 
 def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device) -> VerifyPlan:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device, num_heads, stream)
     ws = _UNPLANNED.get(key)
     if ws is None or B > ws.max_batch or max_nodes > ws.max_tree_nodes:
@@ -72,13 +75,50 @@ def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.d
 _CHECK = InputCheck()  # verify_attention's checks by signature
 
 
-def _check_plan(plan: VerifyPlan, T: int, H: int, B: int, device: torch.device) -> None:
+def _check_plan(plan: VerifyPlan, info: VerifyInputs, device: torch.device) -> None:
     """The call's sizes against the plan's (T only when the plan knows it: a device plan does not)."""
+    H, T, B = info.num_heads, info.num_rows, info.num_seqs
     if (plan.num_heads, plan.num_seqs) != (H, B) or plan.num_rows not in (None, T) or plan.device != device:
         raise ValueError(
             f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
             f"got H={H}, T={T}, B={B} on {device}"
         )
+
+
+class _Prepared:
+    """A call signature's launches on one plan (kept in ``plan.prepared``) and the plan state its
+    checks against the plan last passed for (:attr:`VerifyPlan.state`)."""
+
+    __slots__ = ("run", "state")
+
+    def __init__(self, run):
+        self.run, self.state = run, None
+
+
+def _prepared(plan: VerifyPlan, sig: Signature, kernel: str, scale: float, tensors: tuple) -> _Prepared:
+    """``plan.prepared[(sig, kernel, scale)]``, made on first use from ``tensors`` (the call's
+    eight, outputs allocated): the kernel resolved (``"auto"``: see
+    :func:`~kdtree_engine.verify.op.resolve`) and its launches laid out for the signature."""
+    key = (sig, kernel, scale)
+    call = plan.prepared.get(key)
+    if call is None:
+        q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse = tensors
+        name = resolve(kernel, q, kv_cache, plan.tables.config)
+        run = preparer(name)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, scale, out, lse, plan.tables)
+        call = plan.keep(plan.prepared, key, _Prepared(run))
+    return call
+
+
+def _outputs(info: VerifyInputs, q: torch.Tensor, out, lse, ptrs: tuple):
+    """``(out, lse, ptrs)`` with a fresh ``[T, H, 512]`` (q's dtype) / ``[T, H]`` float32 tensor
+    for an absent output, its data pointer in ``ptrs`` (the eight tensors' pointers)."""
+    if out is None:
+        out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
+        ptrs = (*ptrs[:6], out.data_ptr(), ptrs[7])
+    if lse is None:
+        lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
+        ptrs = (*ptrs[:7], lse.data_ptr())
+    return out, lse, ptrs
 
 
 def verify_attention(
@@ -145,34 +185,48 @@ def verify_attention(
         sum of exp of the scaled scores over the visible keys. A row with no visible key (only
         possible with a malformed mask) gets out = 0 and lse = -inf.
     """
-    check = check_inputs if torch.compiler.is_compiling() else _CHECK
-    info = check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    compiling = torch.compiler.is_compiling()  # dynamo traces the plain checks, not their cache
+    if compiling:
+        info, sig, ptrs = check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse), None, None
+    else:
+        sig, ptrs = _CHECK(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+        info = sig.info
     kernel = _kernel_name(kernel)
     sm_scale = _scale(sm_scale)
-    _check_backend(q.device)
-    if kernel != "naive":
-        if plan is None and q.is_cuda:  # device lengths: the device scheduler, no sync
+    cuda = q.is_cuda
+    if not cuda:
+        _check_backend(q.device)
+    given = plan is not None
+    if kernel != "naive" and not given:
+        if cuda:  # device lengths: the device scheduler, no sync
             ws = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, q.device)
-            plan = ws.plan_on_device(kv_lens, qo_indptr)
-        elif plan is None:  # host lengths (the CPU): checked and scheduled on the host
+            plan = ws.plan_on_device(kv_lens, qo_indptr, signature=sig)
+        else:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device)
             plan = ws.plan(kv, qo)
-        else:
-            _check_plan(plan, info.num_rows, info.num_heads, info.num_seqs, q.device)
-            if validate is None and q.device.type != "cpu" and plan.kv_lens_host is not None:
-                check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
+    check_host_lengths = validate is None and cuda
     if validate is None:
-        validate = q.device.type == "cpu"
+        validate = not cuda
     if validate:
         check_content(page_table, kv_lens, qo_indptr, tree_mask, info)
-    if out is None:
-        out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
-    tables = None if plan is None else plan.tables
-    kernel = resolve(kernel, q, kv_cache, None if tables is None else tables.config)
-    launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
+    if compiling or plan is None:  # traced, or the naive kernel without a plan: one-off launches
+        if plan is not None:
+            _check_plan(plan, info, q.device)
+        out, lse, _ = _outputs(info, q, out, lse, (0,) * 8)
+        tables = None if plan is None else plan.tables
+        launch(resolve(kernel, q, kv_cache, None if tables is None else tables.config), q, kv_cache, page_table,
+               kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
+        return out, lse
+    out, lse, ptrs = _outputs(info, q, out, lse, ptrs)
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    call = _prepared(plan, sig, kernel, sm_scale, tensors)
+    if call.state is not plan.state:
+        _check_plan(plan, info, q.device)
+        if given and check_host_lengths and plan.kv_lens_host is not None:
+            check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
+        call.state = plan.state
+    call.run(tensors, ptrs, plan.tables.num_groups)
     return out, lse
 
 
@@ -208,7 +262,7 @@ class VerifyAttention:
         self.num_heads = num_heads
         _check_backend(self.device)
         self._default_scale = _scale(None)
-        self._check = InputCheck()
+        self._check = InputCheck((self.workspace.kv_lens_buf, self.workspace.qo_indptr_buf))
 
     def plan(self, kv_lens, qo_indptr) -> None:
         """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
@@ -254,20 +308,11 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
-        compiling = torch.compiler.is_compiling()  # dynamo traces the plain checks, not their cache
-        check = check_inputs if compiling else self._check
-        info = check(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
-        _check_plan(ws, info.num_rows, info.num_heads, info.num_seqs, q.device)
-        if ws.max_nodes is not None and 32 * info.mask_words < ws.max_nodes:  # a host plan: host lengths
-            raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
-                             f"{ws.max_nodes} nodes")
-        if ws.max_kv_len is not None and info.max_pages * info.page_size < ws.max_kv_len:
-            raise ValueError(f"page_table holds {info.max_pages} pages x {info.page_size} positions, "
-                             f"fewer than the planned kv_len {ws.max_kv_len}")
         scale = self._default_scale if sm_scale is None else _scale(sm_scale)
-        t = ws.tables
-        if compiling:  # the op resolves "auto" when it runs (it reads data pointers)
-            cfg = t.config
+        if torch.compiler.is_compiling():  # dynamo traces the plain checks and the op, not the caches
+            info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
+            self._check_plan(info, q.device)
+            t, cfg = ws.tables, ws.tables.config  # the op resolves "auto" when it runs (it reads data pointers)
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
                                        t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
@@ -277,10 +322,25 @@ class VerifyAttention:
             out = o if out is None else out.copy_(o)
             lse = s if lse is None else lse.copy_(s)
             return out, lse
-        if out is None:
-            out = torch.empty(info.num_rows, info.num_heads, D_V, dtype=q.dtype, device=q.device)
-        if lse is None:
-            lse = torch.empty(info.num_rows, info.num_heads, dtype=torch.float32, device=q.device)
-        kernel = resolve(self.kernel, q, kv_cache, t.config)
-        launcher(kernel)(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, scale, out, lse, t)
+        kv_lens, qo_indptr = ws.kv_lens, ws.qo_indptr
+        sig, ptrs = self._check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+        out, lse, ptrs = _outputs(sig.info, q, out, lse, ptrs)
+        tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+        call = _prepared(ws, sig, self.kernel, scale, tensors)
+        if call.state is not ws.state:
+            self._check_plan(sig.info, q.device)
+            call.state = ws.state
+        call.run(tensors, ptrs, ws.tables.num_groups)
         return out, lse
+
+    def _check_plan(self, info: VerifyInputs, device: torch.device) -> None:
+        """A call's sizes against the current plan: heads, rows, sequences, device, and with host
+        lengths the mask's width and the page table's capacity (``ValueError``)."""
+        ws = self.workspace
+        _check_plan(ws, info, device)
+        if ws.max_nodes is not None and 32 * info.mask_words < ws.max_nodes:  # a host plan: host lengths
+            raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
+                             f"{ws.max_nodes} nodes")
+        if ws.max_kv_len is not None and info.max_pages * info.page_size < ws.max_kv_len:
+            raise ValueError(f"page_table holds {info.max_pages} pages x {info.page_size} positions, "
+                             f"fewer than the planned kv_len {ws.max_kv_len}")

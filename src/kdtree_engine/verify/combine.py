@@ -4,6 +4,9 @@ Shared by every kernel that consumes a :class:`~kdtree_engine.verify.plan.Verify
 flash kernel, the Hopper kernel): a segment that covers only part of its row block's KV writes a
 normalised partial ``[BLOCK_M, 512]`` fp32 and its log2-sum-exp; a fixed grid of programs merges
 them row by row. No atomics: bitwise deterministic.
+
+:func:`prepare_planned` lays out the launches of such a kernel and the combine once per signature
+of the caller's tensors (:class:`~kdtree_engine.verify.launch.Launch`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import D_V
-from .launch import Launcher, spec_key
+from .contract import D_V, kernel_ints
+from .launch import Launch, Launcher, spec_key
 from .plan import FlashTables
 
-__all__ = ["combine"]
+__all__ = ["PlannedLaunch", "prepare_planned"]
 
+LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 SPLITS_PER_ROUND = 8  # partial rows [8, 512] fp32 loaded at once: 32 registers per thread at 4 warps
 
@@ -73,16 +77,45 @@ def _combine_kernel(
 _COMBINE = Launcher(_combine_kernel)
 
 
-def combine(q, qo_indptr, out, lse, plan: FlashTables) -> None:
-    """Merge the KV splits of the plan's split row blocks into ``out`` / ``lse`` (the combine
-    kernel; shared by every kernel that writes the plan's partials). Skipped only when the host
-    knows no row block was split and no CUDA graph is being captured (a captured graph must merge
-    whatever a later plan splits)."""
-    if plan.num_groups == 0 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
+class PlannedLaunch:
+    """The launches of one call signature of a kernel that reads a plan: the kernel, then the
+    combine kernel (:func:`prepare_planned`)."""
+
+    __slots__ = ("_main", "_merge", "_cuda")
+
+    def __init__(self, main: Launch, merge: Launch, cuda: bool):
+        self._main, self._merge, self._cuda = main, merge, cuda
+
+    def __call__(self, tensors: tuple, ptrs: tuple, num_groups: int | None) -> None:
+        """Launch on ``tensors`` = ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out,
+        lse)`` of the prepared signature, ``ptrs`` their data pointers. The combine is skipped only
+        when the host knows the plan split no row block (``num_groups == 0``) and no CUDA graph is
+        being captured (a captured graph must merge whatever a later plan splits)."""
+        self._main(tensors, ptrs)
+        if num_groups != 0 or (self._cuda and torch.cuda.is_current_stream_capturing()):
+            self._merge(tensors, ptrs)
+
+
+def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale: float,
+                    out, lse, plan: FlashTables, constexprs: dict) -> PlannedLaunch:
+    """The launches of a kernel that reads the plan's tables (the Triton flash kernel, the Hopper
+    kernel: both take ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
+    prog_first_seg, 5 segment rows, partial_out, partial_lse, the contract's ints
+    (:func:`~kdtree_engine.verify.contract.kernel_ints`), sm_scale * log2(e))`` then ``constexprs``)
+    on ``plan.num_programs`` programs, then the combine kernel, for every call with the signature
+    of these tensors (dtypes, 16-byte alignment, shapes and strides; inputs already checked).
+    ``key``: what else determines the kernel's compilation. The plan's tables are int32 / float32
+    and 16-byte aligned (VerifyPlan allocates them so): not in the key."""
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    ints = kernel_ints(*tensors)
+    main = Launch(launcher, (spec_key(tensors, ints), *key), (plan.num_programs,), (), tuple(range(8)),
+                  (plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *ints,
+                   sm_scale * LOG2E), constexprs)
     g = plan.group_rows
     ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
     H, bm = q.shape[1], plan.config.block_m
-    _COMBINE((spec_key((out, lse, qo_indptr), ints), H, bm), (min(plan.groups.shape[1] * bm, 4 * plan.num_programs),),
-             (plan.partial_out, plan.partial_lse, out, lse, qo_indptr, g[0], g[1], g[2], g[3], plan.group_count, *ints),
-             dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, num_warps=4))
+    merge = Launch(_COMBINE, (spec_key((out, lse, qo_indptr), ints), H, bm),
+                   (min(plan.groups.shape[1] * bm, 4 * plan.num_programs),),
+                   (plan.partial_out, plan.partial_lse), (6, 7, 4), (*g, plan.group_count, *ints),
+                   dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, num_warps=4))
+    return PlannedLaunch(main, merge, q.is_cuda)

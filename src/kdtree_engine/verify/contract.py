@@ -20,7 +20,7 @@ D_V = 512  # V is the latent part of the same cache row
 D_ROPE = D_QK - D_V
 MAX_HEADS = 128
 
-__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
+__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "Signature", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,17 @@ def _check_own_memory(name, t):
 _NAMES = ("q", "kv_cache", "page_table", "kv_lens", "qo_indptr", "tree_mask", "out", "lse")
 
 
-def _check_outputs_apart(tensors, extents):
-    """out (the 7th of ``tensors``) must not overlap an input, lse (the 8th) neither an input nor
-    out. Byte ranges (``extents`` in bytes), whatever the storages: distinct allocations never overlap."""
-    spans = [None if t is None or not n else (t.data_ptr(), n) for t, n in zip(tensors, extents)]
+def _check_outputs_apart(ptrs, extents):
+    """out (the 7th of the eight tensors) must not overlap an input, lse (the 8th) neither an input
+    nor out: byte ranges ``[ptrs[i], ptrs[i] + extents[i])`` (0 bytes: absent or empty), whatever
+    the storages (distinct allocations never overlap)."""
     for i in (6, 7):
-        if spans[i] is None:
-            continue
-        lo, n = spans[i]
-        for j in range(i):
-            if spans[j] is not None and lo < spans[j][0] + spans[j][1] and spans[j][0] < lo + n:
-                raise ValueError(f"{_NAMES[i]} overlaps {_NAMES[j]} in memory; pass a separate buffer")
+        lo, n = ptrs[i], extents[i]
+        if n:
+            hi = lo + n
+            for j in range(i):
+                if extents[j] and lo < ptrs[j] + extents[j] and ptrs[j] < hi:
+                    raise ValueError(f"{_NAMES[i]} overlaps {_NAMES[j]} in memory; pass a separate buffer")
 
 
 def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
@@ -137,7 +137,8 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         _check_own_memory("lse", lse)
     if out is not None or lse is not None:
         tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
-        _check_outputs_apart(tensors, [0 if t is None else _extent(t) for t in tensors])
+        _check_outputs_apart([0 if t is None else t.data_ptr() for t in tensors],
+                             [0 if t is None else _extent(t) for t in tensors])
     return VerifyInputs(
         num_rows=T,
         num_heads=H,
@@ -158,35 +159,76 @@ def kernel_ints(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse
             tree_mask.shape[1], os_[0], os_[1], *lse.stride())
 
 
+class Signature:
+    """What :class:`InputCheck` keeps per signature of the eight tensors: their sizes (``info``),
+    their byte extents (``extents``, 0 for an absent one) and, for the caller, ``prepared``: what
+    it derives from the signature alone (e.g. a prepared launch), by its own key."""
+
+    __slots__ = ("info", "extents", "prepared")
+
+    def __init__(self, info: VerifyInputs, extents: tuple):
+        self.info, self.extents, self.prepared = info, extents, {}
+
+
 class InputCheck:
     """:func:`check_inputs` for the repeated calls of one caller (a plan's layers), in a few
-    microseconds: what it reads besides addresses (types, dtypes, devices, shapes, strides) is
-    checked once per signature of the eight tensors; the overlap checks of ``out`` / ``lse``, which
-    read addresses, run on every call. Same errors as :func:`check_inputs`."""
+    microseconds: what it reads besides addresses (dtypes, devices, shapes, strides, and each data
+    pointer's offset from 16 bytes) is a dictionary key, checked once per signature; the overlap
+    checks of ``out`` / ``lse``, which read addresses, run on every call (pointer arithmetic on the
+    kept extents). Same errors as :func:`check_inputs`.
+
+    A call returns ``(signature, ptrs)``: the :class:`Signature` (the same object for every call
+    of that signature, until the table starts over) and the eight data pointers (0 for an absent
+    ``out`` / ``lse``).
+
+    ``lengths``: for a plan's calls, its ``(kv_lens, qo_indptr)`` buffers, of which the calls pass
+    views (``[B]`` and ``[B + 1]`` int32 on the plan's device, contiguous, made by the plan): left
+    out of the key (B is page_table's first dimension, checked against them on a miss and against
+    the plan by the caller), the overlap checks taking the whole buffers."""
 
     MAX_SIGNATURES = 64  # past this many the table starts over
 
-    def __init__(self):
-        self._seen: dict[tuple, tuple[VerifyInputs, list[int]]] = {}
+    def __init__(self, lengths: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self._seen: dict[tuple, Signature] = {}
+        self._lengths = None if lengths is None else tuple(t.data_ptr() for t in lengths)
+        self._length_extents = None if lengths is None else tuple(_extent(t) for t in lengths)
 
-    def __call__(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None) -> VerifyInputs:
-        tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    def __call__(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
         try:
-            sig = tuple([None if t is None else (type(t), t.dtype, t.device, t.shape, t.stride()) for t in tensors])
-            seen = self._seen.get(sig)
+            if self._lengths is None:
+                kp, qp = kv_lens.data_ptr(), qo_indptr.data_ptr()
+                lengths = (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
+                           qo_indptr.device, qo_indptr.shape, qo_indptr.stride())
+            else:
+                (kp, qp), lengths = self._lengths, None
+            ptrs = (q.data_ptr(), kv_cache.data_ptr(), page_table.data_ptr(), kp, qp, tree_mask.data_ptr(),
+                    0 if out is None else out.data_ptr(), 0 if lse is None else lse.data_ptr())
+            odd = (ptrs[0] | ptrs[1] | ptrs[2] | kp | qp | ptrs[5] | ptrs[6] | ptrs[7]) & 15
+            key = (q.dtype, q.device, q.shape, q.stride(), kv_cache.dtype, kv_cache.device, kv_cache.shape,
+                   kv_cache.stride(), page_table.dtype, page_table.device, page_table.shape, page_table.stride(),
+                   tree_mask.dtype, tree_mask.device, tree_mask.shape, tree_mask.stride(), lengths,
+                   None if out is None else (out.dtype, out.device, out.shape, out.stride()),
+                   None if lse is None else (lse.dtype, lse.device, lse.shape, lse.stride()),
+                   odd and tuple([p & 15 for p in ptrs]))
+            sig = self._seen.get(key)
         except (AttributeError, TypeError):  # not tensors: check_inputs names the argument
-            sig = seen = None
-        if seen is None:
+            key = sig = None
+        if sig is None:
+            tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
             info = check_inputs(*tensors)
-            if sig is not None:
+            extents = [0 if t is None else _extent(t) for t in tensors]
+            ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+            if self._lengths is not None:
+                ptrs[3:5], extents[3:5] = self._lengths, self._length_extents
+            sig = Signature(info, tuple(extents))
+            if key is not None:
                 if len(self._seen) >= self.MAX_SIGNATURES:
                     self._seen.clear()
-                self._seen[sig] = info, [0 if t is None else _extent(t) for t in tensors]
-            return info
-        info, extents = seen
+                self._seen[key] = sig
+            ptrs = tuple(ptrs)
         if out is not None or lse is not None:
-            _check_outputs_apart(tensors, extents)
-        return info
+            _check_outputs_apart(ptrs, sig.extents)
+        return sig, ptrs
 
 
 def host_lengths(kv_lens, qo_indptr) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) tree-verify kernel, written in Gluon: a drop-in for the Triton flash kernel's plan.
 
-Same work list as :func:`kdtree_engine.verify.triton_flash.launch` (the plan's segments
+Same work list as :func:`kdtree_engine.verify.triton_flash.prepare` (the plan's segments
 ``seq, row0, kv_start, kv_end, partial slot``, ``prog_first_seg``, partials ``[P, 64, 512]`` fp32 with
 log2-sum-exp, and :mod:`.combine`), different tile code: one persistent program per SM runs its
 segments (64 packed query rows, row r = node r // H, head r % H, against a KV range) with three
@@ -42,11 +42,10 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import combine
-from .contract import D_ROPE, D_V as D_LAT, kernel_ints
-from .launch import Launcher, spec_key
+from .combine import PlannedLaunch, prepare_planned
+from .contract import D_ROPE, D_V as D_LAT
+from .launch import Launcher
 
-LOG2E = 1.4426950408889634
 BLOCK_M, BLOCK_N = 64, 64
 # warps and registers per thread of the partitions: consumer 0 is the default partition (the launch's
 # num_warps = 4), consumer 1 and the loader are workers; 2 x 232 + 40 (+ 8 Triton keeps) = 512 per lane
@@ -459,25 +458,21 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and all(s % 16 == 0 for s in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))))
 
 
-def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
-    """Launch the Hopper kernel on the plan's segments, then the combine kernel.
+def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> PlannedLaunch:
+    """The Hopper kernel on the plan's segments, then the combine kernel, laid out for every call
+    with the signature of these tensors (see :func:`~.combine.prepare_planned`).
 
-    Same arguments as :func:`kdtree_engine.verify.triton_flash.launch` (inputs already checked
+    Same arguments as :func:`kdtree_engine.verify.triton_flash.prepare` (inputs already checked
     against the contract and the plan); ``plan`` is a :class:`~kdtree_engine.verify.plan.FlashTables`
     whose config satisfies :func:`supports_plan`, and ``q`` / ``kv_cache`` :func:`supports` (both
-    checked by :func:`kdtree_engine.verify.op.resolve`). Writes ``out`` and ``lse``.
+    checked by :func:`kdtree_engine.verify.op.resolve`).
     """
-    H = q.shape[1]
-    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
-    ints = kernel_ints(*tensors)
-    page_size = kv_cache.shape[1]
-    # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
-    _HOPPER((spec_key(tensors, ints), H, page_size), (plan.num_programs,),
-            (*tensors, plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *ints,
-             sm_scale * LOG2E),
-            dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
-                 LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4))
-    combine(q, qo_indptr, out, lse, plan)
+    H, page_size = q.shape[1], kv_cache.shape[1]
+    return prepare_planned(_HOPPER, (H, page_size), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale,
+                           out, lse, plan,
+                           dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT,
+                                D_ROPE=D_ROPE, LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+                                LOADER_REGS=LOADER_REGS, num_warps=4))
 
 
 _HOPPER = Launcher(_hopper_verify_kernel) if HAVE_GLUON else None

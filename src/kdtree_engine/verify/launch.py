@@ -12,15 +12,22 @@ the launch functions add their constexprs and options. Under Triton's interprete
 compiled kernel: every launch goes through ``kernel[grid]``. With a launch hook installed
 (``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) too, so the hook sees every launch.
 
+A :class:`Launch` goes further for the repeated calls of one signature (a planned layer): its
+arguments are laid out once, and a call passes the caller's tensors to the kept compiled kernel as
+data pointers (Triton's C launcher takes an int for a pointer argument and then skips its own
+``data_ptr()`` call and ``cuPointerGetAttribute`` check, the caller having checked the devices).
+
 The layer beside :mod:`.plan` (imports torch and Triton only).
 """
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import torch
 from triton import knobs
 
-__all__ = ["Launcher", "spec_key"]
+__all__ = ["Launcher", "Launch", "spec_key", "current_device", "current_stream"]
 
 # compiled kernels a launcher keeps; past this many keys the table starts over (a key holds no
 # tensor, only dtypes, alignments and integers: a long run with ever-new strides stays bounded)
@@ -52,12 +59,12 @@ class Launcher:
 
     def __call__(self, key, grid, args, constexprs) -> None:
         if self._compiled and _no_hooks():
-            device = torch.cuda.current_device()
+            device = current_device()
             hit = self._compiled.get((key, device))
             if hit is not None:
                 kernel, tail = hit
                 kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                           torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
+                           current_stream(device), kernel.function, kernel.packed_metadata,
                            None, None, None, *args, *tail)
                 return
         kernel = self.fn[grid](*args, **constexprs)
@@ -68,7 +75,67 @@ class Launcher:
             return
         if len(self._compiled) >= MAX_KEYS:
             self._compiled.clear()
-        self._compiled[(key, torch.cuda.current_device())] = (kernel, tuple(constexprs[n] for n in names))
+        self._compiled[(key, current_device())] = (kernel, tuple(constexprs[n] for n in names))
+
+    def kept(self, key):
+        """``(compiled kernel, constexpr values in parameter order)`` kept for ``key`` on the current
+        device, or None (not launched there yet, the interpreter, or a defaulted parameter)."""
+        return self._compiled.get((key, current_device())) if self._compiled else None
+
+
+class Launch:
+    """One launch of a :class:`Launcher` laid out once, for calls that differ only in some tensor
+    arguments of the same dtypes and 16-byte alignment (the integers, the grid, the other tensors
+    and the constexprs fixed).
+
+    The kernel's leading arguments are ``(*head, *picked, *tail)``: ``picked`` are the entries
+    ``picks`` of the per-call tuple ``tensors``. ``key``, ``grid``, ``constexprs``: as for the
+    launcher. A call goes through the launcher (compiling if needed) until it has kept a compiled
+    kernel for the current device; then it calls that kernel's launcher with the data pointers
+    ``ptrs`` (ints, same order as ``tensors``) in place of the picked tensors and ``head`` /
+    ``tail`` tensors as data pointers taken once. A launch hook sends every call through the
+    launcher. Holds no per-call tensor.
+    """
+
+    __slots__ = ("_launcher", "_key", "_grid", "_head", "_pick", "_tail", "_constexprs", "_fast")
+
+    def __init__(self, launcher: Launcher, key, grid: tuple, head: tuple, picks: tuple, tail: tuple, constexprs: dict):
+        self._launcher, self._key, self._grid, self._constexprs = launcher, key, grid, constexprs
+        self._head, self._tail = head, tail
+        self._pick = itemgetter(*picks) if len(picks) > 1 else lambda t, i=picks[0]: (t[i],)
+        self._fast: dict = {}  # device -> (kernel.run, grid x, y, z, function, metadata, head, tail + constexprs)
+
+    def __call__(self, tensors: tuple, ptrs: tuple) -> None:
+        if self._fast and _no_hooks():
+            device = current_device()
+            fast = self._fast.get(device)
+            if fast is not None:
+                run, gx, gy, gz, function, meta, head, tail = fast
+                run(gx, gy, gz, current_stream(device), function, meta, None, None, None, *head, *self._pick(ptrs),
+                    *tail)
+                return
+        self._launcher(self._key, self._grid, (*self._head, *self._pick(tensors), *self._tail), self._constexprs)
+        kept = self._launcher.kept(self._key)
+        if kept is not None:
+            kernel, constexprs = kept
+            g = (*self._grid, 1, 1)
+            self._fast[current_device()] = (kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
+                                            _pointers(self._head), (*_pointers(self._tail), *constexprs))
+
+
+def _pointers(args: tuple) -> tuple:
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def current_device() -> int:
+    """The current CUDA device's index (Triton launches there)."""
+    return torch._C._cuda_getDevice()
+
+
+def current_stream(device: int) -> int:
+    """The current stream of ``device`` as Triton's launcher takes it (read on every launch: the
+    caller may switch streams between calls)."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _no_hooks() -> bool:

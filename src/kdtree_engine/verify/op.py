@@ -1,7 +1,7 @@
-"""The kernels behind one name: a launcher per kernel, and the ``kdtree::verify_attention`` op.
+"""The kernels behind one name: a launch preparer per kernel, and the ``kdtree::verify_attention`` op.
 
 The layer above the kernels and below the API: imports the contract and the plan at import time,
-the kernel modules (and so Triton) only when a launcher is first asked for.
+the kernel modules (and so Triton) only when a preparer is first asked for.
 
 The op lets ``torch.compile(fullgraph=True)`` trace a model step through verify without a graph
 break: it takes the caller's tensors, the plan's tables and partial buffers (as tensors: a new
@@ -20,28 +20,40 @@ import torch
 from .contract import D_V
 from .plan import FlashConfig, FlashTables
 
-__all__ = ["KERNELS", "available_kernels", "launcher", "resolve", "verify_attention_op"]
+__all__ = ["KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
 
 KERNELS = ("naive", "flash", "hopper")
-_LAUNCHERS: dict[str, Callable] = {}
+_PREPARERS: dict[str, Callable] = {}
 
 
-def launcher(kernel: str) -> Callable:
-    """The ``launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
-    plan)`` function of ``kernel`` (imports its module, and Triton, on first use)."""
-    launch = _LAUNCHERS.get(kernel)
-    if launch is not None:
-        return launch
+def preparer(kernel: str) -> Callable:
+    """The ``prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
+    plan)`` function of ``kernel`` (imports its module, and Triton, on first use): it returns
+    ``run(tensors, ptrs, num_groups)``, the kernel's launches for every call with the signature of
+    its tensors (dtypes, 16-byte alignment, shapes, strides; inputs checked), where ``tensors`` are
+    that call's eight contract tensors, ``ptrs`` their data pointers and ``num_groups`` the
+    plan's split groups when the host knows them (else None)."""
+    prepare = _PREPARERS.get(kernel)
+    if prepare is not None:
+        return prepare
     if kernel == "naive":
-        from .triton_naive import launch
+        from .triton_naive import prepare
     elif kernel == "flash":
-        from .triton_flash import launch
+        from .triton_flash import prepare
     elif kernel == "hopper":
-        from .hopper import launch
+        from .hopper import prepare
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    _LAUNCHERS[kernel] = launch
-    return launch
+    _PREPARERS[kernel] = prepare
+    return prepare
+
+
+def launch(kernel: str, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale: float, out, lse,
+           plan: FlashTables | None) -> None:
+    """One call of ``kernel`` (a name of :data:`KERNELS`) on checked inputs: writes ``out`` and ``lse``."""
+    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
+    run = preparer(kernel)(*tensors[:6], sm_scale, out, lse, plan)
+    run(tensors, tuple([t.data_ptr() for t in tensors]), None if plan is None else plan.num_groups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,8 +137,8 @@ def verify_attention_op(
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
                          group_count, partial_out, partial_lse, num_groups=None, segment_rows=segments.unbind(0),
                          group_rows=groups.unbind(0))
-    kernel = resolve(kernel, q, kv_cache, tables.config)
-    launcher(kernel)(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
+    launch(resolve(kernel, q, kv_cache, tables.config), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
+           sm_scale, out, lse, tables)
     return out, lse
 
 

@@ -102,6 +102,7 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
 SCHEDULE_CACHE = 64
+PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this many the table starts over)
 
 
 def scheduler_scratch_size(max_batch: int, num_programs: int) -> int:
@@ -451,6 +452,11 @@ class VerifyPlan:
         self.kv_lens = self.kv_lens_buf[:0]  # [B] int32 device view of the planned lengths (fixed address)
         self.qo_indptr = self.qo_indptr_buf[:1]  # [B + 1] int32 device view of the planned row offsets
         self.max_kv_len = self.max_nodes = 0
+        # a new object whenever a check of a call against the plan may answer differently (a host
+        # plan: every plan; a device plan: another B): callers keep the state they checked against
+        self.state = object()
+        self.prepared: dict = {}  # the callers' launches prepared on these buffers, by their keys (see keep)
+        self._device_launches: dict[tuple, object] = {}  # the scheduler's launch by the lengths' signature
         self._schedules: dict[bytes, tuple] = {}  # (row blocks, tiles) -> tables, least recently used first
         self._cache_size = schedule_cache
         self.costs = costs or default_costs(device)
@@ -521,9 +527,10 @@ class VerifyPlan:
         self.kv_lens_host, self.qo_indptr_host = kv, qo
         self.max_kv_len, self.max_nodes = int(kv.max()), n_max
         self.tables = flash_tables
+        self.state = object()
         return self
 
-    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor) -> VerifyPlan:
+    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None) -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
         int32 on the plan's device (any strides), one launch of the scheduler kernel
         (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
@@ -535,8 +542,37 @@ class VerifyPlan:
         the combine kernel always runs). Malformed lengths are clamped, never written past the
         tables, and give wrong results: check them with
         :func:`~kdtree_engine.verify.contract.check_lengths` (one sync) where that matters.
-        Returns self.
+
+        ``signature``: a hashable object that stands for the lengths' dtypes, devices, shapes,
+        strides and 16-byte alignment (e.g. the caller's
+        :class:`~kdtree_engine.verify.contract.Signature` of the call's inputs), saving their
+        reading; they are checked when first seen either way. Returns self.
         """
+        try:
+            ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
+            key = signature or (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
+                                qo_indptr.device, qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15)
+            launch = self._device_launches.get(key)
+        except (AttributeError, TypeError):  # not tensors: named below
+            key = launch = None
+        if launch is None:
+            launch = self._device_launch(key, kv_lens, qo_indptr)
+        launch((kv_lens, qo_indptr), ptrs)
+        B = kv_lens.shape[0]
+        if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
+            self.kv_lens = self.kv_lens_buf[:B]
+            self.qo_indptr = self.qo_indptr_buf[: B + 1]
+            self.num_seqs, self.num_rows, self.num_segments = B, None, None
+            self.kv_lens_host = self.qo_indptr_host = None
+            self.max_kv_len = self.max_nodes = None
+            self.tables = self._device_tables
+            self.state = object()
+        self._staged = None  # on the CPU the device buffer is the staging buffer
+        return self
+
+    def _device_launch(self, key, kv_lens, qo_indptr):
+        """The scheduler's launch for device lengths of this signature (kept by ``key``) after
+        checking their shapes, dtypes and device (``TypeError`` / ``ValueError`` naming the argument)."""
         for name, t in (("kv_lens", kv_lens), ("qo_indptr", qo_indptr)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -555,16 +591,17 @@ class VerifyPlan:
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
-        self._scheduler(kv_lens, qo_indptr)
-        self._staged = None  # on the CPU the device buffer is the staging buffer
-        if B != self.num_seqs:
-            self.kv_lens = self.kv_lens_buf[:B]
-            self.qo_indptr = self.qo_indptr_buf[: B + 1]
-        self.num_seqs, self.num_rows, self.num_segments = B, None, None
-        self.kv_lens_host = self.qo_indptr_host = None
-        self.max_kv_len = self.max_nodes = None
-        self.tables = self._device_tables
-        return self
+        return self.keep(self._device_launches, key, self._scheduler.prepare(kv_lens, qo_indptr))
+
+    @staticmethod
+    def keep(table: dict, key, value):
+        """``table[key] = value`` (nothing for a None key), the table starting over past
+        :data:`PREPARED_CACHE` entries; returns value."""
+        if key is not None:
+            if len(table) >= PREPARED_CACHE:
+                table.clear()
+            table[key] = value
+        return value
 
     def _schedule_tables(self, R: np.ndarray, T: np.ndarray):
         """The tables of the schedule of one (row blocks, KV tiles) per sequence: see :meth:`_tables_of`."""

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher, spec_key
+from .launch import Launch, Launcher, spec_key
 
 __all__ = ["DeviceScheduler"]
 
@@ -245,9 +245,11 @@ class DeviceScheduler:
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, *tables.segment_rows, *tables.group_rows,
                          tables.group_count, scratch, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
 
-    def __call__(self, kv_lens, qo_indptr) -> None:
-        """Schedule ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the plan's device, any
-        strides, ``B <= max_batch``): one launch on the current stream, no sync."""
+    def prepare(self, kv_lens, qo_indptr) -> Launch:
+        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the
+        plan's device, any strides, ``B <= max_batch``), and any lengths of their signature (dtype,
+        16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
+        on the current stream, no sync."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
-        _SCHEDULE((spec_key((kv_lens, qo_indptr), ints), self._key), (1,),
-                  (kv_lens, qo_indptr, *ints, *self._outputs), self._const)
+        return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key), (1,), (), (0, 1),
+                      (*ints, *self._outputs), self._const)

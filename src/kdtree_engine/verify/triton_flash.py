@@ -30,14 +30,13 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .combine import combine
-from .contract import D_QK, D_V, kernel_ints
-from .launch import Launcher, spec_key
+from .combine import PlannedLaunch, prepare_planned
+from .contract import D_QK, D_V
+from .launch import Launcher
 from .plan import FlashTables
 
-__all__ = ["launch"]
+__all__ = ["prepare"]
 
-LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -202,23 +201,19 @@ _FLASH = Launcher(_verify_flash_kernel)
 _DOT_FP32 = interpreting()  # decided once, before Triton loaded (backend.select_device)
 
 
-def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan: FlashTables):
-    """Launch the flash kernel on ``plan.num_programs`` programs, then the combine kernel.
+def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
+            plan: FlashTables) -> PlannedLaunch:
+    """The flash kernel on ``plan.num_programs`` programs, then the combine kernel, laid out for
+    every call with the signature of these tensors (see :func:`~.combine.prepare_planned`).
 
     Inputs already checked against the contract (:func:`~kdtree_engine.verify.contract.check_inputs`)
     and against the plan (heads, rows, sequences). ``plan``: the plan's tables
-    (:attr:`VerifyPlan.tables <kdtree_engine.verify.plan.VerifyPlan>`); see :func:`combine`.
-    Writes ``out`` and ``lse``.
+    (:attr:`VerifyPlan.tables <kdtree_engine.verify.plan.VerifyPlan>`).
     """
-    H = q.shape[1]
-    cfg = plan.config
-    tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
-    ints = kernel_ints(*tensors)
-    page_size = kv_cache.shape[1]
-    # the plan's tables: int32 / float32, 16-byte aligned (VerifyPlan allocates them so): not in the key
-    _FLASH((spec_key(tensors, ints), H, page_size, cfg), (plan.num_programs,),
-           (*tensors, plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *ints,
-            sm_scale * LOG2E),
-           dict(H=H, PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_LATENT=D_V,
-                D_ROPE=D_QK - D_V, DOT_FP32=_DOT_FP32, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    combine(q, qo_indptr, out, lse, plan)
+    H, page_size, cfg = q.shape[1], kv_cache.shape[1], plan.config
+    return prepare_planned(_FLASH, (H, page_size, cfg), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
+                           sm_scale, out, lse, plan,
+                           dict(H=H, PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D_LATENT=D_V,
+                                D_ROPE=D_QK - D_V, DOT_FP32=_DOT_FP32, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages))
+

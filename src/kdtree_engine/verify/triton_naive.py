@@ -16,7 +16,7 @@ from ..backend import interpreting
 from .contract import D_QK, D_V, kernel_ints
 from .launch import Launcher, spec_key
 
-__all__ = ["launch"]
+__all__ = ["prepare"]
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -94,14 +94,23 @@ def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(qo_indptr[1:].contiguous(), rows, right=True).to(torch.int32)
 
 
-def launch(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
-    """Launch the naive kernel (one program per q row and head; ``plan`` unused: the grid is
-    ``[T, H]``). Inputs already checked against the contract. Writes ``out`` and ``lse``."""
+def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
+    """The naive kernel (one program per q row and head; ``plan`` unused: the grid is ``[T, H]``)
+    for every call with the signature of these tensors (inputs already checked against the
+    contract): ``run(tensors, ptrs, num_groups)`` with ``tensors`` the eight contract tensors
+    (``ptrs`` and ``num_groups`` unused) writes ``out`` and ``lse``. Each call maps rows to
+    sequences on the device (one more launch: this is the oracle, not a fast path)."""
     T, H, _ = q.shape
     block_n = 128 if interpreting() else 32
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     ints = kernel_ints(*tensors)
     page_size = kv_cache.shape[1]
-    _NAIVE((spec_key(tensors, ints), page_size, block_n), (T, H),
-           (*tensors[:5], row_to_sequence(qo_indptr, T), *tensors[5:], *ints, sm_scale * LOG2E),
-           dict(PAGE_SIZE=page_size, BLOCK_N=block_n, D_LATENT=D_V, D_ROPE=D_QK - D_V, num_warps=4))
+    key = (spec_key(tensors, ints), page_size, block_n)
+    constexprs = dict(PAGE_SIZE=page_size, BLOCK_N=block_n, D_LATENT=D_V, D_ROPE=D_QK - D_V, num_warps=4)
+    scale_log2 = sm_scale * LOG2E
+
+    def run(tensors, ptrs, num_groups) -> None:
+        rows = row_to_sequence(tensors[4], T)
+        _NAIVE(key, (T, H), (*tensors[:5], rows, *tensors[5:], *ints, scale_log2), constexprs)
+
+    return run
