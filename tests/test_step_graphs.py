@@ -17,7 +17,7 @@ from conftest import DEVICE, requires_cuda
 from kdtree_engine.ddtree import accept_greedy, build_ddtree
 from kdtree_engine.kvpool import KVPool
 from kdtree_engine.model import MLARunner, Phase, build_random_model, tiny_config
-from kdtree_engine.model.drafters import SyntheticDrafter
+from kdtree_engine.model.drafters import NGramDrafter, SyntheticDrafter
 from kdtree_engine.model.graphs import PhaseClock, StepGraph
 from kdtree_engine.model.speculative import GenerateResult, SpeculativeEngine, check_lossless
 
@@ -159,8 +159,9 @@ def test_result_splits_the_step():
 @pytest.mark.parametrize("mode", ["step", "phases"])
 @pytest.mark.parametrize("kernel", ["flash", "auto", "naive"])
 def test_graph_decoding_equals_eager(mode, kernel):
-    """Plain and speculative decoding replayed from graphs emit eager decoding's tokens; sequences
-    finish at different steps (new step shapes, captured then); each shape is captured once."""
+    """Plain and speculative decoding (a host drafter, and the n-gram drafter inside the graph)
+    replayed from graphs emit eager decoding's tokens; sequences finish at different steps (new
+    step shapes, captured then); each shape is captured once."""
     cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)  # dense: capturable
     model = build_random_model(cfg, seed=0, dtype=torch.float32, device="cuda")
     runner = MLARunner(model, kernel=kernel, cache_dtype=torch.float16)
@@ -176,10 +177,14 @@ def test_graph_decoding_equals_eager(mode, kernel):
     eager.reset()
     spec = eager.decode()
     assert spec.steps < new - 1
+    ngram = NGramDrafter(cfg.vocab_size)  # drafts on the device, inside the step's graph
+    eager.drafter = ngram
+    eager.reset()
+    lookup = eager.decode()
 
     eng = SpeculativeEngine(runner, None, budget=12, depth=4, page_size=16, graphs=mode)
     eng.prefill(prompts, new)
-    for d, want in ((None, plain), (drafter, spec)):
+    for d, want in ((None, plain), (drafter, spec), (ngram, lookup)):
         eng.drafter = d
         for _ in range(2):  # the second decode replays the shapes the first captured
             eng.reset()
@@ -211,17 +216,15 @@ def test_replayed_graph_steps_do_not_sync_inside():
     eng.reset()
     with torch.inference_mode():  # as decode() runs a step: the bucket's buffers are inference tensors
         ids = bucket.ids
-        bucket.stage([7, 8], None)
         eng.pool.book_tree(ids, bucket.n)
-        attn = eng._attn["flash"]
-        attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            assert bucket.graph.run(clock) is False  # a replay
+            assert bucket.graph.run(clock) is False  # a replay (the attention plan is inside it)
             eng.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
+            slot = bucket.read()  # pinned non-blocking copies and an event
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        ints, _ = bucket.read()
+        ints, _ = bucket.host(slot)
         eng.pool.finalize_commit(ints[:, 0])
     assert ints[:, 0].tolist() == [1, 1]
