@@ -59,8 +59,8 @@ def test_moe_model_is_not_capturable():
     assert not MLARunner(build_random_model(tiny_config(), seed=0), kernel="reference").capturable
 
 
-def _pool_and_tree(page_size=4):
-    pool = KVPool(64, page_size, device=DEVICE, max_seqs=3, max_seq_len=96)
+def _pool_and_tree(page_size=4, use_triton=None):
+    pool = KVPool(64, page_size, device=DEVICE, max_seqs=3, max_seq_len=96, use_triton=use_triton)
     ids = [pool.add_sequence() for _ in range(3)]
     pool.extend(ids, [5, 0, 13])
     g = torch.Generator().manual_seed(1)
@@ -89,10 +89,11 @@ def test_step_inputs_is_the_device_half_of_reserve_step(page_size):
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_book_and_place_tree_are_reserve_tree(page_size):
-    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after step."""
+    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after
+    step, with the page pops as tensor ops or as the Triton kernel (the interpreter on the CPU)."""
     pools = []
-    for split in (False, True):
-        pool, ids, tree = _pool_and_tree(page_size)
+    for split, use_triton in ((False, False), (True, False), (True, True), (False, True)):
+        pool, ids, tree = _pool_and_tree(page_size, use_triton)
         for step in range(3):
             if split:
                 pool.book_tree(ids, tree.width)
@@ -105,9 +106,10 @@ def test_book_and_place_tree_are_reserve_tree(page_size):
             pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2])
             pool.check()
         pools.append((s.slots, s.page_table, s.kv_lens, pool.num_free_pages, pool._top.clone(),
-                      pool._stack.clone(), [pool.seq_len(i) for i in ids]))
-    for a, b in zip(*pools):
-        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+                      pool._stack[: pool.num_pages].clone(), [pool.seq_len(i) for i in ids]))  # not the trash slot
+    for other in pools[1:]:
+        for a, b in zip(pools[0], other):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
 
 
 def test_step_inputs_and_replayed_commit_refuse_a_missing_reservation():
