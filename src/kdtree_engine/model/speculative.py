@@ -518,7 +518,7 @@ class SpeculativeEngine:
             ids = tuple(s.sid for s in active)
             bucket = self._bucket(ids, spec)
             if bucket.host_draft:  # the drafter reads the host contexts: the last step's tokens first
-                self._take(pending, res, eos_token_id, progress)
+                self._take(pending, eos_token_id, progress)
                 pending = None
                 t1 = time.perf_counter()
                 bucket.stage(self._draft(active))
@@ -542,9 +542,9 @@ class SpeculativeEngine:
                 s.done = s.length - s.prompt_len >= max_new
             res.tree_nodes += bucket.n * len(ids)
             res.steps += 1
-            self._take(pending, res, eos_token_id, progress)  # while this step runs
+            self._take(pending, eos_token_id, progress)  # while this step runs
             pending = read
-        self._take(pending, res, eos_token_id, progress)
+        self._take(pending, eos_token_id, progress)
         res.decode_s = _now(r.device) - t0 - res.capture_s
         clock.flush()
         res.phase_s = dict(clock.seconds)
@@ -552,7 +552,7 @@ class SpeculativeEngine:
         res.top2 = [torch.stack(s.top2[: len(t)]) for s, t in zip(self.seqs, res.tokens)]
         return res
 
-    def _take(self, read: _StepRead | None, res: GenerateResult, eos: int | None, progress) -> None:
+    def _take(self, read: _StepRead | None, eos: int | None, progress) -> None:
         """Move a launched step's tokens and top-2 logits into the host buffers (waits for its
         copy if it is still on the way); a sequence that emitted ``eos`` is done."""
         if read is None:
