@@ -8,6 +8,9 @@ kernel. Sequences of different lengths decode in one batch; the output must equa
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -170,6 +173,57 @@ def test_ngram_drafter_proposes_continuations():
     assert logits[0, 1:].argmax(-1).tolist() == [1, 2, 3]
     flat = d.draft([torch.tensor([7])], 2)  # nothing to look up: uniform
     assert torch.allclose(flat, flat[..., :1].expand_as(flat))
+
+
+def _ngram_reference(d: NGramDrafter, contexts, L: int) -> torch.Tensor:
+    """The n-gram drafter as first written (numpy, one sequence and one position at a time)."""
+    V = d.vocab_size
+    out = torch.zeros(len(contexts), L, V)
+    floor = math.log(d.smoothing / V)
+    for b, c in enumerate(contexts):
+        ctx = torch.as_tensor(c, dtype=torch.int64).numpy()
+        N = ctx.shape[0]
+        starts = np.zeros(0, dtype=np.int64)
+        ends = np.flatnonzero(ctx[: N - 1] == ctx[N - 1]) if N >= 2 else starts
+        if ends.size:
+            length = np.ones(ends.size, dtype=np.int64)
+            alive = np.ones(ends.size, dtype=bool)
+            for k in range(1, min(d.max_ngram, N - 1)):
+                idx = ends - k
+                alive &= idx >= 0
+                alive[alive] = ctx[idx[alive]] == ctx[N - 1 - k]
+                length += alive
+            best = int(length.max())
+            if best >= d.min_ngram:
+                starts = ends[length == best][::-1][: d.max_matches] + 1
+        for i in range(L):
+            follow = ctx[starts[starts + i < N] + i]
+            if follow.size == 0:
+                break
+            tok, cnt = np.unique(follow, return_counts=True)
+            p = (1.0 - d.smoothing) * cnt / follow.size + d.smoothing / V
+            out[b, i] = floor
+            out[b, i, torch.from_numpy(tok)] = torch.from_numpy(np.log(p)).float()
+    return out
+
+
+@pytest.mark.parametrize("V,max_ngram,min_ngram,max_matches", [(7, 4, 1, 8), (5, 3, 2, 3), (30, 4, 1, 8), (3, 1, 1, 2)])
+def test_ngram_drafter_equals_its_first_implementation(V, max_ngram, min_ngram, max_matches):
+    """The vectorised drafter (one padded history, fixed shapes) gives the first (numpy) version's
+    logits bit for bit on random histories: small vocabularies repeat n-grams, and lengths from 1
+    token to longer than the matches cover the no-match, short-context and many-match cases."""
+    g = torch.Generator().manual_seed(V * 100 + max_ngram)
+    d = NGramDrafter(V, max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches)
+    for trial in range(6):
+        lens = torch.randint(1, 60, (4,), generator=g).tolist() + [1, 2]
+        contexts = [torch.randint(0, V, (n,), generator=g) for n in lens]
+        for L in (1, 5):
+            assert torch.equal(d.draft(contexts, L), _ngram_reference(d, contexts, L)), (trial, L)
+    # the device form on histories padded with junk past each length
+    hist = torch.randint(0, V, (3, 50), generator=g)
+    lens = torch.tensor([50, 17, 1])
+    got = d.draft_tensor(hist, lens, 4)
+    assert torch.equal(got, _ngram_reference(d, [hist[b, :n] for b, n in enumerate(lens.tolist())], 4))
 
 
 def test_synthetic_drafter_agreement():

@@ -17,7 +17,7 @@ from conftest import DEVICE, requires_cuda
 from kdtree_engine.ddtree import accept_greedy, build_ddtree
 from kdtree_engine.kvpool import KVPool
 from kdtree_engine.model import MLARunner, Phase, build_random_model, tiny_config
-from kdtree_engine.model.drafters import SyntheticDrafter
+from kdtree_engine.model.drafters import NGramDrafter, SyntheticDrafter
 from kdtree_engine.model.graphs import PhaseClock, StepGraph
 from kdtree_engine.model.speculative import GenerateResult, SpeculativeEngine, check_lossless
 
@@ -59,8 +59,8 @@ def test_moe_model_is_not_capturable():
     assert not MLARunner(build_random_model(tiny_config(), seed=0), kernel="reference").capturable
 
 
-def _pool_and_tree(page_size=4):
-    pool = KVPool(64, page_size, device=DEVICE, max_seqs=3, max_seq_len=96)
+def _pool_and_tree(page_size=4, use_triton=None):
+    pool = KVPool(64, page_size, device=DEVICE, max_seqs=3, max_seq_len=96, use_triton=use_triton)
     ids = [pool.add_sequence() for _ in range(3)]
     pool.extend(ids, [5, 0, 13])
     g = torch.Generator().manual_seed(1)
@@ -89,10 +89,11 @@ def test_step_inputs_is_the_device_half_of_reserve_step(page_size):
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_book_and_place_tree_are_reserve_tree(page_size):
-    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after step."""
+    """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after
+    step, with the page pops as tensor ops or as the Triton kernel (the interpreter on the CPU)."""
     pools = []
-    for split in (False, True):
-        pool, ids, tree = _pool_and_tree(page_size)
+    for split, use_triton in ((False, False), (True, False), (True, True), (False, True)):
+        pool, ids, tree = _pool_and_tree(page_size, use_triton)
         for step in range(3):
             if split:
                 pool.book_tree(ids, tree.width)
@@ -105,9 +106,10 @@ def test_book_and_place_tree_are_reserve_tree(page_size):
             pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2])
             pool.check()
         pools.append((s.slots, s.page_table, s.kv_lens, pool.num_free_pages, pool._top.clone(),
-                      pool._stack.clone(), [pool.seq_len(i) for i in ids]))
-    for a, b in zip(*pools):
-        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+                      pool._stack[: pool.num_pages].clone(), [pool.seq_len(i) for i in ids]))  # not the trash slot
+    for other in pools[1:]:
+        for a, b in zip(pools[0], other):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
 
 
 def test_step_inputs_and_replayed_commit_refuse_a_missing_reservation():
@@ -159,8 +161,9 @@ def test_result_splits_the_step():
 @pytest.mark.parametrize("mode", ["step", "phases"])
 @pytest.mark.parametrize("kernel", ["flash", "auto", "naive"])
 def test_graph_decoding_equals_eager(mode, kernel):
-    """Plain and speculative decoding replayed from graphs emit eager decoding's tokens; sequences
-    finish at different steps (new step shapes, captured then); each shape is captured once."""
+    """Plain and speculative decoding (a host drafter, and the n-gram drafter inside the graph)
+    replayed from graphs emit eager decoding's tokens; sequences finish at different steps (new
+    step shapes, captured then); each shape is captured once."""
     cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)  # dense: capturable
     model = build_random_model(cfg, seed=0, dtype=torch.float32, device="cuda")
     runner = MLARunner(model, kernel=kernel, cache_dtype=torch.float16)
@@ -176,10 +179,14 @@ def test_graph_decoding_equals_eager(mode, kernel):
     eager.reset()
     spec = eager.decode()
     assert spec.steps < new - 1
+    ngram = NGramDrafter(cfg.vocab_size)  # drafts on the device, inside the step's graph
+    eager.drafter = ngram
+    eager.reset()
+    lookup = eager.decode()
 
     eng = SpeculativeEngine(runner, None, budget=12, depth=4, page_size=16, graphs=mode)
     eng.prefill(prompts, new)
-    for d, want in ((None, plain), (drafter, spec)):
+    for d, want in ((None, plain), (drafter, spec), (ngram, lookup)):
         eng.drafter = d
         for _ in range(2):  # the second decode replays the shapes the first captured
             eng.reset()
@@ -211,17 +218,15 @@ def test_replayed_graph_steps_do_not_sync_inside():
     eng.reset()
     with torch.inference_mode():  # as decode() runs a step: the bucket's buffers are inference tensors
         ids = bucket.ids
-        bucket.stage([7, 8], None)
         eng.pool.book_tree(ids, bucket.n)
-        attn = eng._attn["flash"]
-        attn.plan([eng.pool.seq_len(i) for i in ids], [0, 1, 2])
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            assert bucket.graph.run(clock) is False  # a replay
+            assert bucket.graph.run(clock) is False  # a replay (the attention plan is inside it)
             eng.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
+            slot = bucket.read()  # pinned non-blocking copies and an event
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        ints, _ = bucket.read()
+        ints, _ = bucket.host(slot)
         eng.pool.finalize_commit(ints[:, 0])
     assert ints[:, 0].tolist() == [1, 1]

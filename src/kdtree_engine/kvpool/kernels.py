@@ -1,5 +1,5 @@
-"""The KV pool's device kernels: the commit of accepted paths and the page copy, with their
-launchers.
+"""The KV pool's device kernels: the commit of accepted paths, the page pops of a reservation
+and the page copy, with their launchers.
 
 Both kernels work on the pool's own buffers (made by :class:`~kdtree_engine.kvpool.KVPool`, so
 their layouts are known): the page store ``[num_layers, num_pages + 1, page_size, 576]`` with
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["copy_pages", "launch_commit"]
+__all__ = ["copy_pages", "launch_commit", "launch_pop_pages"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,6 +52,43 @@ def _copy_pages_kernel(
             m_x = m_m[:, None] & (o_d < ROW)[None, :]
         b_x = tl.load(p_src[:, None] + o_d[None, :], mask=m_x)  # [BM, BD]
         tl.store(p_dst[:, None] + o_d[None, :], b_x, mask=m_x)
+
+
+@triton.jit
+def _pop_pages_kernel(
+    rows, counts, table, lens, tree, stack, top, B, count,
+    stride_t,
+    PAGE_SIZE: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    TREE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program: sequence rows ``rows[b]`` gain ``counts[b]`` positions (``count`` each
+    unless PER_SEQ); the pages they need, at most BLOCK_K each, are popped from the top of the
+    free stack in (sequence, page) order into their table rows; lengths (and, if TREE, tree
+    sizes) updated."""
+    o_b = tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    row = tl.load(rows + o_b, mask=m_b, other=0)
+    old = tl.load(lens + row, mask=m_b, other=0)
+    if PER_SEQ:
+        cnt = tl.load(counts + o_b, mask=m_b, other=0).to(tl.int32)
+    else:
+        cnt = tl.zeros([BLOCK_B], dtype=tl.int32) + count
+    new = old + cnt
+    old_p = (old + PAGE_SIZE - 1) // PAGE_SIZE
+    k = tl.where(m_b, (new + PAGE_SIZE - 1) // PAGE_SIZE - old_p, 0)  # [BB] pages gained
+    rank = tl.cumsum(k, 0) - k  # pops before sequence b's
+    t = tl.load(top)
+    o_k = tl.arange(0, BLOCK_K)
+    take = o_k[None, :] < k[:, None]  # [BB, BK]
+    page = tl.load(stack + (t - 1 - rank[:, None] - o_k[None, :]), mask=take)
+    tl.store(table + row[:, None].to(tl.int64) * stride_t + old_p[:, None] + o_k[None, :], page, mask=take)
+    tl.store(top, t - tl.sum(k, 0))
+    tl.store(lens + row, new, mask=m_b)
+    if TREE:
+        tl.store(tree + row, cnt, mask=m_b)
 
 
 @triton.jit
@@ -235,4 +272,22 @@ def launch_commit(store: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, 
         BLOCK_B=_pow2(B), BLOCK_A=block_a, BLOCK_N=_pow2(n_max),
         BLOCK_F=_pow2(-(-n_max // ps) + 1), BLOCK_D=block_d,
         num_warps=4,
+    )
+
+
+def launch_pop_pages(table: torch.Tensor, lens: torch.Tensor, tree: torch.Tensor, stack: torch.Tensor,
+                     top: torch.Tensor, rows: torch.Tensor, counts, max_pages: int, page_size: int,
+                     set_tree: bool) -> None:
+    """One launch of the page-pop kernel (see ``_pop_pages_kernel``) on the pool's buffers:
+    ``table [S, cols]`` int32 (column stride 1), ``lens``/``tree [S]`` int32, ``stack [pages + 1]``
+    int32, ``top [1]`` int32; ``rows [B]`` int64 sequence rows, ``counts`` an int or ``[B]`` int64
+    (contiguous), ``max_pages`` the most pages one sequence gains."""
+    B = rows.shape[0]
+    per_seq = isinstance(counts, torch.Tensor)
+    _pop_pages_kernel[(1,)](
+        rows, counts if per_seq else rows, table, lens, tree, stack, top, B, 0 if per_seq else int(counts),
+        table.stride(0),
+        PAGE_SIZE=page_size, PER_SEQ=per_seq, TREE=set_tree,
+        BLOCK_B=_pow2(B), BLOCK_K=_pow2(max(1, max_pages)),
+        num_warps=1,
     )

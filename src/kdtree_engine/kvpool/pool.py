@@ -16,7 +16,7 @@ from ..ddtree.tree import DraftTree, compile_tree
 from ..verify.contract import D_QK
 from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
-from .kernels import copy_pages, launch_commit
+from .kernels import copy_pages, launch_commit, launch_pop_pages
 from .schedule import schedule_moves
 from .step import VerifyStep
 
@@ -351,7 +351,12 @@ class KVPool:
     def _pop_pages(self, rows: torch.Tensor, counts, max_pages: int, tree: bool) -> None:
         """Device half of a grow: sequence rows ``rows [B]`` gain ``counts`` (an int, or ``[B]``
         int64 on the device) positions, the pages they need (at most ``max_pages`` each) popped
-        from the free stack into their table rows in order; lengths (and tree sizes) updated."""
+        from the free stack into their table rows in order; lengths (and tree sizes) updated.
+        One kernel with ``use_triton``, else tensor ops (the same result)."""
+        if self.use_triton:
+            launch_pop_pages(self._table, self._lens_d, self._tree_d, self._stack, self._top, rows, counts,
+                             max_pages, self.page_size, tree)
+            return
         ps, C = self.page_size, self._cols
         old = self._lens_d.index_select(0, rows).long()
         new = old + counts

@@ -9,9 +9,15 @@ tensor; its last token is the root of the next draft tree (emitted, its KV not y
 ``[b, i]`` of the result is the drafter's belief about the token at depth ``i + 1`` below that
 root (one independent distribution per position, as a block / parallel drafter gives them).
 
+A drafter may also draft on the device from the token histories kept there (the speculative loop
+then drafts inside the step, in its CUDA graph, with no host work)::
+
+    logits = drafter.draft_tensor(history, lengths, num_positions)   # [B, C] int64, [B] int64 -> [B, L, V]
+
 - :class:`NGramDrafter` (real; needs no weights): prompt lookup. The longest suffix of the context
   (``max_ngram`` down to ``min_ngram`` tokens) that occurred earlier votes, at each of the next
-  ``L`` positions, for the tokens that followed its earlier occurrences.
+  ``L`` positions, for the tokens that followed its earlier occurrences. Vectorised tensor ops
+  with fixed shapes: it drafts on the device (``draft_tensor``).
 - :class:`SyntheticDrafter` (SYNTHETIC, for benchmarking only): knows the target's greedy output
   (a reference continuation) and puts the true next token at rank 1 with probability
   ``agreement``, else at rank 2 with probability ``agreement``, ... down to ``max_rank`` (else not
@@ -25,7 +31,6 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
 import torch
 
 __all__ = ["Drafter", "NGramDrafter", "SyntheticDrafter", "as_context"]
@@ -34,7 +39,8 @@ NEG = -1e4  # logit of "not proposed" (finite: log-softmax stays well defined)
 
 
 class Drafter(Protocol):
-    """Anything with ``name``, ``synthetic`` and ``draft(contexts, num_positions) -> [B, L, V]``."""
+    """Anything with ``name``, ``synthetic`` and ``draft(contexts, num_positions) -> [B, L, V]``;
+    optionally ``draft_tensor(history, lengths, num_positions)`` (see the module docstring)."""
 
     name: str
     synthetic: bool
@@ -71,44 +77,56 @@ class NGramDrafter:
         self.max_matches = max_matches
         self.smoothing = smoothing
 
-    def _matches(self, ctx: np.ndarray) -> tuple[np.ndarray, int]:
-        """Start of the continuation after each of the most recent earlier occurrences of the
-        longest matching suffix (``min_ngram``..``max_ngram`` tokens), and that length."""
-        N = ctx.shape[0]
-        none = np.zeros(0, dtype=np.int64), 0
-        if N < 2:
-            return none
-        ends = np.flatnonzero(ctx[: N - 1] == ctx[N - 1])  # earlier occurrences of the last token
-        if ends.size == 0:
-            return none
-        length = np.ones(ends.size, dtype=np.int64)
-        alive = np.ones(ends.size, dtype=bool)
-        for k in range(1, min(self.max_ngram, N - 1)):
-            idx = ends - k
-            alive &= idx >= 0
-            alive[alive] = ctx[idx[alive]] == ctx[N - 1 - k]
-            length += alive
-        best = int(length.max())
-        if best < self.min_ngram:
-            return none
-        return ends[length == best][::-1][: self.max_matches] + 1, best
-
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
-        V, L = self.vocab_size, num_positions
-        out = torch.zeros(len(contexts), L, V)  # no votes: uniform
-        floor = math.log(self.smoothing / V)
-        for b, c in enumerate(contexts):
-            ctx = as_context(c).numpy()
-            starts, _ = self._matches(ctx)
-            for i in range(L):
-                follow = ctx[starts[starts + i < ctx.shape[0]] + i]
-                if follow.size == 0:
-                    break
-                tok, cnt = np.unique(follow, return_counts=True)
-                p = (1.0 - self.smoothing) * cnt / follow.size + self.smoothing / V
-                out[b, i] = floor
-                out[b, i, torch.from_numpy(tok)] = torch.from_numpy(np.log(p)).float()
-        return out
+        """:meth:`draft_tensor` of the contexts, zero-padded into one ``[B, max len]`` history on the CPU."""
+        ctxs = [as_context(c) for c in contexts]
+        lengths = torch.tensor([c.numel() for c in ctxs], dtype=torch.int64)
+        history = torch.zeros(len(ctxs), max(1, int(lengths.max())), dtype=torch.int64)
+        for b, c in enumerate(ctxs):
+            history[b, : c.numel()] = c
+        return self.draft_tensor(history, lengths, num_positions)
+
+    def draft_tensor(self, history: torch.Tensor, lengths: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """The draft logits ``[B, L, V]`` float32 of ``B`` token histories, on their device.
+
+        ``history [B, C]`` int64: sequence b's tokens at ``[b, :lengths[b]]`` (the rest ignored);
+        ``lengths [B]`` int64, ``1 <= lengths[b] <= C``. Tensor ops with shapes fixed by (B, C, L,
+        V) and no host sync (capturable in a CUDA graph): every position p of the history gets the
+        length of the common suffix of ``history[b, :p+1]`` and the context (at most
+        ``max_ngram``); the ``max_matches`` most recent positions of the longest length vote.
+        """
+        B, C = history.shape
+        V, L, K, M = self.vocab_size, num_positions, self.max_ngram, min(self.max_matches, C)
+        dev = history.device
+        n = lengths.to(torch.int64)
+        pos = torch.arange(C, device=dev)
+        back = torch.arange(K, device=dev)
+        suffix = history.gather(1, (n[:, None] - 1 - back).clamp_(min=0))  # [B, K]: the last K tokens, newest first
+        # alive[b, p]: history[b, p-k..p] == the context's last k+1 tokens, p an earlier position
+        alive = (history == suffix[:, :1]) & (pos < n[:, None] - 1)  # [B, C]
+        length = alive.to(torch.int32)
+        for k in range(1, K):
+            alive[:, k:] &= history[:, :-k] == suffix[:, k : k + 1]
+            alive[:, :k] = False
+            length += alive
+        best = length.amax(1, keepdim=True)  # [B, 1]
+        key = torch.where((length == best) & (best >= self.min_ngram), pos, -1)
+        ends = key.topk(M, dim=1).values  # [B, M]: most recent first, -1 = none
+        # follower i of match m: history[ends + 1 + i], while inside the context
+        idx = ends[:, None, :] + 1 + torch.arange(L, device=dev)[:, None]  # [B, L, M]
+        ok = (ends[:, None, :] >= 0) & (idx < n[:, None, None])
+        tok = history.gather(1, idx.clamp(max=C - 1).view(B, L * M)).view(B, L, M)
+        votes = ((tok[..., :, None] == tok[..., None, :]) & ok[..., None, :]).sum(-1)  # [B, L, M]: votes for tok
+        total = ok.sum(-1)  # [B, L]
+        s = self.smoothing
+        logp = torch.log((1.0 - s) * votes.double() / total.clamp(min=1)[..., None].double() + s / V).float()
+        # every (b, i, m) writes a voted token: a follower past the context writes the first valid one
+        first = ok.to(torch.int8).argmax(-1, keepdim=True)  # [B, L, 1]
+        voted = total[..., None] > 0
+        tok = torch.where(ok, tok, tok.gather(-1, first)).masked_fill_(~voted, 0)
+        logp = torch.where(ok, logp, logp.gather(-1, first)).masked_fill_(~voted, 0.0)
+        out = torch.where(voted, math.log(s / V), 0.0).to(torch.float32).expand(B, L, V).contiguous()
+        return out.scatter_(2, tok, logp)  # a position without votes: uniform (all 0)
 
 
 class SyntheticDrafter:

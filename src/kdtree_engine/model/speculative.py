@@ -2,17 +2,23 @@
 
 One step, for all active sequences at once (sequences of different lengths in one batch)::
 
-    host, before:  contexts --drafter--> draft logits [B, L, V] -> fixed device buffer (+ roots)
-                   KVPool.book_tree: node j of sequence b at cache position P_b + j (checks, counts)
-                   VerifyAttention.plan: the step's lengths and schedule into the fixed workspace
+    host, before:  KVPool.book_tree: node j of sequence b at cache position P_b + j (checks, counts)
+                   (a host drafter only: contexts --drafter--> draft logits [B, L, V] -> fixed buffer)
     the step (eager, or ONE captured CUDA graph per step shape, replayed):
+                   roots = the last token of each device token history
+                   a device drafter (NGramDrafter.draft_tensor) over the histories --> [B, L, V]
                    KVPool.place_tree: the trees' pages popped from the free stack (device)
                    ddtree.build_ddtree --> trees (root = last token)
                    KVPool.step_inputs: slots, page table, lengths, qo_indptr, mask, node tokens
+                   VerifyAttention.plan from the step's device lengths (the device scheduler)
                    MLARunner phases: every node's KV written, VerifyAttention.run per layer --> logits [T, V]
                    ddtree.accept_greedy --> accepted path + bonus token; top-2 logits of each
                    KVPool.commit: accepted rows to positions P_b, P_b+1, ...; P_b += path length
-    host, after:   one device-to-host read of the emitted tokens; KVPool.finalize_commit
+                   the emitted tokens appended to the device histories
+    host, after:   one non-blocking copy of the results to pinned host memory, an event;
+                   KVPool.finalize_commit with the lengths: known without a read for one-node
+                   trees (plain decoding), else read (the step's only wait); the step's tokens
+                   are taken into the host buffers while the next step runs on the device
 
 Greedy acceptance emits the draft nodes whose token equals the target's argmax at their parent,
 then the target's argmax at the last accepted node (the bonus). Every emitted token is the
@@ -21,7 +27,7 @@ of the target (lossless), up to floating-point numerics (see :func:`check_lossle
 
 Plain decoding is the same loop with one-node trees (the root): both are measured by the same
 code on the same kernel. A step shape ("bucket") is (active sequences, tree size, drafter
-positions, kernel): a sequence that finishes changes the shape, and the next step captures anew.
+positions, a device drafter's settings, kernel): a sequence that finishes changes the shape, and the next step captures anew.
 """
 
 from __future__ import annotations
@@ -128,11 +134,12 @@ def memory_plan(runner: MLARunner, prompt_lens: Sequence[int], max_new_tokens: i
 class GenerateResult:
     """Output and measurements of one :meth:`SpeculativeEngine.decode` (or ``generate``) call.
 
-    Time per step: ``decode_s`` is wall time (synchronised, capture excluded); ``phase_s[kind]``
+    Time per step: ``decode_s`` is wall time (the decode loop between two syncs, capture
+    excluded); ``phase_s[kind]``
     the device time of the step's phases by kind (``"attention"``, ``"tree"``, ``"accept"``,
     ``"rest"``; ``"step"`` for whole-step graph replays, whose phases are not separable): CUDA
-    events on the GPU, host time on the CPU. What the wall time holds beyond them is host overhead
-    (drafting, reservation, planning, reading the accepted tokens).
+    events on the GPU, host time on the CPU. What the wall time holds beyond them is host time the
+    device waited for (a host drafter, the reservation, launches, waiting for a step's lengths).
     """
 
     tokens: list[list[int]]  # new tokens per sequence (the first one comes from the prefill)
@@ -143,7 +150,7 @@ class GenerateResult:
     accepted: list[int] = field(default_factory=list)  # tokens emitted per (sequence, step)
     kept: int = 0  # emitted tokens within max_new_tokens (the last step may overshoot)
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # wall time of all decode steps (synchronised), capture excluded
+    decode_s: float = 0.0  # wall time of the decode loop (a sync at each end), capture excluded
     phase_s: dict = field(default_factory=dict)  # device time by phase kind, all steps
     draft_s: float = 0.0  # host time of the drafter
     capture_s: float = 0.0  # CUDA-graph capture during this call (not in decode_s)
@@ -223,19 +230,21 @@ class _Seq:
 class _Bucket:
     """One step shape, (active sequences, tree size, drafter positions), and its phases.
 
-    The phases read fixed input buffers (``roots [B]`` int64, ``draft [B, L, V]`` float32 on the
-    device), written before each step by :meth:`stage`, and leave the step's results in
-    attributes: ``lengths [B]`` int64 (tokens emitted), ``results [B, 1 + D+1]`` int64 (the
-    lengths, then the emitted tokens, -1 padded) and ``top2 [B, D+1, 2]`` float32 (the target's
-    two best logits behind each emitted token), read by :meth:`read`.
+    The phases read the engine's device token histories (``history [S, C]`` int64, ``hist_len
+    [S]`` int64: each sequence's prompt and output; the last token is the next root) and, for a
+    drafter without ``draft_tensor``, the fixed buffer ``draft [B, L, V]`` float32 written before
+    each step by :meth:`stage`. They leave the step's results in attributes: ``lengths [B]`` int64
+    (tokens emitted), ``results [B, 1 + D+1]`` int64 (the lengths, then the emitted tokens, -1
+    padded) and ``top2 [B, D+1, 2]`` float32 (the target's two best logits behind each emitted
+    token), copied to the host by :meth:`read`, and append the emitted tokens to the histories.
 
-    Phases: ``draft tree`` (the pool's :meth:`~kdtree_engine.kvpool.KVPool.place_tree`,
-    :func:`~kdtree_engine.ddtree.build_ddtree`, the pool's
-    :meth:`~kdtree_engine.kvpool.KVPool.step_inputs`), the runner's forward phases, ``accept +
+    Phases: ``draft tree`` (the roots from the histories, the device drafter, the pool's
+    :meth:`~kdtree_engine.kvpool.KVPool.place_tree`, :func:`~kdtree_engine.ddtree.build_ddtree`,
+    the pool's :meth:`~kdtree_engine.kvpool.KVPool.step_inputs` and the attention plan: on CUDA
+    the device scheduler, from the step's device lengths), the runner's forward phases, ``accept +
     commit`` (:func:`~kdtree_engine.ddtree.accept_greedy`, top-2 logits,
-    :meth:`~kdtree_engine.kvpool.KVPool.commit`). The host halves stay outside, before the step:
-    :meth:`~kdtree_engine.kvpool.KVPool.book_tree` (the reservation's checks and counts) and the
-    attention plan.
+    :meth:`~kdtree_engine.kvpool.KVPool.commit`, the histories' append). The host half of the
+    reservation, :meth:`~kdtree_engine.kvpool.KVPool.book_tree`, stays outside, before the step.
     """
 
     def __init__(self, eng: SpeculativeEngine, ids: tuple[int, ...], spec: bool, mode: str, attn):
@@ -246,31 +255,38 @@ class _Bucket:
         self.rows = pool.device_rows(ids)  # [B] int64; the one a capture uses is held here (a graph keeps its address)
         self.L = eng.depth if spec else 0
         self.budget = eng.budget if spec else 0
-        self.roots = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.history, self.hist_len = eng._history, eng._hist_len
+        # a device drafter runs inside the step; a host drafter's logits are staged into `draft`
+        self.drafter = eng.drafter if spec and hasattr(eng.drafter, "draft_tensor") else None
+        self.host_draft = spec and self.drafter is None
         self.draft = torch.zeros(B, self.L, r.vocab_size if spec else 1, dtype=torch.float32, device=dev)
-        pin = dev.type == "cuda"
-        self._roots_h = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
-        self._draft_h = torch.zeros(self.draft.shape, dtype=torch.float32, pin_memory=pin)
+        self._draft_h = torch.zeros(self.draft.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
         # the tree's node count is fixed by (B, L, V, budget): probe it once
-        self.n = build_ddtree(self.draft, self.budget, self.roots).width
+        self.n = build_ddtree(self.draft, self.budget, torch.zeros(B, dtype=torch.int64, device=dev)).width
         self.st = ForwardState()
+        self.attn = attn
         self.graph = StepGraph([Phase("tree", "draft tree", lambda: self._tree(pool)),
                                 *r.phases(self.st, pool.kv_layers, attn),
                                 Phase("accept", "accept + commit", lambda: self._accept(pool))], mode, dev)
         self.lengths = self.results = self.top2 = self.tree = None
+        self._host: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []  # 2 read slots
+        self._slot = 0
 
-    def stage(self, roots: list[int], draft: torch.Tensor | None) -> None:
-        """Write the step's roots (host ints) and draft logits (``[B, L, V]``) into the fixed buffers."""
-        self._roots_h.copy_(torch.tensor(roots, dtype=torch.int64))
-        self.roots.copy_(self._roots_h, non_blocking=True)
-        if draft is not None:
-            self._draft_h.copy_(draft)
-            self.draft.copy_(self._draft_h, non_blocking=True)
+    def stage(self, draft: torch.Tensor) -> None:
+        """Write a host drafter's logits (``[B, L, V]``) into the fixed buffer."""
+        self._draft_h.copy_(draft)
+        self.draft.copy_(self._draft_h, non_blocking=True)
 
     def _tree(self, pool) -> None:
+        rows = self.rows
+        n = self.hist_len[rows]  # [B]
+        roots = self.history[rows, n - 1]
+        draft = self.draft if self.drafter is None else self.drafter.draft_tensor(self.history[rows], n, self.L)
         pool.place_tree(self.ids, self.n)  # the device half of the reservation booked before the step
-        self.tree = build_ddtree(self.draft, self.budget, self.roots)
-        self.st.step = pool.step_inputs(self.ids, self.tree)
+        self.tree = build_ddtree(draft, self.budget, roots)
+        self.st.step = step = pool.step_inputs(self.ids, self.tree)
+        if self.attn is not None:  # device lengths: the scheduler kernel (the CPU reads them: a host plan)
+            self.attn.plan(step.kv_lens, step.qo_indptr)
 
     def _accept(self, pool) -> None:
         logits, step = self.st.logits, self.st.step
@@ -282,15 +298,51 @@ class _Bucket:
         self.results = torch.cat([acc.lengths[:, None], acc.new_tokens], 1)  # [B, 1 + D+1]
         self.accepted_width = acc.accepted.shape[1]
         pool.commit(self.ids, acc.accepted, acc.lengths)
+        # the emitted tokens extend the histories (the next roots, the drafter's context)
+        start = self.hist_len[self.rows]  # [B]
+        j = torch.arange(self.accepted_width, device=start.device)
+        trash = self.history.shape[1] - 1
+        col = torch.where(j < acc.lengths[:, None], start[:, None] + j, trash)
+        self.history[self.rows[:, None], col] = acc.new_tokens
+        self.hist_len[self.rows] = start + acc.lengths
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's results on the host, one sync: ``[B, 1 + D+1]`` int64 (length, new tokens)
-        and the top-2 logits ``[B, D+1, 2]``."""
-        ints = self.results.to("cpu", non_blocking=True)
-        top2 = self.top2.to("cpu", non_blocking=True)
-        if self.roots.device.type == "cuda":
-            torch.cuda.current_stream(self.roots.device).synchronize()
+    def read(self) -> int:
+        """Queue the copy of the step's results to the host (pinned, non-blocking, then an event);
+        returns the read slot for :meth:`host`. Two slots alternate: a slot is reused two reads
+        later, so the host must take a step's results before queuing the read after next."""
+        if not self._host:
+            cuda = self.results.device.type == "cuda"
+            self._host = [(torch.empty(self.results.shape, dtype=torch.int64, pin_memory=cuda),
+                           torch.empty(self.top2.shape, dtype=torch.float32, pin_memory=cuda),
+                           torch.cuda.Event() if cuda else None) for _ in range(2)]
+        slot = self._slot
+        self._slot ^= 1
+        ints, top2, ev = self._host[slot]
+        ints.copy_(self.results, non_blocking=True)
+        top2.copy_(self.top2, non_blocking=True)
+        if ev is not None:
+            ev.record()
+        return slot
+
+    def host(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A read's results once they are on the host (waits for its copy only):
+        ``[B, 1 + D+1]`` int64 (length, new tokens) and the top-2 logits ``[B, D+1, 2]``."""
+        ints, top2, ev = self._host[slot]
+        if ev is not None:
+            ev.synchronize()
         return ints, top2
+
+
+@dataclass
+class _StepRead:
+    """A launched step whose tokens the host has not taken yet: its bucket, read slot, sequences,
+    and where their new tokens go (``starts[b]``, ``lengths[b]`` of them)."""
+
+    bucket: _Bucket
+    slot: int
+    seqs: list
+    starts: list[int]
+    lengths: list[int]
 
 
 class SpeculativeEngine:
@@ -330,7 +382,8 @@ class SpeculativeEngine:
         self.pool = None
         self.seqs: list[_Seq] = []
         self.max_new_tokens = 0
-        self._max_tree = 0
+        self._max_tree = self._max_depth = 0
+        self._history = self._hist_len = None  # [S, C] int64, [S] int64 on the device (see _Bucket)
         self._buckets: dict[tuple, _Bucket] = {}
         self._attn: dict[str, VerifyAttention] = {}
 
@@ -386,6 +439,7 @@ class SpeculativeEngine:
                            max_seq_len=max(plan.pages_per_seq) * self.page_size)
         self.max_new_tokens = max_new_tokens
         self._max_tree = self.budget + 1
+        self._max_depth = self.depth
         self.seqs = []
         first = []
         t0 = _now(r.device)
@@ -403,7 +457,18 @@ class SpeculativeEngine:
             buf[P] = tok
             self.seqs.append(_Seq(sid, buf, P + 1, P, [top2]))
             first.append(tok)
+        # the device copy of every buf (+ a trash column), which the steps read and extend
+        self._history = torch.zeros(len(self.seqs), max(s.buf.numel() for s in self.seqs) + 1, dtype=torch.int64)
+        for s in self.seqs:
+            self._history[s.sid, : s.buf.numel()] = s.buf
+        self._history = self._history.to(r.device)
+        self._hist_len = torch.zeros(len(self.seqs), dtype=torch.int64, device=r.device)
+        self._sync_hist_len()
         return first, _now(r.device) - t0
+
+    def _sync_hist_len(self) -> None:
+        """The device history lengths from the host ones (one small copy)."""
+        self._hist_len[[s.sid for s in self.seqs]] = torch.tensor([s.length for s in self.seqs]).to(self.runner.device)
 
     def reset(self) -> None:
         """Back to the state right after prefill: generated tokens dropped, prompt KV kept
@@ -413,6 +478,7 @@ class SpeculativeEngine:
             s.length = s.prompt_len + 1
             del s.top2[1:]
             s.done = False
+        self._sync_hist_len()
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -422,9 +488,13 @@ class SpeculativeEngine:
         """Decode until each sequence holds ``max_new_tokens`` new tokens (the first came from the
         prefill), emitted ``eos_token_id``, or ``max_steps`` steps ran.
 
-        A step: the drafter (host), the reservation's host half and the attention plan (host
-        decisions, two small copies), then the step's phases (eager, or a captured graph replayed: draft
-        tree, forward, acceptance, KV commit), then one device-to-host read of the emitted tokens.
+        A step: the reservation's host half (host counts), then the step's phases (eager, or a
+        captured graph replayed: drafting on the device, draft tree, attention plan, forward,
+        acceptance, KV commit, the histories' append), then a non-blocking copy of its results
+        to the host. The host waits for a step's lengths only when it cannot know them (a tree of
+        more than one node; a host drafter also waits for the tokens), and takes each step's
+        tokens while the next step runs on the device: plain decoding never waits inside the loop.
+        An EOS is therefore seen one step late (that step's tokens are dropped by the output).
         """
         if self.pool is None:
             raise RuntimeError("call prefill() first")
@@ -435,54 +505,67 @@ class SpeculativeEngine:
         if spec and self.budget + 1 > self._max_tree:
             raise ValueError(f"budget {self.budget}: the KV pool was sized at prefill for trees of "
                              f"{self._max_tree} nodes (budget {self._max_tree - 1})")
+        if spec and self.depth > self._max_depth:
+            raise ValueError(f"depth {self.depth}: the token buffers were sized at prefill for depth {self._max_depth}")
         r = self.runner
         res = GenerateResult(tokens=[], graphs=self._mode())
         clock = PhaseClock(r.device)
         for s in self.seqs:
             s.done = self._finished(s, max_new, eos_token_id)
-        while any(not s.done for s in self.seqs) and (max_steps is None or res.steps < max_steps):
-            t_step = _now(r.device)
-            active = [s for s in self.seqs if not s.done]
+        pending = None  # the last launched step, its tokens not taken yet
+        t0 = _now(r.device)
+        while (max_steps is None or res.steps < max_steps) and (active := [s for s in self.seqs if not s.done]):
             ids = tuple(s.sid for s in active)
-            bucket, attn = self._bucket(ids, spec)
-            draft = None
-            if spec:
-                t0 = time.perf_counter()
-                draft = self._draft(active)
-                res.draft_s += time.perf_counter() - t0
-            bucket.stage([int(s.buf[s.length - 1]) for s in active], draft)
+            bucket = self._bucket(ids, spec)
+            if bucket.host_draft:  # the drafter reads the host contexts: the last step's tokens first
+                self._take(pending, eos_token_id, progress)
+                pending = None
+                t1 = time.perf_counter()
+                bucket.stage(self._draft(active))
+                res.draft_s += time.perf_counter() - t1
             self.pool.book_tree(ids, bucket.n)  # host counts only; the step places the pages
-            if attn is not None:
-                attn.plan([self.pool.seq_len(i) for i in ids], [bucket.n * b for b in range(len(ids) + 1)])
             if not bucket.graph.captured:  # the rows tensor a capture bakes in, held by the bucket
                 bucket.rows = self.pool.device_rows(ids)  # (the pool's row cache may drop it later)
             captured_before = bucket.graph.capture_s
             if not bucket.graph.run(clock):  # a replay: the commit's host half
                 self.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
-            host, top2 = bucket.read()  # the step's sync
-            lengths = host[:, 0]
-            self.pool.finalize_commit(lengths)
-            for b, s in enumerate(active):
-                a = int(lengths[b])
+            res.capture_s += bucket.graph.capture_s - captured_before
+            res.captures += bucket.graph.capture_s > captured_before
+            read = _StepRead(bucket, bucket.read(), active, [s.length for s in active], [1] * len(active))
+            if bucket.n > 1:  # one-node trees emit one token each; else wait for this step's lengths
+                read.lengths = bucket.host(read.slot)[0][:, 0].tolist()
+            self.pool.finalize_commit(read.lengths)
+            for s, a in zip(active, read.lengths):
                 res.kept += min(a, max_new - (s.length - s.prompt_len))
-                s.buf[s.length : s.length + a] = host[b, 1 : 1 + a]
-                s.top2.extend(top2[b, :a])
-                s.length += a
                 res.accepted.append(a)
-                s.done = self._finished(s, max_new, eos_token_id)
-            capture = bucket.graph.capture_s - captured_before
-            res.capture_s += capture
-            res.captures += capture > 0
+                s.length += a
+                s.done = s.length - s.prompt_len >= max_new
             res.tree_nodes += bucket.n * len(ids)
             res.steps += 1
-            res.decode_s += _now(r.device) - t_step - capture
-            if progress:
-                progress(int(lengths.sum()))
+            self._take(pending, eos_token_id, progress)  # while this step runs
+            pending = read
+        self._take(pending, eos_token_id, progress)
+        res.decode_s = _now(r.device) - t0 - res.capture_s
         clock.flush()
         res.phase_s = dict(clock.seconds)
         res.tokens = [self._output(s, max_new, eos_token_id) for s in self.seqs]
         res.top2 = [torch.stack(s.top2[: len(t)]) for s, t in zip(self.seqs, res.tokens)]
         return res
+
+    def _take(self, read: _StepRead | None, eos: int | None, progress) -> None:
+        """Move a launched step's tokens and top-2 logits into the host buffers (waits for its
+        copy if it is still on the way); a sequence that emitted ``eos`` is done."""
+        if read is None:
+            return
+        ints, top2 = read.bucket.host(read.slot)
+        for b, (s, start, a) in enumerate(zip(read.seqs, read.starts, read.lengths)):
+            new = ints[b, 1 : 1 + a]
+            s.buf[start : start + a] = new
+            s.top2.extend(top2[b, :a].clone())  # the slot is rewritten two reads later
+            if eos is not None and bool((new == eos).any()):
+                s.done = True
+        if progress:
+            progress(sum(read.lengths))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id: int | None = None,
                  prefill_progress=None, decode_progress=None) -> GenerateResult:
@@ -494,8 +577,8 @@ class SpeculativeEngine:
 
     # -- pieces -------------------------------------------------------------------------------
 
-    def _bucket(self, ids: tuple[int, ...], spec: bool) -> tuple[_Bucket, VerifyAttention | None]:
-        """The step shape's bucket (made on first use) and the kernel's planned attention."""
+    def _bucket(self, ids: tuple[int, ...], spec: bool) -> _Bucket:
+        """The step shape's bucket (made on first use), with the kernel's planned attention."""
         r = self.runner
         attn = None
         if r.kernel != "reference":
@@ -504,11 +587,12 @@ class SpeculativeEngine:
                 attn = self._attn[r.kernel] = VerifyAttention(len(self.seqs), self._max_tree, r.num_heads, r.device,
                                                               kernel=r.kernel)
         mode = self._mode()
-        key = (r.kernel, mode, ids, spec, self.budget if spec else 0, self.depth if spec else 0)
+        key = (r.kernel, mode, ids, spec, self.budget if spec else 0, self.depth if spec else 0,
+               _drafter_key(self.drafter) if spec else None)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self, ids, spec, mode, attn)
-        return bucket, attn
+        return bucket
 
     def _mode(self) -> str:
         """How steps run now: :attr:`graphs`, but eager with the float64 ``reference`` kernel (it
@@ -532,6 +616,14 @@ class SpeculativeEngine:
         if s.length - s.prompt_len >= max_new:
             return True
         return eos is not None and bool((s.buf[s.prompt_len : s.length] == eos).any())
+
+
+def _drafter_key(drafter) -> tuple | None:
+    """What a step shape depends on of its drafter: a device drafter's type and settings (a
+    captured step holds its kernels); nothing of a host drafter (its logits are staged)."""
+    if not hasattr(drafter, "draft_tensor"):
+        return None
+    return (type(drafter).__qualname__, tuple(sorted(vars(drafter).items())))
 
 
 def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Sequence[tuple[list[int], list[int]]],
