@@ -214,6 +214,13 @@ def test_acceptance_every_layout():
         return accept_sampling(tree, target_logits, temperature=0.8, top_k=10, top_p=0.9, generator=gen)
 
     check_every_layout(sampled, {"tree": tree, "target_logits": logits}, ["target_logits"])
+    # ragged trees: a kernel that read num_nodes as if contiguous would take other trees' sizes
+    ragged = tree_from_parents([[-1, 0, 0, 1, 3], [-1], [-1, 0, 1]], [[1, 5, 7, 5, 2], [3], [4, 5, 5]])
+    ragged = tree_from_parents(ragged.parents.to(DEVICE), ragged.tokens.to(DEVICE), [5, 1, 3])
+    rag_logits = target_logits(ragged)
+    check_every_layout(accept_tokens, {"tree": ragged, "target_tokens": target_tokens_greedy(rag_logits)},
+                       ["tree.num_nodes"])
+    check_every_layout(sampled, {"tree": ragged, "target_logits": rag_logits}, ["tree.num_nodes"])
     res = accept_greedy(tree, logits)
     prefix = torch.tensor([3, 3, 3], device=DEVICE)
     check_every_layout(commit_positions, {"result": res, "prefix_lens": prefix},

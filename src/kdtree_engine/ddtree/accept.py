@@ -296,7 +296,7 @@ def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
             tgt = tgt.contiguous()
             starts = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
         acc, acc_tokens, new_tokens, lengths, bonus = walk(
-            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, tgt, starts, tree.max_depth
+            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), tgt, starts, tree.max_depth
         )
         return AcceptResult(
             accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens
@@ -399,7 +399,7 @@ def accept_sampling(
         return off if x is None else float(x)
 
     acc, acc_tokens, new_tokens, lengths, bonus = sample_walk(
-        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, logits,
+        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
         None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
         temp=rows(temp, 1.0), top_k=k_static or 0, top_p=rows(p, 2.0), seed=seed,
     )
