@@ -13,6 +13,7 @@ correctness check against the float64 reference on one sequence. Prints a table;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -31,21 +32,7 @@ AUTO_SCHEDULE = vplan.schedule
 
 def forced_schedule(name: str):
     """``verify.plan.schedule`` with one candidate forced (``auto``: the plan's own choice)."""
-    if name == "auto":
-        return AUTO_SCHEDULE
-
-    def only(row_blocks, tiles, num_programs, min_tiles=vplan.MIN_SPLIT_TILES, costs=None):
-        R, T = np.asarray(row_blocks, dtype=np.int64), np.asarray(tiles, dtype=np.int64)
-        P = max(1, min(num_programs, int((R * T).sum())))
-        chunk = -(-int((R * T).sum()) // P)
-        snap = min(min_tiles, chunk // 4)
-        if name == "line":
-            return vplan._line_schedule(R, T, P, chunk, snap)
-        if name == "parts":
-            return vplan._parts_schedule(R, T, P, snap)
-        raise ValueError(f"unknown schedule {name!r}")
-
-    return only
+    return AUTO_SCHEDULE if name == "auto" else functools.partial(AUTO_SCHEDULE, only=name)
 
 
 def time_graph(fn, reps: int = 50) -> float:

@@ -23,10 +23,7 @@ def host_line_tables(p: VerifyPlan, kv: np.ndarray, n: np.ndarray):
     """What the host writes for the line schedule of these lengths: prog_first_seg, segments, groups."""
     bm, bn = p.config.block_m, p.config.block_n
     R, T = -(-n.astype(np.int64) * p.num_heads // bm), -(-kv.astype(np.int64) // bn)
-    total = int((R * T).sum())
-    P = max(1, min(p.num_programs, total))
-    chunk = -(-total // P)
-    pieces = vplan._line_schedule(R, T, P, chunk, min(vplan.MIN_SPLIT_TILES, chunk // 4))
+    pieces = vplan.schedule(R, T, p.num_programs, only="line")
     first, seg, tile_end, grp, _ = p._tables_of(pieces, R)
     seg = seg.copy()
     seg[3] = np.minimum(tile_end, kv[seg[0]])

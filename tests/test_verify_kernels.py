@@ -4,6 +4,7 @@ Without CUDA these run through Triton's interpreter at small sizes (conftest.py)
 """
 
 import collections
+import functools
 import math
 import zlib
 
@@ -107,7 +108,7 @@ def test_schedule_covers_every_tile_once_and_balances(row_blocks, tiles, program
     assert len(seen) == total and set(seen.values()) == {1}
     P = min(programs, total)
     chunk = math.ceil(total / P)
-    line = vplan._line_schedule(np.array(row_blocks), np.array(tiles), P, chunk, min(vplan.MIN_SPLIT_TILES, chunk // 4))
+    line = vplan.schedule(row_blocks, tiles, programs, only="line")
     assert vplan.schedule_cost(pieces) <= vplan.schedule_cost(line)
     assert vplan.schedule_cost(pieces) >= chunk + vplan.TRITON_COSTS.segment_tiles  # no program can do better
     load = np.bincount(line.prog, weights=line.t1 - line.t0)
@@ -147,14 +148,7 @@ def test_planned_kernels_run_each_schedule(kernel, candidate, monkeypatch):
     if kernel not in available_kernels(DEVICE):
         pytest.skip(f"{kernel} does not run here")
 
-    def forced(R, T, P, min_tiles=vplan.MIN_SPLIT_TILES, costs=None):
-        R, T = np.asarray(R, dtype=np.int64), np.asarray(T, dtype=np.int64)
-        chunk = -(-int((R * T).sum()) // P)
-        if candidate == "line":
-            return vplan._line_schedule(R, T, P, chunk, min(min_tiles, chunk // 4))
-        return vplan._parts_schedule(R, T, P, min(min_tiles, chunk // 4))
-
-    monkeypatch.setattr(vplan, "schedule", forced)
+    monkeypatch.setattr(vplan, "schedule", functools.partial(vplan.schedule, only=candidate))
     for i, trees in enumerate(([random_tree(9, G)] * 3, [random_tree(9, G), [-1], random_tree(20, G)])):
         spec = CaseSpec(f"{candidate}{i}", 5, [300, 77, 1000], trees, page_size=[1, 16][i], seed=i)
         c = build_case(spec, DEVICE)
@@ -168,7 +162,7 @@ def test_schedule_keeps_row_blocks_of_a_sequence_on_the_same_kv():
     run 18: 1.50x FlashMLA); the plan takes KV parts instead, read by 9 programs at once. The
     Triton kernel's tiles take 2.7x as long, so there the line schedule is not HBM-bound."""
     R, T = np.full(4, 9), np.full(4, 2049)
-    line = vplan._line_schedule(R, T, 132, 559, 4)
+    line = vplan.schedule(R, T, 132, only="line")
     hopper_costs = vplan.HOPPER_COSTS
     chosen = vplan.schedule(R, T, 132, costs=hopper_costs)
     assert vplan.schedule_cost(chosen, hopper_costs) < vplan.schedule_cost(line, hopper_costs)

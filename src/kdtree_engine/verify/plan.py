@@ -192,7 +192,7 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
 
 
 def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
-             costs: ScheduleCosts = TRITON_COSTS) -> Pieces:
+             costs: ScheduleCosts = TRITON_COSTS, only: str | None = None) -> Pieces:
     """Cut the work (sequence b: ``row_blocks[b]`` row blocks x ``tiles[b]`` KV tiles) into pieces
     run by programs ``0 .. num_programs - 1`` (some may get none): the cheapest (by
     :func:`schedule_cost` under ``costs``; ties to the first) of
@@ -205,6 +205,9 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
       that gives at most one segment per program, W = one program's share, and W = whole
       sequences. When the smallest width is at most one program's share, it is taken at once:
       every program of another schedule has at least that many tiles and a segment.
+
+    ``only="line"`` or ``"parts"``: that candidate, whatever it costs (tuning and tests; parts needs
+    at most ``num_programs`` row blocks per sequence).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -214,6 +217,15 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         return Pieces(e, e, e, e, e)
     P = max(1, min(num_programs, total))
     chunk = -(-total // P)
+    snap = min(min_tiles, chunk // 4)
+    if only == "line":
+        return _line_schedule(R, T, P, chunk, snap)
+    if only == "parts":
+        if int(R.max()) > P:
+            raise ValueError(f"the parts schedule needs at most {P} row blocks per sequence, got {int(R.max())}")
+        return _parts_schedule(R, T, P, snap)
+    if only is not None:
+        raise ValueError(f"only must be None, 'line' or 'parts', got {only!r}")
     n_blocks, longest = int(R.sum()), int(T.max())
     widths = []
     if n_blocks <= P:
@@ -222,7 +234,6 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
             return _whole_segments(R, T, P, lo, costs.segment_tiles)
         widths.append(lo)
     widths += [w for w in (chunk, longest) if w not in widths]
-    snap = min(min_tiles, chunk // 4)
     candidates = [_line_schedule(R, T, P, chunk, snap)]
     if int(R.max()) <= P // 2:
         candidates.append(_parts_schedule(R, T, P, snap))
