@@ -253,15 +253,7 @@ def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
     G = P // L
     end = np.cumsum(T)
     begin = end - T
-    total = int(end[-1])
-    bnd = np.arange(1, G, dtype=np.int64) * total // G  # part g ends at bnd[g]
-    k = np.searchsorted(end, bnd, side="right")  # the sequence holding bnd: begin[k] <= bnd < end[k]
-    s, e = begin[k], end[k]
-    cuts = np.where(bnd - s < snap, s, np.where(e - bnd < snap, e, bnd))
-    points = np.union1d(begin, cuts)  # every span (one sequence, one part) starts at a sequence start or a cut
-    points = points[points < total]
-    length = np.diff(points, append=total)
-    span_seq = np.searchsorted(end, points, side="right")
+    cuts, points, length, span_seq = _cut_line(begin, end, G, snap)  # spans: one sequence in one part
     span_part = np.searchsorted(cuts, points, side="right")
     n = R[span_seq]  # one piece per row block of the span's sequence
     span = np.repeat(np.arange(len(points)), n)
@@ -331,17 +323,24 @@ def _line_schedule(R: np.ndarray, T: np.ndarray, P: int, chunk: int, snap: int) 
     c1 = np.minimum(c0 + ws, T[seq])
     end = np.cumsum(c1 - c0)
     start = end - (c1 - c0)
+    cuts, points, length, item = _cut_line(start, end, P, snap)
+    t0 = c0[item] + points - start[item]
+    return Pieces(seq[item], local[item] % Rs[item], t0, t0 + length, np.searchsorted(cuts, points, side="right"))
+
+
+def _cut_line(start: np.ndarray, end: np.ndarray, shares: int, snap: int):
+    """Cut a line of consecutive items (item i: ``[start[i], end[i])``, ``end[-1]`` = the total) into
+    ``shares`` shares of about equal length; a cut closer than ``snap`` to an item's edge moves to
+    that edge. Returns the ``shares - 1`` cuts, the spans' starts (every span lies in one item and
+    one share: it starts at an item start or a cut), their lengths and their items."""
     total = int(end[-1])
-    bnd = np.arange(1, P, dtype=np.int64) * total // P  # program p ends at bnd[p]
+    bnd = np.arange(1, shares, dtype=np.int64) * total // shares  # share i ends at bnd[i]
     k = np.searchsorted(end, bnd, side="right")  # the item holding bnd: start[k] <= bnd < end[k]
     s, e = start[k], end[k]
     cuts = np.where(bnd - s < snap, s, np.where(e - bnd < snap, e, bnd))
-    points = np.union1d(start, cuts)  # every piece starts at an item start or a cut
+    points = np.union1d(start, cuts)
     points = points[points < total]
-    length = np.diff(points, append=total)
-    item = np.searchsorted(end, points, side="right")
-    t0 = c0[item] + points - start[item]
-    return Pieces(seq[item], local[item] % Rs[item], t0, t0 + length, np.searchsorted(cuts, points, side="right"))
+    return cuts, points, np.diff(points, append=total), np.searchsorted(end, points, side="right")
 
 
 # ----------------------------------------------------------------------------------------------
