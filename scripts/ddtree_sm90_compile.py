@@ -81,7 +81,7 @@ CASES = [
      dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64", starts="*i64",
           acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64", bonus="*i64", num_seqs="i32",
           max_depth="i32", vocab="i32", stride_tree="i32", seq_rows="i32", stride_row="i32", stride_out="i32"),
-     dict(USE_STARTS=False, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=K.GREEDY_BLOCK_V, UNROLL=K.STREAM_UNROLL),
+     dict(USE_STARTS=False, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=K.GREEDY_BLOCK_V, UNROLL=K.STREAM_UNROLL, NODES=1),
      8),
     ("_walk_kernel tokens (n=513)", K._walk_kernel, WALK_TYPES, WALK_CONSTS, 4),
     ("_walk_kernel tokens, flat rows (n=513)", K._walk_kernel, WALK_TYPES, dict(WALK_CONSTS, USE_STARTS=True), 4),

@@ -574,8 +574,11 @@ def _greedy_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
     UNROLL: tl.constexpr,
+    NODES: tl.constexpr,
 ):
-    """Greedy acceptance in one launch; program ``(b, j)`` for node j of sequence b.
+    """Greedy acceptance in one launch; program ``(b, i)`` for nodes ``i * NODES ..`` of sequence b
+    (one node per program on a GPU; under the interpreter, which runs programs one after another,
+    a block of them).
 
     logits: ``[T, V]`` any float dtype (row stride ``stride_row``, unit column stride); node j of
     sequence b is row ``r = starts[b] + j`` (USE_STARTS) or ``b * seq_rows + j``.
@@ -583,32 +586,34 @@ def _greedy_kernel(
     number, as ``torch.argmax``). count: ``[B]`` int32, zero on entry.
     tok, par, num_nodes, acc, .., bonus: as :func:`_walk`.
 
-    A program stores its row's argmax (a program past ``num_nodes[b]`` none), then counts itself
+    A program stores its rows' argmaxes (rows past ``num_nodes[b]``: none), then counts itself
     in ``count[b]`` (an acq_rel atomic, after a barrier: the store is visible before the count);
     the program that completes sequence b's count walks it (:func:`_walk`, reading the tokens
     past L1).
     """
     b = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(1) * NODES + tl.arange(0, NODES)  # [NODES]
+    m_j = j < tl.load(num_nodes + b)
     if USE_STARTS:
         row = tl.load(starts + b).to(tl.int64) + j
     else:
         row = b.to(tl.int64) * seq_rows + j
-    if j < tl.load(num_nodes + b):
-        p_x = logits + row * stride_row
-        o_v = tl.arange(0, BLOCK_V)
-        best = tl.full([BLOCK_V], -1, tl.int64)  # per lane (columns lane, lane + BLOCK_V, ..)
-        col = tl.zeros([BLOCK_V], tl.int32)
+    if tl.sum(m_j.to(tl.int32)) > 0:
+        p_x = logits + row[:, None] * stride_row  # [NODES, 1]
+        o_v = tl.arange(0, BLOCK_V)[None, :]
+        best = tl.full([NODES, BLOCK_V], -1, tl.int64)  # per lane (columns lane, lane + BLOCK_V, ..)
+        col = tl.zeros([NODES, BLOCK_V], tl.int32)
         for v0 in range(0, vocab, BLOCK_V * UNROLL):
             for u in tl.static_range(UNROLL):
                 c = v0 + u * BLOCK_V + o_v
-                x = tl.load(p_x + c, mask=c < vocab, other=0.0).to(tl.float32)
-                k = tl.where(c < vocab, tl.where(x != x, 2**32, _key(x)), -1)
+                m = m_j[:, None] & (c < vocab)
+                x = tl.load(p_x + c, mask=m, other=0.0).to(tl.float32)
+                k = tl.where(m, tl.where(x != x, 2**32, _key(x)), -1)
                 up = k > best  # strict: a lane keeps its first column among ties
                 best = tl.where(up, k, best)
                 col = tl.where(up, c, col)
-        top = tl.max(best, axis=0)
-        tl.store(tgt + row, tl.min(tl.where(best == top, col, vocab), axis=0).to(tl.int64))
+        top = tl.max(best, axis=1)
+        tl.store(tgt + row, tl.min(tl.where(best == top[:, None], col, vocab), axis=1).to(tl.int64), mask=m_j)
     tl.debug_barrier()
     if tl.atomic_add(count + b, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         _walk(b, tok, par, num_nodes, tgt, starts, tgt, tgt, tgt, tgt, tgt,
@@ -627,7 +632,9 @@ def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
     vocab = logits.shape[1]
     tgt = torch.empty(logits.shape[0], dtype=torch.int64, device=dev)
     count = torch.zeros(B, dtype=torch.int32, device=dev)
-    _greedy_kernel[(B, n)](
+    block_v = min(triton.next_power_of_2(vocab), GREEDY_BLOCK_V)
+    nodes = min(triton.next_power_of_2(n), max(1, 2**16 // block_v)) if interpreting() else 1
+    _greedy_kernel[(B, triton.cdiv(n, nodes))](
         logits, tgt, count,
         tokens, parents, num_nodes, tgt if starts is None else starts,
         acc, acc_tok, new_tok, lengths, bonus,
@@ -636,8 +643,9 @@ def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
         USE_STARTS=starts is not None,
         BLOCK_N=triton.next_power_of_2(n),
         BLOCK_D=triton.next_power_of_2(max_depth + 1),
-        BLOCK_V=min(triton.next_power_of_2(vocab), GREEDY_BLOCK_V),
+        BLOCK_V=block_v,
         UNROLL=STREAM_UNROLL,
+        NODES=nodes,
         num_warps=8,
     )
     return acc, acc_tok, new_tok, lengths, bonus
