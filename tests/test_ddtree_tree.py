@@ -250,6 +250,24 @@ def test_expansion_awkward_sizes(kind, B, L, V, budget, topk, tiers, device, mon
     check_tree(fast)
 
 
+@pytest.mark.parametrize("slots", [2**16, 128], ids=["one-program", "4-seqs-per-program"])
+def test_expansion_mixed_batch(slots, device, monkeypatch):
+    """Sequences of very different survivor counts side by side (under the interpreter, rows of
+    one program; a batch not a multiple of the block leaves padding rows): each tree as the heap's."""
+    from kdtree_engine.ddtree import kernels
+
+    monkeypatch.setattr(kernels, "EXPAND_TIERS", (2, 8))
+    monkeypatch.setattr(kernels, "EXPAND_INTERPRETED_SLOTS", slots)  # BLOCK_C = 32 below (18 pairs)
+    L, V, budget = 6, 5, 9
+    x = torch.cat([logits_case(kind, 4, L, V, seed=i) for i, kind in enumerate(["randn", "peaked", "equal", "ties", "floor"])])
+    x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))][:19].to(device)
+    roots = torch.arange(19, device=device)
+    top = draft_topk(x, 4)
+    fast = expand_topk(top, budget, roots)
+    assert_same_tree(fast, expand_topk_reference(top, budget, roots))
+    check_tree(fast)
+
+
 def test_children_in_rank_order_and_parents_first(device):
     x = logits_case("randn", 2, 6, 30, seed=5).to(device)
     tree = build_ddtree(x, 90, torch.zeros(2, dtype=torch.long, device=device))

@@ -656,6 +656,7 @@ def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
 
 EXPAND_TIERS = (256, 1024)  # candidate blocks sorted when few survive (else the whole candidate block)
 PAIR_CHUNK = 1024  # candidates scanned per step of the pruning pass
+EXPAND_INTERPRETED_SLOTS = 2**16  # the interpreter's candidate slots per program (sequences x BLOCK_C)
 
 
 @triton.jit
@@ -676,31 +677,34 @@ def _count_below(p_arr, n, x, STEPS: tl.constexpr):
 @triton.jit
 def _sort_depth(p_cand, n_s, keep, d, p_dkey, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
                 N: tl.constexpr, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
-    """Sort the ``n_s <= N`` candidate keys at ``p_cand`` and store the first ``keep`` of them, in
-    key order, as depth ``d + 1``'s kept nodes: within-depth keys at ``p_dkey``, global keys
-    ``(-score) << (SLOT_BITS + DEPTH_BITS) | depth << SLOT_BITS | slot`` at ``p_dglob``."""
+    """Per sequence (``[SEQS, 1]`` pointers, ``[SEQS]`` counts): sort the ``n_s <= N`` candidate
+    keys at ``p_cand`` and store the first ``keep`` of them, in key order, as depth ``d + 1``'s kept
+    nodes: within-depth keys at ``p_dkey``, global keys ``(-score) << (SLOT_BITS + DEPTH_BITS) |
+    depth << SLOT_BITS | slot`` at ``p_dglob``."""
     o = tl.arange(0, N)[None, :]
-    b_key = tl.load(p_cand + o, mask=o < n_s, other=_INT64_MAX)
+    b_key = tl.load(p_cand + o, mask=o < n_s[:, None], other=_INT64_MAX)
     b_key, b_pos = _ranked(b_key, p_tmp, RANK_SORT, CHUNK)
-    m = b_pos < keep
+    m = b_pos < keep[:, None]
     tl.store(p_dkey + b_pos, b_key, mask=m)
     dep = tl.zeros([], tl.int64) + d + 1
     glob = ((b_key >> S) << (SLOT_BITS + DEPTH_BITS)) | (dep << SLOT_BITS) | b_pos
     tl.store(p_dglob + b_pos, glob, mask=m)
 
 
-@triton.jit(do_not_specialize=["depth_cap", "n_draft", "stride_top", "stride_scratch", "stride_emit", "stride_out"])
+@triton.jit(do_not_specialize=["num_seqs", "depth_cap", "n_draft", "stride_top", "stride_scratch", "stride_emit",
+                               "stride_out"])
 def _expand_kernel(
     lp, ids, roots, pairs, pair_end,
     scratch, emit,
     out_tok, out_par, out_dep, out_rank, out_score, out_num,
-    depth_cap, n_draft,
+    num_seqs, depth_cap, n_draft,
     stride_top, stride_scratch, stride_emit, stride_out,
     K: tl.constexpr,
     BUDGET: tl.constexpr,
     S: tl.constexpr,
     SLOT_BITS: tl.constexpr,
     DEPTH_BITS: tl.constexpr,
+    SEQS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -712,15 +716,20 @@ def _expand_kernel(
     CHUNK_M: tl.constexpr,
     CHUNK_C: tl.constexpr,
 ):
-    """The DDTree of sequence ``program_id(0)`` (see :func:`kdtree_engine.ddtree.expand_topk`).
+    """The DDTrees of sequences ``program_id(0) * SEQS ..`` (see
+    :func:`kdtree_engine.ddtree.expand_topk`): one sequence per program on a GPU (SEQS = 1); under
+    the interpreter, which runs programs one after another, a block of them, each sequence a row
+    of every tensor (per-sequence counts are ``[SEQS]``; loop bounds and the sort block are the
+    block's largest, the rest masked per sequence).
 
     lp, ids: ``[B, L, K]`` int64, contiguous per sequence (row stride ``stride_top``).
     pairs: int64 ``parent slot * K + rank`` for every parent slot ``i < BUDGET`` and rank
     ``r < min(K, BUDGET // (i + 1))``, by slot then rank; ``pair_end[i]`` (``[BUDGET + 1]``) is the
     number of pairs of the slots below ``i``.
-    scratch: ``[B, stride_scratch]`` int64, per sequence ``depth_cap * BUDGET`` within-depth keys
-    (depth-major), ``BLOCK_C`` candidates, ``BLOCK_G`` global keys of the current depth, two
-    ``BLOCK_G`` buffers of the running tree, then (interpreter only) ``BLOCK_C`` for the ranks.
+    scratch: ``[programs * SEQS, stride_scratch]`` int64, per sequence ``depth_cap * BUDGET``
+    within-depth keys (depth-major), ``BLOCK_C`` candidates, ``BLOCK_G`` global keys of the current
+    depth, two ``BLOCK_G`` buffers of the running tree, then (interpreter only) ``BLOCK_C`` for the
+    ranks.
     emit: ``[B, depth_cap * BUDGET]`` int32 scratch (node index of a kept node).
     out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank,
     score; out_num: ``[B]`` int64, ``n_draft + 1``.
@@ -736,77 +745,84 @@ def _expand_kernel(
     its own plus the number of smaller elements of the other list, by binary search). The running
     tree after the last depth is the tree in emission order.
     """
-    i_s = tl.program_id(0).to(tl.int64)
-    p_lp = lp + i_s * stride_top
-    p_dkey = scratch + i_s * stride_scratch  # [depth_cap * BUDGET]
-    p_cand = p_dkey + depth_cap * BUDGET  # [BLOCK_C]
-    p_dglob = p_cand + BLOCK_C  # [BLOCK_G]
-    p_g = p_dglob + BLOCK_G  # [2 * BLOCK_G]
-    p_tmp = (p_g + 2 * BLOCK_G) + tl.zeros([1, 1], tl.int64)  # [BLOCK_C] (interpreter only)
-    p_emit = emit + i_s * stride_emit
-    o_g = tl.arange(0, BLOCK_G)
-    o_p = tl.arange(0, BLOCK_P)
+    o_s = tl.program_id(0) * SEQS + tl.arange(0, SEQS)
+    m_s = o_s < num_seqs
+    i_s = o_s.to(tl.int64)  # [SEQS]
+    p_lp = lp + i_s * stride_top  # [SEQS]
+    p_seq = scratch + i_s * stride_scratch  # [SEQS]
+    p_dkey = p_seq[:, None]  # [SEQS, 1]: depth_cap * BUDGET
+    p_cand = p_dkey + depth_cap * BUDGET  # BLOCK_C
+    p_dglob = p_cand + BLOCK_C  # BLOCK_G
+    p_g = p_seq + depth_cap * BUDGET + BLOCK_C + BLOCK_G  # [SEQS]: 2 * BLOCK_G
+    p_tmp = p_g[:, None] + 2 * BLOCK_G  # BLOCK_C (interpreter only)
+    p_emit = emit + i_s[:, None] * stride_emit
+    o_g = tl.arange(0, BLOCK_G)[None, :]
+    o_p = tl.arange(0, BLOCK_P)[None, :]
     low = (1 << S) - 1
-    m_prev = tl.zeros([], tl.int32) + 1  # the root: one parent, score 0
-    g_n = tl.zeros([], tl.int32)  # nodes in the running tree
-    neg_t = tl.zeros([], tl.int64) + _INT64_MAX  # -score of its BUDGET-th node (none yet: no bound)
-    cur = tl.zeros([], tl.int32)  # which of the two buffers holds it
+    m_prev = m_s.to(tl.int32)  # the root: one parent, score 0 (sequences past the batch: none)
+    g_n = tl.zeros([SEQS], tl.int32)  # nodes in the running tree
+    neg_t = tl.full([SEQS], _INT64_MAX, tl.int64)  # -score of its BUDGET-th node (none yet: no bound)
+    cur = tl.zeros([SEQS], tl.int32)  # which of the two buffers holds it
     for d in range(depth_cap):
-        if m_prev > 0:
+        if tl.max(m_prev, axis=0) > 0:
             p_par = p_dkey + (d - 1) * BUDGET  # the kept nodes of the depth above
-            b_par = tl.load(p_par + o_g, mask=(o_g < m_prev) & (d > 0), other=0) >> S
-            x0 = -tl.load(p_lp + d * K)  # the cheapest child
-            n_pairs = tl.load(pair_end + tl.sum(((o_g < m_prev) & (b_par + x0 < neg_t)).to(tl.int32)))
-            n_s = tl.zeros([], tl.int32)
-            for c0 in range(0, n_pairs, BLOCK_P):
-                m_c = c0 + o_p < n_pairs
-                sec = tl.load(pairs + c0 + o_p, mask=m_c, other=0)
+            b_par = tl.load(p_par + o_g, mask=(o_g < m_prev[:, None]) & (d > 0), other=0) >> S
+            x0 = -tl.load(p_lp + d * K, mask=m_prev > 0, other=0)  # the cheapest child
+            live = (o_g < m_prev[:, None]) & (b_par + x0[:, None] < neg_t[:, None])
+            n_pairs = tl.load(pair_end + tl.sum(live.to(tl.int32), axis=1))  # [SEQS]
+            n_max = tl.max(n_pairs, axis=0)
+            n_s = tl.zeros([SEQS], tl.int32)
+            for c0 in range(0, n_max, BLOCK_P):
+                sec = tl.load(pairs + c0 + o_p, mask=c0 + o_p < n_max, other=0)  # [1, BP]
+                m_c = c0 + o_p < n_pairs[:, None]  # [SEQS, BP]
                 neg = tl.load(p_par + sec // K, mask=m_c & (d > 0), other=0) >> S
-                neg -= tl.load(p_lp + d * K + sec % K, mask=m_c, other=0)
-                ok = m_c & (neg < neg_t)
-                tl.store(p_cand + n_s + tl.cumsum(ok.to(tl.int32), axis=0) - 1, (neg << S) | sec, mask=ok)
-                n_s += tl.sum(ok.to(tl.int32))
+                neg -= tl.load(p_lp[:, None] + d * K + sec % K, mask=m_c, other=0)
+                ok = m_c & (neg < neg_t[:, None])
+                tl.store(p_cand + n_s[:, None] + tl.cumsum(ok.to(tl.int32), axis=1) - 1, (neg << S) | sec, mask=ok)
+                n_s += tl.sum(ok.to(tl.int32), axis=1)
             tl.debug_barrier()
             keep = tl.minimum(n_s, BUDGET)
+            n_big = tl.max(n_s, axis=0)
             if d == 0:  # the root's children: ranks 0.. already in key order
-                o_k = tl.arange(0, BLOCK_G)
-                b_k = tl.load(p_cand + o_k, mask=o_k < keep, other=0)
-                tl.store(p_dkey + o_k, b_k, mask=o_k < keep)
-                tl.store(p_dglob + o_k, ((b_k >> S) << (SLOT_BITS + DEPTH_BITS)) | (1 << SLOT_BITS) | o_k,
-                         mask=o_k < keep)
-            elif n_s == 0:
+                m_k = o_g < keep[:, None]
+                b_k = tl.load(p_cand + o_g, mask=m_k, other=0)
+                tl.store(p_dkey + o_g, b_k, mask=m_k)
+                tl.store(p_dglob + o_g, ((b_k >> S) << (SLOT_BITS + DEPTH_BITS)) | (1 << SLOT_BITS) | o_g, mask=m_k)
+            elif n_big == 0:
                 pass
-            elif n_s <= TIER_S:
+            elif n_big <= TIER_S:
                 _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
                             TIER_S, RANK_SORT, CHUNK_S)
-            elif n_s <= TIER_M:
+            elif n_big <= TIER_M:
                 _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
                             TIER_M, RANK_SORT, CHUNK_M)
             else:
                 _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
                             BLOCK_C, RANK_SORT, CHUNK_C)
-            if keep > 0:  # merge the depth into the running tree, keep its best BUDGET
+            if n_big > 0:  # merge the depth into the running tree, keep its best BUDGET
                 tl.debug_barrier()
-                p_old = p_g + cur * BLOCK_G
-                p_new = p_g + (1 - cur) * BLOCK_G
-                m_e = o_g < keep
+                merging = keep > 0  # [SEQS]
+                p_old = (p_g + cur * BLOCK_G)[:, None]
+                p_new = (p_g + (1 - cur) * BLOCK_G)[:, None]
+                m_e = o_g < keep[:, None]
                 b_e = tl.load(p_dglob + o_g, mask=m_e, other=0)
-                pos_e = o_g + _count_below(p_old, g_n, b_e, STEPS)
-                m_o = o_g < g_n
+                pos_e = o_g + _count_below(p_old, g_n[:, None], b_e, STEPS)
+                m_o = merging[:, None] & (o_g < g_n[:, None])
                 b_o = tl.load(p_old + o_g, mask=m_o, other=0)
-                pos_o = o_g + _count_below(p_dglob, keep, b_o, STEPS)
+                pos_o = o_g + _count_below(p_dglob, keep[:, None], b_o, STEPS)
                 tl.store(p_new + pos_e, b_e, mask=m_e & (pos_e < BUDGET))
                 tl.store(p_new + pos_o, b_o, mask=m_o & (pos_o < BUDGET))
-                g_n = tl.minimum(g_n + keep, BUDGET)
-                cur = 1 - cur
+                g_n = tl.where(merging, tl.minimum(g_n + keep, BUDGET), g_n)
+                cur = tl.where(merging, 1 - cur, cur)
                 tl.debug_barrier()
-                last = tl.load(p_new + BUDGET - 1, mask=g_n >= BUDGET, other=0) >> (SLOT_BITS + DEPTH_BITS)
-                neg_t = tl.where(g_n >= BUDGET, last, neg_t)
+                full = merging & (g_n >= BUDGET)
+                last = tl.load(p_g + cur * BLOCK_G + BUDGET - 1, mask=full, other=0) >> (SLOT_BITS + DEPTH_BITS)
+                neg_t = tl.where(full, last, neg_t)
             m_prev = keep
 
     # the running tree is the tree: node q + 1 is its q-th entry (depth, slot)
-    m_q = o_g < n_draft
-    b_q = tl.load(p_g + cur * BLOCK_G + o_g, mask=m_q, other=0)
+    m_q = m_s[:, None] & (o_g < n_draft)
+    b_q = tl.load((p_g + cur * BLOCK_G)[:, None] + o_g, mask=m_q, other=0)
     e_dep = (b_q >> SLOT_BITS) & ((1 << DEPTH_BITS) - 1)
     e_slot = b_q & ((1 << SLOT_BITS) - 1)
     tl.store(p_emit + (e_dep - 1) * BUDGET + e_slot, o_g + 1, mask=m_q)
@@ -815,21 +831,22 @@ def _expand_kernel(
     e_rank = e_sec % K
     m_p = m_q & (e_dep > 1)
     e_parent = tl.load(p_emit + (e_dep - 2) * BUDGET + e_sec // K, mask=m_p, other=0).to(tl.int64)
-    e_tok = tl.load(ids + i_s * stride_top + (e_dep - 1) * K + e_rank, mask=m_q, other=0)
-    p_node = i_s * stride_out + 1 + o_g
+    e_tok = tl.load(ids + i_s[:, None] * stride_top + (e_dep - 1) * K + e_rank, mask=m_q, other=0)
+    p_node = i_s[:, None] * stride_out + 1 + o_g
     tl.store(out_tok + p_node, e_tok, mask=m_q)
     tl.store(out_par + p_node, e_parent, mask=m_q)
     tl.store(out_dep + p_node, e_dep, mask=m_q)
     tl.store(out_rank + p_node, e_rank, mask=m_q)
     tl.store(out_score + p_node, -(b_q >> (SLOT_BITS + DEPTH_BITS)), mask=m_q)
-    # the root
+    # the roots
     p_root = i_s * stride_out
-    tl.store(out_tok + p_root, tl.load(roots + i_s))
-    tl.store(out_par + p_root, -1)
-    tl.store(out_dep + p_root, 0)
-    tl.store(out_rank + p_root, -1)
-    tl.store(out_score + p_root, 0)
-    tl.store(out_num + i_s, n_draft + 1)
+    zero = tl.zeros([SEQS], tl.int64)
+    tl.store(out_tok + p_root, tl.load(roots + i_s, mask=m_s, other=0), mask=m_s)
+    tl.store(out_par + p_root, zero - 1, mask=m_s)
+    tl.store(out_dep + p_root, zero, mask=m_s)
+    tl.store(out_rank + p_root, zero - 1, mask=m_s)
+    tl.store(out_score + p_root, zero, mask=m_s)
+    tl.store(out_num + i_s, zero + n_draft + 1, mask=m_s)
 
 
 def _bits(x: int) -> int:
@@ -838,8 +855,10 @@ def _bits(x: int) -> int:
 
 def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft: int):
     """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``
-    (one program per sequence); ``pairs``, ``pair_end``: the candidate table of ``(K, budget)``
-    (see the kernel); ``n_draft``: the draft nodes of every tree, ``min(budget, possible nodes)``.
+    (one program per sequence on a GPU; under the interpreter a block of sequences per program,
+    about 2**16 candidate slots in all); ``pairs``, ``pair_end``: the candidate table of
+    ``(K, budget)`` (see the kernel); ``n_draft``: the draft nodes of every tree, ``min(budget,
+    possible nodes)``.
 
     Returns ``(tokens, parents, depths, ranks, scores)``, each ``[B, n_draft + 1]`` int64 (node 0
     the root), and ``num_nodes`` ``[B]`` int64."""
@@ -849,22 +868,29 @@ def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft
     block_c = max(triton.next_power_of_2(pairs.numel()), block_g)
     tiers = [min(t, block_c) for t in EXPAND_TIERS]
     rank_sort = interpreting()
+    seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
+    grid = triton.cdiv(B, seqs)
     width = depth_cap * budget + block_c + 3 * block_g + (block_c if rank_sort else 0)
-    scratch = torch.empty(B, width, dtype=torch.int64, device=dev)
+    scratch = torch.empty(grid * seqs, width, dtype=torch.int64, device=dev)  # padding rows: the ranks' scratch
     emit = torch.empty(B, depth_cap * budget, dtype=torch.int32, device=dev)
     num_nodes = torch.empty(B, dtype=torch.int64, device=dev)
     out = torch.empty(5, B, n_draft + 1, dtype=torch.int64, device=dev)
-    _expand_kernel[(B,)](
+
+    def chunk(n: int) -> int:  # ranks by counting (interpreter): [seqs, n, chunk] comparisons, at most 2**20
+        return min(n, max(1, 2**20 // (seqs * n)))
+
+    _expand_kernel[(grid,)](
         lp, ids, roots, pairs, pair_end,
         scratch, emit,
         out[0], out[1], out[2], out[3], out[4], num_nodes,
-        depth_cap, n_draft,
+        B, depth_cap, n_draft,
         lp.stride(0), scratch.stride(0), emit.stride(0), out.stride(1),
         K=K,
         BUDGET=budget,
         S=_bits(budget * K),
         SLOT_BITS=_bits(budget),
         DEPTH_BITS=_bits(depth_cap),
+        SEQS=seqs,
         BLOCK_G=block_g,
         BLOCK_C=block_c,
         BLOCK_P=min(PAIR_CHUNK, block_c),
@@ -872,10 +898,9 @@ def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft
         TIER_M=tiers[1],
         STEPS=_bits(block_g) + 1,
         RANK_SORT=rank_sort,
-        # ranks by counting (interpreter): [block, chunk] comparisons at a time, at most 2**20
-        CHUNK_S=min(tiers[0], 2**20 // tiers[0]),
-        CHUNK_M=min(tiers[1], 2**20 // tiers[1]),
-        CHUNK_C=min(block_c, 2**20 // block_c),
+        CHUNK_S=chunk(tiers[0]),
+        CHUNK_M=chunk(tiers[1]),
+        CHUNK_C=chunk(block_c),
         num_warps=8 if block_c >= 2048 else 4,
     )
     return (*out.unbind(0), num_nodes)
