@@ -296,7 +296,7 @@ def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
             tgt = tgt.contiguous()
             starts = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
         acc, acc_tokens, new_tokens, lengths, bonus = walk(
-            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, tgt, starts, tree.max_depth
+            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), tgt, starts, tree.max_depth
         )
         return AcceptResult(
             accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens
@@ -359,7 +359,7 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
         raise ValueError(f"target_logits must have T={T} rows, got {target_logits.shape[0]}")
     logits = target_logits if target_logits.stride(1) == 1 else target_logits.contiguous()
     acc, acc_tokens, new_tokens, lengths, bonus = greedy_walk(
-        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, logits,
+        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
         None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
     )
     return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
@@ -419,7 +419,7 @@ def accept_sampling(
         return off if x is None else float(x)
 
     acc, acc_tokens, new_tokens, lengths, bonus = sample_walk(
-        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes, logits,
+        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
         None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
         temp=rows(temp, 1.0), top_k=k_static or 0, top_p=rows(p, 2.0), seed=seed,
     )
