@@ -75,7 +75,7 @@ CASES = [
           stride_emit="i32", stride_out="i32"),
      dict(K=512, BUDGET=512, S=18, SLOT_BITS=10, DEPTH_BITS=5, SEQS=1, BLOCK_G=512, BLOCK_C=4096, BLOCK_P=K.PAIR_CHUNK,
           TIER_S=K.EXPAND_TIERS[0], TIER_M=K.EXPAND_TIERS[1], STEPS=11, RANK_SORT=False, CHUNK_S=256, CHUNK_M=1024,
-          CHUNK_C=256),
+          CHUNK_C=256, CHUNK_G=512),
      8),
     ("_greedy_kernel (V=163840, n=513)", K._greedy_kernel,
      dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64", starts="*i64",

@@ -660,18 +660,29 @@ EXPAND_INTERPRETED_SLOTS = 2**16  # the interpreter's candidate slots per progra
 
 
 @triton.jit
-def _count_below(p_arr, n, x, STEPS: tl.constexpr):
-    """``#{j < n : arr[j] < x}`` for each element of ``x`` (int64, any shape), ``arr`` ascending
-    at ``p_arr``: a lower-bound binary search, ``STEPS >= log2(n + 1)`` rounds of gathers."""
-    lo = tl.zeros(x.shape, tl.int32)
-    hi = tl.zeros(x.shape, tl.int32) + n
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        live = mid < hi
-        go = live & (tl.load(p_arr + mid, mask=live, other=0) < x)
-        lo = tl.where(go, mid + 1, lo)
-        hi = tl.where(live & ~go, mid, hi)
-    return lo
+def _count_below(p_arr, n, x, STEPS: tl.constexpr, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
+    """``#{j < n : arr[j] < x}`` for each element of ``x`` (int64 ``[S, N]``), ``arr`` ascending
+    at ``p_arr`` (``[S, 1]`` pointers, ``n`` ``[S, 1]``): a lower-bound binary search, ``STEPS >=
+    log2(n + 1)`` rounds of gathers; under the interpreter (RANK_SORT), whose cost is per
+    operation, by counting, CHUNK entries of ``arr`` at a time (``N`` of them at most)."""
+    if RANK_SORT:
+        N: tl.constexpr = x.shape[1]
+        lo = tl.zeros(x.shape, tl.int32)
+        for j in range(0, N, CHUNK):
+            o_j = j + tl.arange(0, CHUNK)[None, :]
+            b_j = tl.load(p_arr + o_j, mask=o_j < n, other=_INT64_MAX)  # [S, CH]; padding never < x
+            lo += tl.sum((b_j[:, None, :] < x[:, :, None]).to(tl.int32), axis=2)
+        return lo
+    else:
+        lo = tl.zeros(x.shape, tl.int32)
+        hi = tl.zeros(x.shape, tl.int32) + n
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            live = mid < hi
+            go = live & (tl.load(p_arr + mid, mask=live, other=0) < x)
+            lo = tl.where(go, mid + 1, lo)
+            hi = tl.where(live & ~go, mid, hi)
+        return lo
 
 
 @triton.jit
@@ -715,6 +726,7 @@ def _expand_kernel(
     CHUNK_S: tl.constexpr,
     CHUNK_M: tl.constexpr,
     CHUNK_C: tl.constexpr,
+    CHUNK_G: tl.constexpr,
 ):
     """The DDTrees of sequences ``program_id(0) * SEQS ..`` (see
     :func:`kdtree_engine.ddtree.expand_topk`): one sequence per program on a GPU (SEQS = 1); under
@@ -806,10 +818,10 @@ def _expand_kernel(
                 p_new = (p_g + (1 - cur) * BLOCK_G)[:, None]
                 m_e = o_g < keep[:, None]
                 b_e = tl.load(p_dglob + o_g, mask=m_e, other=0)
-                pos_e = o_g + _count_below(p_old, g_n[:, None], b_e, STEPS)
+                pos_e = o_g + _count_below(p_old, g_n[:, None], b_e, STEPS, RANK_SORT, CHUNK_G)
                 m_o = merging[:, None] & (o_g < g_n[:, None])
                 b_o = tl.load(p_old + o_g, mask=m_o, other=0)
-                pos_o = o_g + _count_below(p_dglob, keep[:, None], b_o, STEPS)
+                pos_o = o_g + _count_below(p_dglob, keep[:, None], b_o, STEPS, RANK_SORT, CHUNK_G)
                 tl.store(p_new + pos_e, b_e, mask=m_e & (pos_e < BUDGET))
                 tl.store(p_new + pos_o, b_o, mask=m_o & (pos_o < BUDGET))
                 g_n = tl.where(merging, tl.minimum(g_n + keep, BUDGET), g_n)
@@ -901,6 +913,7 @@ def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft
         CHUNK_S=chunk(tiers[0]),
         CHUNK_M=chunk(tiers[1]),
         CHUNK_C=chunk(block_c),
+        CHUNK_G=chunk(block_g),
         num_warps=8 if block_c >= 2048 else 4,
     )
     return (*out.unbind(0), num_nodes)
