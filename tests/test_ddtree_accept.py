@@ -149,6 +149,43 @@ def test_greedy_uses_first_argmax_and_flat_rows(device):
     assert res.new_tokens.tolist() == [[1, 2, 7, -1]]
 
 
+@pytest.mark.parametrize("V", [1, 7, 2048 + 3], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_greedy_kernel_equals_argmax_then_walk(V, ragged, device, monkeypatch):
+    """The one-launch greedy acceptance against torch's argmax then the reference walk: ragged
+    and uniform batches, V of 1, below and not a multiple of the argmax block (also forced tiny),
+    ties everywhere, -inf rows, NaN, -0.0, bf16, rows chosen so the walk goes deep."""
+    from kdtree_engine.ddtree import kernels
+
+    g = torch.Generator().manual_seed(V)
+    if ragged:
+        tree = ragged_tree(device, g, max(V, 40), (1, 9, 40, 2))
+    else:
+        x = torch.randn(3, 6, max(V, 2), generator=g)
+        tree = build_ddtree(x[..., :V].to(device), 20, torch.randint(0, V, (3,), generator=g).to(device))
+    T = sum(tree.num_nodes_host)
+    starts = [sum(tree.num_nodes_host[:b]) for b in range(tree.batch_size)]
+    Vt = max(V, 40) if ragged else V
+    for case in ("deep", "ties", "special"):
+        logits = torch.randint(0, 3, (T, Vt), generator=g).float() if case == "ties" else torch.randn(T, Vt, generator=g)
+        if case == "deep":  # follow a child at most nodes
+            tgt = matching_targets(tree, 0.9, Vt, g).cpu()
+            for b, s0 in enumerate(starts):
+                for j in range(tree.num_nodes_host[b]):
+                    logits[s0 + j, tgt[b, j]] = 50.0
+        if case == "special":
+            logits[0] = float("-inf")
+            logits[1 % T, : Vt // 2] = -0.0
+            logits[1 % T, Vt // 2 :] = 0.0
+            logits[2 % T, (3 * Vt) // 4] = float("nan")
+        logits = logits.to(device)
+        for block in (kernels.GREEDY_BLOCK_V, 4) if Vt < 100 else (kernels.GREEDY_BLOCK_V,):
+            monkeypatch.setattr(kernels, "GREEDY_BLOCK_V", block)
+            for lg in (logits, logits.to(torch.bfloat16), logits.t().contiguous().t()):  # column stride != 1
+                want = accept_reference(tree, lg.float().cpu().argmax(1).to(device))
+                assert_same_result(accept_greedy(tree, lg), want)
+
+
 def test_commit_positions(device):
     tree = tree_from_parents([[-1, 0, 0, 2, 3], [-1, 0, 1, 1, 0]], [[9, 1, 2, 3, 4], [9, 1, 2, 3, 4]])
     tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))

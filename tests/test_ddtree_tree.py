@@ -93,6 +93,8 @@ def logits_case(kind: str, B: int, L: int, V: int, seed: int) -> torch.Tensor:
         x = torch.randn(B, L, V, generator=g)
         x[..., 0] += 30.0  # log-probs of everything else far below; floor not reached
         return x
+    if kind == "equal":  # every logit equal: every path of a depth ties
+        return torch.zeros(B, L, V)
     if kind == "floor":  # gaps beyond the -1000 floor: equal clamped scores
         x = torch.randn(B, L, V, generator=g)
         x[..., :2] += 5000.0
@@ -219,6 +221,51 @@ def test_vectorised_matches_heap(kind, B, L, V, budget, expansion, device):
         s, d = fast.scores[b, 1:].tolist(), fast.depths[b, 1:].tolist()
         keys = [(-si, di) for si, di in zip(s, d)]
         assert keys == sorted(keys)
+
+
+AWKWARD = [
+    # kind, B, L, V, budget, topk
+    ("randn", 2, 5, 30, 1, None),  # budget 1: the first position's best token
+    ("randn", 3, 9, 50, 37, None),  # budget not a power of 2
+    ("ties", 2, 6, 4, 300, None),  # ties everywhere, more survivors than the small blocks
+    ("equal", 2, 4, 20, 45, None),  # every path of a depth ties
+    ("peaked", 2, 16, 64, 100, 3),  # a deep tree: the running tree prunes every depth
+    ("randn", 1, 12, 700, 511, 4),  # many parents of few ranks before the running tree fills
+    ("floor", 2, 7, 9, 70, 5),  # clamped scores tie across depths
+]
+
+
+@pytest.mark.parametrize("tiers", [(256, 1024), (2, 8)], ids=["tiers-default", "tiers-tiny"])
+@pytest.mark.parametrize("kind,B,L,V,budget,topk", AWKWARD, ids=[f"{c[0]}-B{c[1]}-L{c[2]}-V{c[3]}-N{c[4]}-k{c[5]}" for c in AWKWARD])
+def test_expansion_awkward_sizes(kind, B, L, V, budget, topk, tiers, device, monkeypatch):
+    """The kernel (its three sort blocks forced by tiny tiers too) against the heap."""
+    from kdtree_engine.ddtree import kernels
+
+    monkeypatch.setattr(kernels, "EXPAND_TIERS", tiers)
+    x = logits_case(kind, B, L, V, seed=budget + L).to(device)
+    roots = torch.arange(B, device=device) + 7
+    top = draft_topk(x, min(topk or budget, budget, V))
+    fast = expand_topk(top, budget, roots)
+    assert_same_tree(fast, expand_topk_reference(top, budget, roots))
+    check_tree(fast)
+
+
+@pytest.mark.parametrize("slots", [2**16, 128], ids=["one-program", "4-seqs-per-program"])
+def test_expansion_mixed_batch(slots, device, monkeypatch):
+    """Sequences of very different survivor counts side by side (under the interpreter, rows of
+    one program; a batch not a multiple of the block leaves padding rows): each tree as the heap's."""
+    from kdtree_engine.ddtree import kernels
+
+    monkeypatch.setattr(kernels, "EXPAND_TIERS", (2, 8))
+    monkeypatch.setattr(kernels, "EXPAND_INTERPRETED_SLOTS", slots)  # BLOCK_C = 32 below (18 pairs)
+    L, V, budget = 6, 5, 9
+    x = torch.cat([logits_case(kind, 4, L, V, seed=i) for i, kind in enumerate(["randn", "peaked", "equal", "ties", "floor"])])
+    x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))][:19].to(device)
+    roots = torch.arange(19, device=device)
+    top = draft_topk(x, 4)
+    fast = expand_topk(top, budget, roots)
+    assert_same_tree(fast, expand_topk_reference(top, budget, roots))
+    check_tree(fast)
 
 
 def test_children_in_rank_order_and_parents_first(device):

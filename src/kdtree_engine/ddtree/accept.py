@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import interpreting
-from .kernels import MAX_FUSED_TOP_K, sample_walk, walk
+from .kernels import MAX_FUSED_TOP_K, greedy_walk, sample_walk, walk
 from .tree import DraftTree, _jump_iters
 
 __all__ = [
@@ -341,8 +341,28 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
     """Greedy acceptance: the target's argmax at each node, then the walk.
 
     ``target_logits``: ``[T, V]`` verify rows (row of node j of tree b = qo_indptr[b] + j).
+
+    On CUDA (and on the CPU under Triton's interpreter) one kernel launch (plus the zeroing of a
+    ``[B]`` counter): one program per node takes its row's argmax, the last of a sequence walks
+    it (:func:`kernels.greedy_walk`). Otherwise :func:`target_tokens_greedy` then
+    :func:`accept_tokens`. No host sync either way.
     """
-    return accept_tokens(tree, target_tokens_greedy(target_logits))
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    if not (tree.device.type == "cuda" or interpreting()):
+        return accept_tokens(tree, target_tokens_greedy(target_logits))
+    _filter_args(target_logits, 1.0, None, None, "target_logits")
+    T = sum(tree.num_nodes_host)
+    if target_logits.device != tree.device:
+        raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
+    if target_logits.shape[0] != T:
+        raise ValueError(f"target_logits must have T={T} rows, got {target_logits.shape[0]}")
+    logits = target_logits if target_logits.stride(1) == 1 else target_logits.contiguous()
+    acc, acc_tokens, new_tokens, lengths, bonus = greedy_walk(
+        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
+        None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
+    )
+    return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
 
 
 def accept_sampling(

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..backend import interpreting
 
-__all__ = ["walk", "sample_walk", "expand", "finish_topk"]
+__all__ = ["walk", "sample_walk", "greedy_walk", "expand", "finish_topk"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +375,34 @@ def _walk_kernel(
     BLOCK_V: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
+    """The walks of sequences ``program_id(0) * SEQS ..``: :func:`_walk`."""
+    _walk(tl.program_id(0), tok, par, num_nodes, tgt, starts, temp, top_p, seed, buf_v, buf_i,
+          acc, acc_tok, new_tok, lengths, bonus, num_seqs, max_depth, vocab,
+          stride_tree, seq_rows, stride_row, stride_out, temp_val, top_k, top_p_val,
+          USE_STARTS, SAMPLE, TOP_K, TEMP_ROWS, TOP_P_ROWS, CAP, SEQS, BLOCK_N, BLOCK_D, BLOCK_V, UNROLL)
+
+
+@triton.jit
+def _walk(
+    i_s,
+    tok, par, num_nodes, tgt, starts,
+    temp, top_p, seed, buf_v, buf_i,
+    acc, acc_tok, new_tok, lengths, bonus,
+    num_seqs, max_depth, vocab,
+    stride_tree, seq_rows, stride_row, stride_out,
+    temp_val, top_k, top_p_val,
+    USE_STARTS: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TEMP_ROWS: tl.constexpr,
+    TOP_P_ROWS: tl.constexpr,
+    CAP: tl.constexpr,
+    SEQS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
     """The walks of sequences ``i_s * SEQS ..``: from the root, move to the lowest-index child
     whose token is the target's token at the current node, while one exists (at most
     ``max_depth`` moves); the program stops when all its walks have.
@@ -388,9 +416,9 @@ def _walk_kernel(
     top-k and no top-p), top-p (``top_p[r]`` or ``top_p_val``; >= 1: off); ``buf_v``/``buf_i``:
     ``[programs * SEQS, CAP]`` float32/int32 candidate buffers.
     acc, acc_tok, new_tok: ``[B, max_depth+1]`` int64 (row stride ``stride_out``, BLOCK_D >= its
-    width); lengths, bonus: ``[B]``.
+    width); lengths, bonus: ``[B]``. Target tokens are read past L1 (``.cg``): the greedy
+    kernel's walk reads tokens other programs wrote.
     """
-    i_s = tl.program_id(0)
     o_s = i_s * SEQS + tl.arange(0, SEQS)
     m_s = o_s < num_seqs
     o_n = tl.arange(0, BLOCK_N)
@@ -440,7 +468,7 @@ def _walk_kernel(
                 else:
                     want = _sample_full(p_x, vocab, alive, t, greedy, u01, BLOCK_V, UNROLL)
             else:
-                want = tl.load(tgt + row, mask=alive, other=-1)  # [S]
+                want = tl.load(tgt + row, mask=alive, other=-1, cache_modifier=".cg")  # [S]
             hit = (b_par == cur[:, None]) & (b_tok == want[:, None])
             nxt = tl.min(tl.where(hit, o_n[None, :], BLOCK_N), axis=1).to(tl.int64)  # [S]
             found = (nxt < BLOCK_N) & alive & (depth_cap > d)
@@ -456,6 +484,13 @@ def _walk_kernel(
     tl.store(lengths + o_s, length, mask=m_s)
 
 
+def _walk_outputs(batch: int, max_depth: int, dev):
+    """Empty ``acc, acc_tok, new_tok`` (``[B, max_depth+1]``) and ``lengths, bonus`` (``[B]``), int64."""
+    acc = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=dev)
+    lengths = torch.empty(batch, dtype=torch.int64, device=dev)
+    return acc, torch.empty_like(acc), torch.empty_like(acc), lengths, torch.empty_like(lengths)
+
+
 def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_depth: int, sample=None):
     """Launch :func:`_walk_kernel` on contiguous int64 ``[B, n]`` trees. ``target``: int64 tokens
     (``sample`` None) or float logits ``[T, V]`` with unit column stride; node j of sequence b is
@@ -464,11 +499,7 @@ def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_
     (``[1]`` int64 tensor)."""
     B, n = tokens.shape
     dev = tokens.device
-    acc = torch.empty(B, max_depth + 1, dtype=torch.int64, device=dev)
-    acc_tok = torch.empty_like(acc)
-    new_tok = torch.empty_like(acc)
-    lengths = torch.empty(B, dtype=torch.int64, device=dev)
-    bonus = torch.empty(B, dtype=torch.int64, device=dev)
+    acc, acc_tok, new_tok, lengths, bonus = _walk_outputs(B, max_depth, dev)
     block_n = triton.next_power_of_2(n)
     s = sample or {}
     vocab = target.shape[1] if sample else 1
@@ -528,146 +559,361 @@ def sample_walk(tokens, parents, num_nodes, logits, starts, max_depth: int, *, t
                         dict(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
 
 
+GREEDY_BLOCK_V = 2048  # vocabulary columns per step of a greedy program's argmax
+
+
+@triton.jit(do_not_specialize=["max_depth", "stride_tree", "seq_rows", "stride_out"])
+def _greedy_kernel(
+    logits, tgt, count,
+    tok, par, num_nodes, starts,
+    acc, acc_tok, new_tok, lengths, bonus,
+    num_seqs, max_depth, vocab,
+    stride_tree, seq_rows, stride_row, stride_out,
+    USE_STARTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    UNROLL: tl.constexpr,
+    NODES: tl.constexpr,
+):
+    """Greedy acceptance in one launch; program ``(b, i)`` for nodes ``i * NODES ..`` of sequence b
+    (one node per program on a GPU; under the interpreter, which runs programs one after another,
+    a block of them).
+
+    logits: ``[T, V]`` any float dtype (row stride ``stride_row``, unit column stride); node j of
+    sequence b is row ``r = starts[b] + j`` (USE_STARTS) or ``b * seq_rows + j``.
+    tgt: ``[T]`` int64 scratch, the argmax of each row (first column among ties; NaN above every
+    number, as ``torch.argmax``). count: ``[B]`` int32, zero on entry.
+    tok, par, num_nodes, acc, .., bonus: as :func:`_walk`.
+
+    A program stores its rows' argmaxes (rows past ``num_nodes[b]``: none), then counts itself
+    in ``count[b]`` (an acq_rel atomic, after a barrier: the store is visible before the count);
+    the program that completes sequence b's count walks it (:func:`_walk`, reading the tokens
+    past L1).
+    """
+    b = tl.program_id(0)
+    j = tl.program_id(1) * NODES + tl.arange(0, NODES)  # [NODES]
+    m_j = j < tl.load(num_nodes + b)
+    if USE_STARTS:
+        row = tl.load(starts + b).to(tl.int64) + j
+    else:
+        row = b.to(tl.int64) * seq_rows + j
+    if tl.sum(m_j.to(tl.int32)) > 0:
+        p_x = logits + row[:, None] * stride_row  # [NODES, 1]
+        o_v = tl.arange(0, BLOCK_V)[None, :]
+        best = tl.full([NODES, BLOCK_V], -1, tl.int64)  # per lane (columns lane, lane + BLOCK_V, ..)
+        col = tl.zeros([NODES, BLOCK_V], tl.int32)
+        for v0 in range(0, vocab, BLOCK_V * UNROLL):
+            for u in tl.static_range(UNROLL):
+                c = v0 + u * BLOCK_V + o_v
+                m = m_j[:, None] & (c < vocab)
+                x = tl.load(p_x + c, mask=m, other=0.0).to(tl.float32)
+                k = tl.where(m, tl.where(x != x, 2**32, _key(x)), -1)
+                up = k > best  # strict: a lane keeps its first column among ties
+                best = tl.where(up, k, best)
+                col = tl.where(up, c, col)
+        top = tl.max(best, axis=1)
+        tl.store(tgt + row, tl.min(tl.where(best == top[:, None], col, vocab), axis=1).to(tl.int64), mask=m_j)
+    tl.debug_barrier()
+    if tl.atomic_add(count + b, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        _walk(b, tok, par, num_nodes, tgt, starts, tgt, tgt, tgt, tgt, tgt,
+              acc, acc_tok, new_tok, lengths, bonus, num_seqs, max_depth, vocab,
+              stride_tree, seq_rows, 1, stride_out, 1.0, 0, 2.0,
+              USE_STARTS, False, False, False, False, 1, 1, BLOCK_N, BLOCK_D, 1, UNROLL)
+
+
+def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
+    """Greedy acceptance in one launch (:func:`_greedy_kernel`): the argmax of every row of
+    ``logits [T, V]`` (unit column stride), then the walk on them. Node j of sequence b is row
+    ``starts[b] + j`` (or ``b * n + j`` with ``starts`` None). Same returns as :func:`walk`."""
+    B, n = tokens.shape
+    dev = tokens.device
+    acc, acc_tok, new_tok, lengths, bonus = _walk_outputs(B, max_depth, dev)
+    vocab = logits.shape[1]
+    tgt = torch.empty(logits.shape[0], dtype=torch.int64, device=dev)
+    count = torch.zeros(B, dtype=torch.int32, device=dev)
+    block_v = min(triton.next_power_of_2(vocab), GREEDY_BLOCK_V)
+    nodes = min(triton.next_power_of_2(n), max(1, 2**16 // block_v)) if interpreting() else 1
+    _greedy_kernel[(B, triton.cdiv(n, nodes))](
+        logits, tgt, count,
+        tokens, parents, num_nodes, tgt if starts is None else starts,
+        acc, acc_tok, new_tok, lengths, bonus,
+        B, max_depth, vocab,
+        tokens.stride(0), n, logits.stride(0), acc.stride(0),
+        USE_STARTS=starts is not None,
+        BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_D=triton.next_power_of_2(max_depth + 1),
+        BLOCK_V=block_v,
+        UNROLL=STREAM_UNROLL,
+        NODES=nodes,
+        num_warps=8,
+    )
+    return acc, acc_tok, new_tok, lengths, bonus
+
+
 # ----------------------------------------------------------------------------------------------
 # the best-first expansion
 
-@triton.jit(do_not_specialize=["num_seqs", "depth_cap", "n_draft", "stride_top", "stride_scratch", "stride_out"])
+EXPAND_TIERS = (256, 1024)  # candidate blocks sorted when few survive (else the whole candidate block)
+PAIR_CHUNK = 1024  # candidates scanned per step of the pruning pass
+EXPAND_INTERPRETED_SLOTS = 2**16  # the interpreter's candidate slots per program (sequences x BLOCK_C)
+
+
+@triton.jit
+def _count_below(p_arr, n, x, STEPS: tl.constexpr, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
+    """``#{j < n : arr[j] < x}`` for each element of ``x`` (int64 ``[S, N]``), ``arr`` ascending
+    at ``p_arr`` (``[S, 1]`` pointers, ``n`` ``[S, 1]``): a lower-bound binary search, ``STEPS >=
+    log2(n + 1)`` rounds of gathers; under the interpreter (RANK_SORT), whose cost is per
+    operation, by counting, CHUNK entries of ``arr`` at a time (``N`` of them at most)."""
+    if RANK_SORT:
+        N: tl.constexpr = x.shape[1]
+        lo = tl.zeros(x.shape, tl.int32)
+        for j in range(0, N, CHUNK):
+            o_j = j + tl.arange(0, CHUNK)[None, :]
+            b_j = tl.load(p_arr + o_j, mask=o_j < n, other=_INT64_MAX)  # [S, CH]; padding never < x
+            lo += tl.sum((b_j[:, None, :] < x[:, :, None]).to(tl.int32), axis=2)
+        return lo
+    else:
+        lo = tl.zeros(x.shape, tl.int32)
+        hi = tl.zeros(x.shape, tl.int32) + n
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            live = mid < hi
+            go = live & (tl.load(p_arr + mid, mask=live, other=0) < x)
+            lo = tl.where(go, mid + 1, lo)
+            hi = tl.where(live & ~go, mid, hi)
+        return lo
+
+
+@triton.jit
+def _sort_depth(p_cand, n_s, keep, d, p_dkey, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
+                N: tl.constexpr, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
+    """Per sequence (``[SEQS, 1]`` pointers, ``[SEQS]`` counts): sort the ``n_s <= N`` candidate
+    keys at ``p_cand`` and store the first ``keep`` of them, in key order, as depth ``d + 1``'s kept
+    nodes: within-depth keys at ``p_dkey``, global keys ``(-score) << (SLOT_BITS + DEPTH_BITS) |
+    depth << SLOT_BITS | slot`` at ``p_dglob``."""
+    o = tl.arange(0, N)[None, :]
+    b_key = tl.load(p_cand + o, mask=o < n_s[:, None], other=_INT64_MAX)
+    b_key, b_pos = _ranked(b_key, p_tmp, RANK_SORT, CHUNK)
+    m = b_pos < keep[:, None]
+    tl.store(p_dkey + b_pos, b_key, mask=m)
+    dep = tl.zeros([], tl.int64) + d + 1
+    glob = ((b_key >> S) << (SLOT_BITS + DEPTH_BITS)) | (dep << SLOT_BITS) | b_pos
+    tl.store(p_dglob + b_pos, glob, mask=m)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "depth_cap", "n_draft", "stride_top", "stride_scratch", "stride_emit",
+                               "stride_out"])
 def _expand_kernel(
-    lp, ids, roots, sec_tab, pair_off, kept_off,
-    keys, emit, tmp,
+    lp, ids, roots, pairs, pair_end,
+    scratch, emit,
     out_tok, out_par, out_dep, out_rank, out_score, out_num,
     num_seqs, depth_cap, n_draft,
-    stride_top, stride_scratch, stride_out,
+    stride_top, stride_scratch, stride_emit, stride_out,
     K: tl.constexpr,
+    BUDGET: tl.constexpr,
     S: tl.constexpr,
     SLOT_BITS: tl.constexpr,
     DEPTH_BITS: tl.constexpr,
     SEQS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    TIER_S: tl.constexpr,
+    TIER_M: tl.constexpr,
+    STEPS: tl.constexpr,
     RANK_SORT: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    CHUNK_M: tl.constexpr,
     CHUNK_C: tl.constexpr,
-    CHUNK_T: tl.constexpr,
+    CHUNK_G: tl.constexpr,
 ):
-    """The DDTrees of sequences ``i_s * SEQS ..`` (see :func:`kdtree_engine.ddtree.expand_topk`).
+    """The DDTrees of sequences ``program_id(0) * SEQS ..`` (see
+    :func:`kdtree_engine.ddtree.expand_topk`): one sequence per program on a GPU (SEQS = 1); under
+    the interpreter, which runs programs one after another, a block of them, each sequence a row
+    of every tensor (per-sequence counts are ``[SEQS]``; loop bounds and the sort block are the
+    block's largest, the rest masked per sequence).
 
     lp, ids: ``[B, L, K]`` int64, contiguous per sequence (row stride ``stride_top``).
-    sec_tab: int64, the candidates of every depth, ``parent slot * K + rank``; depth d's are
-    ``sec_tab[pair_off[d]:pair_off[d+1]]``, it keeps ``kept_off[d+1] - kept_off[d]`` of them.
-    keys, emit: ``[B, total]`` int64 / int32 scratch (row stride ``stride_scratch``).
-    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank, score;
-    out_num: ``[B]`` int64, the node count ``n_draft + 1``.
+    pairs: int64 ``parent slot * K + rank`` for every parent slot ``i < BUDGET`` and rank
+    ``r < min(K, BUDGET // (i + 1))``, by slot then rank; ``pair_end[i]`` (``[BUDGET + 1]``) is the
+    number of pairs of the slots below ``i``.
+    scratch: ``[programs * SEQS, stride_scratch]`` int64, per sequence ``depth_cap * BUDGET``
+    within-depth keys (depth-major), ``BLOCK_C`` candidates, ``BLOCK_G`` global keys of the current
+    depth, two ``BLOCK_G`` buffers of the running tree, then (interpreter only) ``BLOCK_C`` for the
+    ranks.
+    emit: ``[B, depth_cap * BUDGET]`` int32 scratch (node index of a kept node).
+    out_*: ``[B, n_draft+1]`` int64 (row stride ``stride_out``): token, parent, depth, rank,
+    score; out_num: ``[B]`` int64, ``n_draft + 1``.
 
-    Depth d: every candidate's within-depth key ``(-score) << S | sec`` (unique), sorted; the
-    first ``kept`` are stored in key order (slot = position). Then the kept nodes of all depths
-    are sorted by ``(-score, depth, slot)``; the first ``n_draft`` are the tree, in emission order.
+    Per depth: the kept nodes of the depth above are in key order (slot = position); a candidate
+    child ``(i, r)`` has the within-depth key ``(-score) << S | i * K + r``. A candidate survives
+    when its score beats the ``BUDGET``-th node of the running tree (the best ``BUDGET`` of the
+    depths above, a sorted list): otherwise ``BUDGET`` shallower nodes come before it, and before
+    its descendants. The survivors are a prefix of the depth's key order, found by one pass over
+    the pairs of the parents that can still have one; they are sorted in the smallest block that
+    holds them (``TIER_S``, ``TIER_M`` or ``BLOCK_C``) and the first ``BUDGET`` kept; the running
+    tree becomes the best ``BUDGET`` of itself and them (a merge: each element's new position is
+    its own plus the number of smaller elements of the other list, by binary search). The running
+    tree after the last depth is the tree in emission order.
     """
-    i_s = tl.program_id(0)
-    o_s = i_s * SEQS + tl.arange(0, SEQS)
+    o_s = tl.program_id(0) * SEQS + tl.arange(0, SEQS)
     m_s = o_s < num_seqs
-    p_top = o_s.to(tl.int64)[:, None] * stride_top  # [S, 1]
-    p_scr = o_s.to(tl.int64)[:, None] * stride_scratch  # [S, 1]
-    p_out = o_s.to(tl.int64)[:, None] * stride_out  # [S, 1]
-    p_tmp = tmp + o_s.to(tl.int64)[:, None] * tl.maximum(BLOCK_C, BLOCK_T)  # [S, 1] (interpreter only)
-    o_c = tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
-    prev = tl.load(kept_off)
+    i_s = o_s.to(tl.int64)  # [SEQS]
+    p_lp = lp + i_s * stride_top  # [SEQS]
+    p_seq = scratch + i_s * stride_scratch  # [SEQS]
+    p_dkey = p_seq[:, None]  # [SEQS, 1]: depth_cap * BUDGET
+    p_cand = p_dkey + depth_cap * BUDGET  # BLOCK_C
+    p_dglob = p_cand + BLOCK_C  # BLOCK_G
+    p_g = p_seq + depth_cap * BUDGET + BLOCK_C + BLOCK_G  # [SEQS]: 2 * BLOCK_G
+    p_tmp = p_g[:, None] + 2 * BLOCK_G  # BLOCK_C (interpreter only)
+    p_emit = emit + i_s[:, None] * stride_emit
+    o_g = tl.arange(0, BLOCK_G)[None, :]
+    o_p = tl.arange(0, BLOCK_P)[None, :]
+    low = (1 << S) - 1
+    m_prev = m_s.to(tl.int32)  # the root: one parent, score 0 (sequences past the batch: none)
+    g_n = tl.zeros([SEQS], tl.int32)  # nodes in the running tree
+    neg_t = tl.full([SEQS], _INT64_MAX, tl.int64)  # -score of its BUDGET-th node (none yet: no bound)
+    cur = tl.zeros([SEQS], tl.int32)  # which of the two buffers holds it
     for d in range(depth_cap):
-        c0 = tl.load(pair_off + d)
-        m_c = m_s[:, None] & (o_c < tl.load(pair_off + d + 1) - c0)  # [S, BC]
-        k0 = tl.load(kept_off + d)
-        b_sec = tl.load(sec_tab + c0 + o_c, mask=m_c, other=0)  # [S, BC]
-        b_slot = b_sec // K
-        b_rank = b_sec % K
-        b_neg = -tl.load(lp + p_top + d * K + b_rank, mask=m_c, other=0)  # [S, BC]
-        if d > 0:
-            b_neg += tl.load(keys + p_scr + prev + b_slot, mask=m_c, other=0) >> S
-        b_key, b_pos = _ranked(tl.where(m_c, (b_neg << S) | b_sec, _INT64_MAX), p_tmp, RANK_SORT, CHUNK_C)
-        tl.store(keys + p_scr + k0 + b_pos, b_key, mask=m_s[:, None] & (b_pos < tl.load(kept_off + d + 1) - k0))
-        tl.debug_barrier()
-        prev = k0
+        if tl.max(m_prev, axis=0) > 0:
+            p_par = p_dkey + (d - 1) * BUDGET  # the kept nodes of the depth above
+            b_par = tl.load(p_par + o_g, mask=(o_g < m_prev[:, None]) & (d > 0), other=0) >> S
+            x0 = -tl.load(p_lp + d * K, mask=m_prev > 0, other=0)  # the cheapest child
+            live = (o_g < m_prev[:, None]) & (b_par + x0[:, None] < neg_t[:, None])
+            n_pairs = tl.load(pair_end + tl.sum(live.to(tl.int32), axis=1))  # [SEQS]
+            n_max = tl.max(n_pairs, axis=0)
+            n_s = tl.zeros([SEQS], tl.int32)
+            for c0 in range(0, n_max, BLOCK_P):
+                sec = tl.load(pairs + c0 + o_p, mask=c0 + o_p < n_max, other=0)  # [1, BP]
+                m_c = c0 + o_p < n_pairs[:, None]  # [SEQS, BP]
+                neg = tl.load(p_par + sec // K, mask=m_c & (d > 0), other=0) >> S
+                neg -= tl.load(p_lp[:, None] + d * K + sec % K, mask=m_c, other=0)
+                ok = m_c & (neg < neg_t[:, None])
+                tl.store(p_cand + n_s[:, None] + tl.cumsum(ok.to(tl.int32), axis=1) - 1, (neg << S) | sec, mask=ok)
+                n_s += tl.sum(ok.to(tl.int32), axis=1)
+            tl.debug_barrier()
+            keep = tl.minimum(n_s, BUDGET)
+            n_big = tl.max(n_s, axis=0)
+            if d == 0:  # the root's children: ranks 0.. already in key order
+                m_k = o_g < keep[:, None]
+                b_k = tl.load(p_cand + o_g, mask=m_k, other=0)
+                tl.store(p_dkey + o_g, b_k, mask=m_k)
+                tl.store(p_dglob + o_g, ((b_k >> S) << (SLOT_BITS + DEPTH_BITS)) | (1 << SLOT_BITS) | o_g, mask=m_k)
+            elif n_big == 0:
+                pass
+            elif n_big <= TIER_S:
+                _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
+                            TIER_S, RANK_SORT, CHUNK_S)
+            elif n_big <= TIER_M:
+                _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
+                            TIER_M, RANK_SORT, CHUNK_M)
+            else:
+                _sort_depth(p_cand, n_s, keep, d, p_dkey + d * BUDGET, p_dglob, p_tmp, S, SLOT_BITS, DEPTH_BITS,
+                            BLOCK_C, RANK_SORT, CHUNK_C)
+            if n_big > 0:  # merge the depth into the running tree, keep its best BUDGET
+                tl.debug_barrier()
+                merging = keep > 0  # [SEQS]
+                p_old = (p_g + cur * BLOCK_G)[:, None]
+                p_new = (p_g + (1 - cur) * BLOCK_G)[:, None]
+                m_e = o_g < keep[:, None]
+                b_e = tl.load(p_dglob + o_g, mask=m_e, other=0)
+                pos_e = o_g + _count_below(p_old, g_n[:, None], b_e, STEPS, RANK_SORT, CHUNK_G)
+                m_o = merging[:, None] & (o_g < g_n[:, None])
+                b_o = tl.load(p_old + o_g, mask=m_o, other=0)
+                pos_o = o_g + _count_below(p_dglob, keep[:, None], b_o, STEPS, RANK_SORT, CHUNK_G)
+                tl.store(p_new + pos_e, b_e, mask=m_e & (pos_e < BUDGET))
+                tl.store(p_new + pos_o, b_o, mask=m_o & (pos_o < BUDGET))
+                g_n = tl.where(merging, tl.minimum(g_n + keep, BUDGET), g_n)
+                cur = tl.where(merging, 1 - cur, cur)
+                tl.debug_barrier()
+                full = merging & (g_n >= BUDGET)
+                last = tl.load(p_g + cur * BLOCK_G + BUDGET - 1, mask=full, other=0) >> (SLOT_BITS + DEPTH_BITS)
+                neg_t = tl.where(full, last, neg_t)
+            m_prev = keep
 
-    # merge the depths: scratch position t holds (depth, slot) = (dep(t), t - kept_off[dep(t) - 1])
-    o_t = tl.arange(0, BLOCK_T)
-    total = tl.load(kept_off + depth_cap)
-    b_dep = tl.full([BLOCK_T], 1, tl.int64)
-    for d in range(depth_cap):
-        b_dep += (o_t >= tl.load(kept_off + d + 1)).to(tl.int64)
-    b_slot = o_t - tl.load(kept_off + b_dep - 1, mask=o_t < total, other=0)  # [BT]
-    m_t = m_s[:, None] & (o_t < total)[None, :]  # [S, BT]
-    b_key = tl.load(keys + p_scr + o_t[None, :], mask=m_t, other=0)
-    b_merged = ((b_key >> S) << (SLOT_BITS + DEPTH_BITS)) | (b_dep << SLOT_BITS)[None, :] | b_slot[None, :]
-    b_merged, b_order = _ranked(tl.where(m_t, b_merged, _INT64_MAX), p_tmp, RANK_SORT, CHUNK_T)  # [S, BT]
-
-    # node b_order + 1 of the tree is the kept node at scratch position e_pos
-    m_e = m_s[:, None] & (b_order < n_draft)  # [S, BT]
-    e_dep = (b_merged >> SLOT_BITS) & ((1 << DEPTH_BITS) - 1)
-    e_pos = tl.load(kept_off + e_dep - 1, mask=m_e, other=0) + (b_merged & ((1 << SLOT_BITS) - 1))
-    tl.store(emit + p_scr + e_pos, b_order + 1, mask=m_e)
+    # the running tree is the tree: node q + 1 is its q-th entry (depth, slot)
+    m_q = m_s[:, None] & (o_g < n_draft)
+    b_q = tl.load((p_g + cur * BLOCK_G)[:, None] + o_g, mask=m_q, other=0)
+    e_dep = (b_q >> SLOT_BITS) & ((1 << DEPTH_BITS) - 1)
+    e_slot = b_q & ((1 << SLOT_BITS) - 1)
+    tl.store(p_emit + (e_dep - 1) * BUDGET + e_slot, o_g + 1, mask=m_q)
     tl.debug_barrier()
-    e_sec = tl.load(keys + p_scr + e_pos, mask=m_e, other=0) & ((1 << S) - 1)
+    e_sec = tl.load(p_dkey + (e_dep - 1) * BUDGET + e_slot, mask=m_q, other=0) & low
     e_rank = e_sec % K
-    m_p = m_e & (e_dep > 1)
-    e_parent_pos = tl.load(kept_off + e_dep - 2, mask=m_p, other=0) + e_sec // K
-    e_parent = tl.load(emit + p_scr + e_parent_pos, mask=m_p, other=0).to(tl.int64)
-    e_tok = tl.load(ids + p_top + (e_dep - 1) * K + e_rank, mask=m_e, other=0)
-    p_node = p_out + 1 + b_order
-    tl.store(out_tok + p_node, e_tok, mask=m_e)
-    tl.store(out_par + p_node, e_parent, mask=m_e)
-    tl.store(out_dep + p_node, e_dep, mask=m_e)
-    tl.store(out_rank + p_node, e_rank, mask=m_e)
-    tl.store(out_score + p_node, -(b_merged >> (SLOT_BITS + DEPTH_BITS)), mask=m_e)
+    m_p = m_q & (e_dep > 1)
+    e_parent = tl.load(p_emit + (e_dep - 2) * BUDGET + e_sec // K, mask=m_p, other=0).to(tl.int64)
+    e_tok = tl.load(ids + i_s[:, None] * stride_top + (e_dep - 1) * K + e_rank, mask=m_q, other=0)
+    p_node = i_s[:, None] * stride_out + 1 + o_g
+    tl.store(out_tok + p_node, e_tok, mask=m_q)
+    tl.store(out_par + p_node, e_parent, mask=m_q)
+    tl.store(out_dep + p_node, e_dep, mask=m_q)
+    tl.store(out_rank + p_node, e_rank, mask=m_q)
+    tl.store(out_score + p_node, -(b_q >> (SLOT_BITS + DEPTH_BITS)), mask=m_q)
     # the roots
-    p_root = o_s.to(tl.int64) * stride_out
+    p_root = i_s * stride_out
     zero = tl.zeros([SEQS], tl.int64)
-    tl.store(out_tok + p_root, tl.load(roots + o_s, mask=m_s, other=0), mask=m_s)
+    tl.store(out_tok + p_root, tl.load(roots + i_s, mask=m_s, other=0), mask=m_s)
     tl.store(out_par + p_root, zero - 1, mask=m_s)
     tl.store(out_dep + p_root, zero, mask=m_s)
     tl.store(out_rank + p_root, zero - 1, mask=m_s)
     tl.store(out_score + p_root, zero, mask=m_s)
-    tl.store(out_num + o_s, zero + n_draft + 1, mask=m_s)
+    tl.store(out_num + i_s, zero + n_draft + 1, mask=m_s)
 
 
 def _bits(x: int) -> int:
     return max(int(x).bit_length(), 1)
 
 
-def expand(lp, ids, roots, sec_tab, pair_off, kept_off, budget: int, depth_cap: int, max_pairs: int, total: int):
-    """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``.
+def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft: int):
+    """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``
+    (one program per sequence on a GPU; under the interpreter a block of sequences per program,
+    about 2**16 candidate slots in all); ``pairs``, ``pair_end``: the candidate table of
+    ``(K, budget)`` (see the kernel); ``n_draft``: the draft nodes of every tree, ``min(budget,
+    possible nodes)``.
 
-    Returns ``(tokens, parents, depths, ranks, scores)``, each ``[B, min(budget, total) + 1]``
-    int64 (node 0 the root), and ``num_nodes`` ``[B]`` int64."""
+    Returns ``(tokens, parents, depths, ranks, scores)``, each ``[B, n_draft + 1]`` int64 (node 0
+    the root), and ``num_nodes`` ``[B]`` int64."""
     B, _, K = lp.shape
     dev = lp.device
-    n_draft = min(budget, total)
-    keys = torch.empty(B, total, dtype=torch.int64, device=dev)
-    emit = torch.empty(B, total, dtype=torch.int32, device=dev)
+    block_g = triton.next_power_of_2(budget)
+    block_c = max(triton.next_power_of_2(pairs.numel()), block_g)
+    tiers = [min(t, block_c) for t in EXPAND_TIERS]
+    rank_sort = interpreting()
+    seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
+    grid = triton.cdiv(B, seqs)
+    width = depth_cap * budget + block_c + 3 * block_g + (block_c if rank_sort else 0)
+    scratch = torch.empty(grid * seqs, width, dtype=torch.int64, device=dev)  # padding rows: the ranks' scratch
+    emit = torch.empty(B, depth_cap * budget, dtype=torch.int32, device=dev)
     num_nodes = torch.empty(B, dtype=torch.int64, device=dev)
     out = torch.empty(5, B, n_draft + 1, dtype=torch.int64, device=dev)
-    block_c = triton.next_power_of_2(max_pairs)
-    block_t = triton.next_power_of_2(total)
-    seqs = _seqs_per_program(B, block_t)
-    grid = triton.cdiv(B, seqs)
-    rank_sort = interpreting()
-    # ranks by counting (interpreter): [seqs, block, chunk] comparisons at a time, at most 2**20
-    chunk_c = min(block_c, max(1, 2**20 // (seqs * block_c)))
-    chunk_t = min(block_t, max(1, 2**20 // (seqs * block_t)))
-    tmp = torch.empty(grid * seqs * max(block_c, block_t) if rank_sort else 1, dtype=torch.int64, device=dev)
+
+    def chunk(n: int) -> int:  # ranks by counting (interpreter): [seqs, n, chunk] comparisons, at most 2**20
+        return min(n, max(1, 2**20 // (seqs * n)))
+
     _expand_kernel[(grid,)](
-        lp, ids, roots, sec_tab, pair_off, kept_off,
-        keys, emit, tmp,
+        lp, ids, roots, pairs, pair_end,
+        scratch, emit,
         out[0], out[1], out[2], out[3], out[4], num_nodes,
         B, depth_cap, n_draft,
-        lp.stride(0), keys.stride(0), out.stride(1),
+        lp.stride(0), scratch.stride(0), emit.stride(0), out.stride(1),
         K=K,
+        BUDGET=budget,
         S=_bits(budget * K),
         SLOT_BITS=_bits(budget),
         DEPTH_BITS=_bits(depth_cap),
         SEQS=seqs,
+        BLOCK_G=block_g,
         BLOCK_C=block_c,
-        BLOCK_T=block_t,
+        BLOCK_P=min(PAIR_CHUNK, block_c),
+        TIER_S=tiers[0],
+        TIER_M=tiers[1],
+        STEPS=_bits(block_g) + 1,
         RANK_SORT=rank_sort,
-        CHUNK_C=chunk_c,
-        CHUNK_T=chunk_t,
-        num_warps=min(16, max(4, seqs * block_t // 512)),
+        CHUNK_S=chunk(tiers[0]),
+        CHUNK_M=chunk(tiers[1]),
+        CHUNK_C=chunk(block_c),
+        CHUNK_G=chunk(block_g),
+        num_warps=8 if block_c >= 2048 else 4,
     )
     return (*out.unbind(0), num_nodes)

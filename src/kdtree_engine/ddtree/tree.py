@@ -296,17 +296,14 @@ def _plan(k: int, depth_cap: int, budget: int, device: str):
 
 
 @lru_cache(maxsize=256)
-def _kernel_plan(k: int, depth_cap: int, budget: int, device: str):
-    """The expansion kernel's tables: ``sec_tab`` (every depth's candidates as ``parent slot * K +
-    rank``, concatenated), ``pair_off`` / ``kept_off`` (``[depth_cap + 1]`` int64 offsets of each
-    depth's candidates / kept nodes), the most candidates of one depth, the kept nodes in all."""
-    pairs, kept = _plan(k, depth_cap, budget, device)[:2]
-    dev = torch.device(device)
-    sec_tab = torch.cat([pi * k + pr for pi, pr in pairs])
-    sizes = [pi.numel() for pi, _ in pairs]
-    pair_off = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(dev)
-    kept_off = torch.tensor([0] + kept, dtype=torch.int64).cumsum(0).to(dev)
-    return sec_tab, pair_off, kept_off, max(sizes), sum(kept)
+def _pair_table(k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expansion kernel's candidate table: ``pairs`` (``parent slot * K + rank`` of every pair
+    of :func:`_pairs` with up to ``budget`` parents, by slot then rank) and ``pair_end``
+    (``[budget + 1]`` int64, the number of pairs of the slots below each)."""
+    pi, pr = _pairs(budget, k, budget, device)
+    counts = [min(k, budget // (i + 1)) for i in range(budget)]
+    pair_end = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.device(device))
+    return pi * k + pr, pair_end
 
 
 def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> DraftTree:
@@ -338,10 +335,11 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     if depth_cap == 0:
         return _root_only(roots)
     if dev.type == "cuda" or interpreting():
-        sec_tab, pair_off, kept_off, max_pairs, total = _kernel_plan(K, depth_cap, budget, str(dev))
+        pairs, pair_end = _pair_table(K, budget, str(dev))
+        total = sum(_plan(K, depth_cap, budget, str(dev))[1])  # nodes the per-depth lists can hold
         tokens, parents, depths, ranks, scores, num_nodes = expand(
-            lp.contiguous(), ids.contiguous(), roots.contiguous(), sec_tab, pair_off, kept_off,
-            budget, depth_cap, max_pairs, total,
+            lp.contiguous(), ids.contiguous(), roots.contiguous(), pairs, pair_end,
+            budget, depth_cap, min(budget, total),
         )
         n = tokens.shape[1]
         return DraftTree(
