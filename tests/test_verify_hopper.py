@@ -31,6 +31,10 @@ SHAPES = {
                       trees=[random_tree(17, G), random_tree(3, G), [-1], random_tree(40, G)], page_size=16),
     "page64": dict(num_heads=4, prefix_lens=[1000, 3], trees=[random_tree(9, G), chain_tree(5)], page_size=64),
     "page128": dict(num_heads=16, prefix_lens=[3000], trees=[random_tree(33, G)], page_size=128),
+    # every KV length a multiple of 64 (no partial tile); pages of 256 with a partial last tile each
+    "page64-exact": dict(num_heads=8, prefix_lens=[1015, 119], trees=[random_tree(9, G), chain_tree(9)], page_size=64),
+    "page256-ragged": dict(num_heads=3, prefix_lens=[700, 0, 2000],
+                           trees=[random_tree(17, G), [-1], random_tree(40, G)], page_size=256),
     "wide-mask": dict(num_heads=2, prefix_lens=[11], trees=[random_tree(5, G)], extra_mask_words=2),
     "fp16": dict(num_heads=8, prefix_lens=[1000], trees=[random_tree(17, G)], dtype="fp16", page_size=16),
     "h128-long": dict(num_heads=128, prefix_lens=[20000], trees=[random_tree(33, G)], page_size=1),
@@ -66,8 +70,9 @@ def test_hopper_matches_reference(shape, num_programs):
 
 
 @requires_hopper
-def test_hopper_deterministic_and_nan_never_leaks():
-    spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=16, spare_pages=5)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_hopper_deterministic_and_nan_never_leaks(page_size):
+    spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=page_size, spare_pages=5)
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda", num_programs=50)
     out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
