@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kdtree_engine.ddtree import kernels as K
+from kdtree_engine.ddtree.tree import _pair_table
 
 
 def compile_sm90(fn, types: dict, consts: dict, num_warps: int) -> str:
@@ -68,15 +69,6 @@ CASES = [
      dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, BLOCK_V=4096, BLOCK_K=512, RANK_SORT=False, CHUNK=512,
           UNROLL=K.STREAM_UNROLL),
      8),
-    ("_expand_kernel (budget 512, K=512, L=16)", K._expand_kernel,
-     dict(lp="*i64", ids="*i64", roots="*i64", pairs="*i64", pair_end="*i64", scratch="*i64", emit="*i32",
-          out_tok="*i64", out_par="*i64", out_dep="*i64", out_rank="*i64", out_score="*i64", out_num="*i64",
-          num_seqs="i32", depth_cap="i32", n_draft="i32", stride_top="i32", stride_scratch="i32",
-          stride_emit="i32", stride_out="i32"),
-     dict(K=512, BUDGET=512, S=18, SLOT_BITS=10, DEPTH_BITS=5, SEQS=1, BLOCK_G=512, BLOCK_C=4096, BLOCK_P=K.PAIR_CHUNK,
-          TIER_S=K.EXPAND_TIERS[0], TIER_M=K.EXPAND_TIERS[1], STEPS=11, RANK_SORT=False, CHUNK_S=256, CHUNK_M=1024,
-          CHUNK_C=256, CHUNK_G=512),
-     8),
     ("_greedy_kernel (V=163840, n=513)", K._greedy_kernel,
      dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64", starts="*i64",
           acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64", bonus="*i64", num_seqs="i32",
@@ -94,6 +86,21 @@ CASES = [
     ("_walk_kernel sample, temperature only", K._walk_kernel, SAMPLE_TYPES, SAMPLE_CONSTS, 8),
 ]
 
+
+EXPAND_TYPES = dict(
+    lp="*i64", ids="*i64", roots="*i64", pairs="*i64", pair_end="*i64", scratch="*i64", emit="*i32",
+    out_tok="*i64", out_par="*i64", out_dep="*i64", out_rank="*i64", out_score="*i64", out_num="*i64",
+    num_seqs="i32", depth_cap="i32", n_draft="i32", stride_top="i32", stride_scratch="i32",
+    stride_emit="i32", stride_out="i32",
+)
+# (budget, top-k, positions): the issue-13 size, then the awkward sizes of tests/test_ddtree_tree.py
+# (budget 1 and budget 3 at top-k 2 once crashed Triton 3.6's compiler for sm_90)
+for budget, k, L in [(512, 512, 16), (1, 1, 5), (3, 2, 6), (37, 37, 9), (300, 4, 6), (45, 20, 4), (100, 3, 16),
+                     (511, 4, 12), (70, 5, 7)]:
+    n_pairs = _pair_table(k, budget, "cpu")[0].numel()
+    consts = K.expand_constexprs(1, k, budget, n_pairs, L, rank_sort=False)
+    CASES.append((f"_expand_kernel (budget {budget}, K={k}, L={L})", K._expand_kernel, EXPAND_TYPES,
+                  {n: v for n, v in consts.items() if n != "num_warps"}, consts["num_warps"]))
 
 def main() -> int:
     print(f"triton {triton.__version__}, target sm_90a")

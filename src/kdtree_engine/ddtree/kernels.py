@@ -865,6 +865,27 @@ def _bits(x: int) -> int:
     return max(int(x).bit_length(), 1)
 
 
+def expand_constexprs(B: int, K: int, budget: int, num_pairs: int, depth_cap: int, rank_sort: bool) -> dict:
+    """:func:`_expand_kernel`'s constexprs and ``num_warps`` for ``B`` sequences of ``K`` ranks per
+    position, a ``budget``-node tree, a candidate table of ``num_pairs`` entries and ``depth_cap``
+    depths; ``rank_sort``: under the interpreter (ranks by counting, a block of sequences per program)."""
+    block_g = max(triton.next_power_of_2(budget), 2)
+    # blocks of 2 at least and BLOCK_C twice BLOCK_G at least: else Triton 3.6 miscompiles the kernel for sm_90
+    # ("operand does not dominate this use"; budget 1, or budget 3 at top-k 2)
+    block_c = max(triton.next_power_of_2(num_pairs), 2 * block_g)
+    tiers = [min(t, block_c) for t in EXPAND_TIERS]
+    seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
+
+    def chunk(n: int) -> int:  # ranks by counting (interpreter): [seqs, n, chunk] comparisons, at most 2**20
+        return min(n, max(1, 2**20 // (seqs * n)))
+
+    return dict(K=K, BUDGET=budget, S=_bits(budget * K), SLOT_BITS=_bits(budget), DEPTH_BITS=_bits(depth_cap),
+                SEQS=seqs, BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_P=min(PAIR_CHUNK, block_c),
+                TIER_S=tiers[0], TIER_M=tiers[1], STEPS=_bits(block_g) + 1, RANK_SORT=rank_sort,
+                CHUNK_S=chunk(tiers[0]), CHUNK_M=chunk(tiers[1]), CHUNK_C=chunk(block_c), CHUNK_G=chunk(block_g),
+                num_warps=8 if block_c >= 2048 else 4)
+
+
 def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft: int):
     """Launch :func:`_expand_kernel` on contiguous int64 ``lp, ids [B, L, K]`` and ``roots [B]``
     (one program per sequence on a GPU; under the interpreter a block of sequences per program,
@@ -876,44 +897,21 @@ def expand(lp, ids, roots, pairs, pair_end, budget: int, depth_cap: int, n_draft
     the root), and ``num_nodes`` ``[B]`` int64."""
     B, _, K = lp.shape
     dev = lp.device
-    block_g = triton.next_power_of_2(budget)
-    block_c = max(triton.next_power_of_2(pairs.numel()), block_g)
-    tiers = [min(t, block_c) for t in EXPAND_TIERS]
     rank_sort = interpreting()
-    seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
+    c = expand_constexprs(B, K, budget, pairs.numel(), depth_cap, rank_sort)
+    seqs, block_c, block_g = c["SEQS"], c["BLOCK_C"], c["BLOCK_G"]
     grid = triton.cdiv(B, seqs)
     width = depth_cap * budget + block_c + 3 * block_g + (block_c if rank_sort else 0)
     scratch = torch.empty(grid * seqs, width, dtype=torch.int64, device=dev)  # padding rows: the ranks' scratch
     emit = torch.empty(B, depth_cap * budget, dtype=torch.int32, device=dev)
     num_nodes = torch.empty(B, dtype=torch.int64, device=dev)
     out = torch.empty(5, B, n_draft + 1, dtype=torch.int64, device=dev)
-
-    def chunk(n: int) -> int:  # ranks by counting (interpreter): [seqs, n, chunk] comparisons, at most 2**20
-        return min(n, max(1, 2**20 // (seqs * n)))
-
     _expand_kernel[(grid,)](
         lp, ids, roots, pairs, pair_end,
         scratch, emit,
         out[0], out[1], out[2], out[3], out[4], num_nodes,
         B, depth_cap, n_draft,
         lp.stride(0), scratch.stride(0), emit.stride(0), out.stride(1),
-        K=K,
-        BUDGET=budget,
-        S=_bits(budget * K),
-        SLOT_BITS=_bits(budget),
-        DEPTH_BITS=_bits(depth_cap),
-        SEQS=seqs,
-        BLOCK_G=block_g,
-        BLOCK_C=block_c,
-        BLOCK_P=min(PAIR_CHUNK, block_c),
-        TIER_S=tiers[0],
-        TIER_M=tiers[1],
-        STEPS=_bits(block_g) + 1,
-        RANK_SORT=rank_sort,
-        CHUNK_S=chunk(tiers[0]),
-        CHUNK_M=chunk(tiers[1]),
-        CHUNK_C=chunk(block_c),
-        CHUNK_G=chunk(block_g),
-        num_warps=8 if block_c >= 2048 else 4,
+        **c,
     )
     return (*out.unbind(0), num_nodes)
