@@ -251,11 +251,10 @@ def test_check_lossless_report():
 def test_top2_margins_match_logits(model, prompts, hf_greedy):
     """The loop keeps the target's two largest logits behind every new token (for near-tie
     reporting); they agree with HF's own logits at those positions."""
-    refs = [r for r, _ in hf_greedy]
     runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
     eng = SpeculativeEngine(runner, NGramDrafter(V), budget=8, depth=4, page_size=4)
     res = eng.generate(prompts, NEW)
-    for top2, (ref, logits) in zip(res.top2, hf_greedy):
+    for top2, (_, logits) in zip(res.top2, hf_greedy):
         assert top2.shape == (NEW, 2)
         expected = logits.topk(2, dim=-1).values
         assert torch.allclose(top2, expected, atol=5e-3), (top2 - expected).abs().max()
