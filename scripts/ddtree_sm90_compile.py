@@ -3,7 +3,8 @@
 The CPU tests run the kernels through Triton's interpreter, which accepts code the compiler
 rejects (a non-constexpr global, for one). This compiles each kernel of
 ``kdtree_engine.ddtree.kernels`` with the constexprs its launcher picks at the issue-13 sizes
-(V = 163840, L = 16, budget 512, K = 512, top-k 50) and runs the bundled ``ptxas -v`` on the PTX:
+(V = 163840, L = 16, budget 512, K = 512, top-k 50; the
+split top-K's slice of 16384 columns and K = 512 and 1023) and runs the bundled ``ptxas -v`` on the PTX:
 
     PYTHONPATH=src python scripts/ddtree_sm90_compile.py
 
@@ -62,13 +63,25 @@ WALK_CONSTS = dict(USE_STARTS=False, SAMPLE=False, TOP_K=False, TEMP_ROWS=False,
 SAMPLE_CONSTS = dict(WALK_CONSTS, SAMPLE=True, BLOCK_V=K.SAMPLE_BLOCK_V)
 SAMPLE_TYPES = dict(WALK_TYPES, tgt="*bf16")
 
+TOPK_TYPES = dict(logits="*bf16", ws_m="*fp32", ws_s="*fp32", ws_cand="*i64", out_lp="*i64", out_ids="*i64",
+                  tmp="*i64", num_rows="i32", vocab="i32", stride_row="i32")
+TOPK_CONSTS = dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, SLICE=K.TOPK_SLICE, BITS=16, SELECT=True,
+                   FINISH=False, BLOCK_R=512, RANK_SORT=False, CHUNK=512)
+MERGE_TYPES = dict(ws_m="*fp32", ws_s="*fp32", ws_cand="*i64", out_lp="*i64", out_ids="*i64", tmp="*i64",
+                   num_rows="i32", vocab="i32", num_slices="i32")
+MERGE_CONSTS = dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, SLICE=K.TOPK_SLICE, BITS=16, BLOCK_G=16,
+                    BLOCK_C=8192, BLOCK_K=512, RANK_SORT=False, CHUNK=512)
+
 CASES = [
-    ("_finish_topk_kernel (V=163840, K=512)", K._finish_topk_kernel,
-     dict(logits="*bf16", vals="*bf16", ids="*i64", out_lp="*i64", out_ids="*i64", tmp="*i64",
-          num_rows="i32", vocab="i32", stride_row="i32"),
-     dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, BLOCK_V=4096, BLOCK_K=512, RANK_SORT=False, CHUNK=512,
-          UNROLL=K.STREAM_UNROLL),
-     8),
+    ("_topk_slice_kernel, split (V=163840: 10 slices of 16384, K=512, bf16)", K._topk_slice_kernel, TOPK_TYPES,
+     TOPK_CONSTS, K._topk_warps(K.TOPK_SLICE)),
+    ("_topk_slice_kernel, split, float32 logits", K._topk_slice_kernel, dict(TOPK_TYPES, logits="*fp32"),
+     dict(TOPK_CONSTS, BITS=32), K._topk_warps(K.TOPK_SLICE)),
+    ("_topk_merge_kernel (10 slices, K=512)", K._topk_merge_kernel, MERGE_TYPES, MERGE_CONSTS, K._topk_warps(8192)),
+    ("_topk_merge_kernel (10 slices, K=1023)", K._topk_merge_kernel, MERGE_TYPES,
+     dict(MERGE_CONSTS, K=1023, BLOCK_C=16384, BLOCK_K=1024, CHUNK=1024), K._topk_warps(16384)),
+    ("_topk_slice_kernel, one slice (V=16384, K=512: select and finish)", K._topk_slice_kernel, TOPK_TYPES,
+     dict(TOPK_CONSTS, FINISH=True), K._topk_warps(K.TOPK_SLICE)),
     ("_greedy_kernel (V=163840, n=513)", K._greedy_kernel,
      dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64", starts="*i64",
           acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64", bonus="*i64", num_seqs="i32",
@@ -101,6 +114,7 @@ for budget, k, L in [(512, 512, 16), (1, 1, 5), (3, 2, 6), (37, 37, 9), (300, 4,
     consts = K.expand_constexprs(1, k, budget, n_pairs, L, rank_sort=False)
     CASES.append((f"_expand_kernel (budget {budget}, K={k}, L={L})", K._expand_kernel, EXPAND_TYPES,
                   {n: v for n, v in consts.items() if n != "num_warps"}, consts["num_warps"]))
+
 
 def main() -> int:
     print(f"triton {triton.__version__}, target sm_90a")

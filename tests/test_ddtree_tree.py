@@ -106,9 +106,32 @@ def logits_case(kind: str, B: int, L: int, V: int, seed: int) -> torch.Tensor:
 # top-K
 
 
-# the top-K's two implementations: torch.topk + one kernel (CUDA, or the CPU under the
+# the top-K's two implementations: the split top-K kernels (CUDA, or the CPU under the
 # interpreter, as in these tests) and tensor ops for the CPU without the interpreter
 TOPKS = {"kernel": draft_topk, "torch": _draft_topk_torch}
+
+
+def topk_reference(x: torch.Tensor, k: int) -> DraftTopK:
+    """The spec of :func:`draft_topk`, literally: a stable sort of the float32 logits (descending;
+    equal logits, -0.0 and +0.0 included, keep id order), its first k, float64 log-softmax."""
+    xf = x.float().cpu()
+    ids = torch.sort(xf, dim=-1, descending=True, stable=True).indices[..., :k]
+    lsm = xf.double().gather(-1, ids) - torch.logsumexp(xf.double(), dim=-1, keepdim=True)
+    return DraftTopK(token_ids=ids, logprobs=(lsm.clamp(min=LOGPROB_FLOOR) * LOGPROB_SCALE).round().long())
+
+
+def assert_topk_equal(top: DraftTopK, x: torch.Tensor, k: int):
+    """Ids equal to :func:`topk_reference` (order and ties); log-probs within float32 log-softmax
+    rounding: ~eps32 * |logit| absolute, in units of 2^-20 nats."""
+    ref = topk_reference(x, k)
+    assert top.token_ids.shape == top.logprobs.shape == ref.token_ids.shape
+    if not torch.equal(top.token_ids.cpu(), ref.token_ids):
+        bad = (top.token_ids.cpu() != ref.token_ids).nonzero()[0].tolist()
+        raise AssertionError(f"ids differ first at {bad}: {top.token_ids[tuple(bad)]} vs {ref.token_ids[tuple(bad)]}")
+    finite = x.float().cpu().masked_fill(~x.float().cpu().isfinite(), 0)
+    tol = 64 + 4 * LOGPROB_SCALE * torch.finfo(torch.float32).eps * finite.abs().amax(-1, keepdim=True)
+    assert bool(((top.logprobs.cpu() - ref.logprobs).abs() <= tol).all())
+    assert bool((top.logprobs[..., 1:] <= top.logprobs[..., :-1]).all())
 
 
 @pytest.mark.parametrize("kind", ["randn", "ties", "floor"])
@@ -116,35 +139,84 @@ TOPKS = {"kernel": draft_topk, "torch": _draft_topk_torch}
 def test_draft_topk_order_and_values(kind, impl):
     x = logits_case(kind, 2, 3, 11, seed=3)
     top = TOPKS[impl](x, 5)
-    lsm = torch.log_softmax(x.double(), -1)
     for b, d in itertools.product(range(2), range(3)):
         row = x[b, d].tolist()
-        ids = top.token_ids[b, d].tolist()
-        # ordered by logit desc, then id asc, and they are the 5 best logits
-        assert ids == sorted(ids, key=lambda t: (-row[t], t))
-        assert sorted(row, reverse=True)[4] <= min(row[t] for t in ids)
-        want = (lsm[b, d, ids].clamp(min=LOGPROB_FLOOR) * LOGPROB_SCALE).round().long()
-        # float32 log-softmax: absolute error ~ eps32 * |logit|, in units of 2^-20 nats
-        tol = 64 + 4 * LOGPROB_SCALE * torch.finfo(torch.float32).eps * float(x[b, d].abs().max())
-        assert (top.logprobs[b, d] - want).abs().max() <= tol
-        assert bool((top.logprobs[b, d, 1:] <= top.logprobs[b, d, :-1]).all())
+        # the 5 first by logit desc, then id asc (ties at the 5th logit: the lowest ids)
+        assert top.token_ids[b, d].tolist() == sorted(range(11), key=lambda t: (-row[t], t))[:5]
+    assert_topk_equal(top, x, 5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_draft_topk_kernel_equals_tensor_ops(dtype, device):
-    """Same ids in the same order (except which tokens tied at the k-th logit enter: torch.topk's
-    choice); fixed-point log-probs within float32 log-sum-exp rounding (the kernel sums online,
+    """The kernel and the tensor ops: the same ids in the same order, ties at the k-th logit
+    included; fixed-point log-probs within float32 log-sum-exp rounding (the kernel sums per slice,
     torch.logsumexp in its own order). Strided and -inf logits included."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(3, 5, 3000, generator=g) * 3).to(dtype)
     x[0, 1, ::7] = float("-inf")
+    x[1, 2] = x[1, 2].round()  # many ties
     x = x.to(device)[:, :, ::2]  # strided rows
     for k in (1, 17, 300):
         a, b = draft_topk(x, k), _draft_topk_torch(x, k)
-        above = x.float().gather(-1, b.token_ids) > x.float().topk(k, dim=-1).values[..., -1:]
-        assert torch.equal(a.token_ids[above], b.token_ids[above])
+        assert torch.equal(a.token_ids, b.token_ids)
         lse_ulp = LOGPROB_SCALE * torch.finfo(torch.float32).eps * 16  # |lse| < 16 here
         assert (a.logprobs - b.logprobs).abs().max() <= 2 * lse_ulp
+        assert_topk_equal(a, x, k)
+
+
+def awkward_logits(B: int, L: int, V: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``[B, L, V]`` rows of every awkward kind, cycling: random, few distinct values (ties
+    everywhere, across slices), all equal with -0.0 and +0.0 mixed, -inf (whole stretches, and
+    rows with a single finite logit), the largest finite values of the dtype, a peak."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.finfo(dtype).max
+    x = torch.randn(B * L, V, generator=g) * 3
+    for r in range(B * L):
+        kind = r % 6
+        if kind == 1:
+            x[r] = torch.randint(0, 3, (V,), generator=g).float()
+        elif kind == 2:
+            x[r] = torch.where(torch.rand(V, generator=g) < 0.5, -0.0, 0.0)
+        elif kind == 3:
+            x[r, V // 3 : 2 * V // 3] = float("-inf")
+            x[r, torch.rand(V, generator=g) < 0.3] = float("-inf")
+            if r % 12 == 3:
+                x[r, :] = float("-inf")
+                x[r, V - 1] = 0.5
+        elif kind == 4:
+            x[r, torch.rand(V, generator=g) < 0.4] = big
+            x[r, torch.rand(V, generator=g) < 0.3] = -big
+        elif kind == 5:
+            x[r, V // 2] += 40.0
+    return x.to(dtype).view(B, L, V)
+
+
+# (B, L, V, k, slice): V not a multiple of the slice, k above the slice, k = V, k of the
+# largest budget (1023), a single row, more rows than one program holds
+SPLIT = [
+    (1, 1, 37, 5, 16),
+    (2, 3, 101, 40, 16),
+    (3, 4, 64, 64, 16),
+    (5, 7, 300, 17, 64),
+    (2, 2, 3000, 1023, 1024),
+    (1, 6, 2500, 512, 4096),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("B,L,V,k,vslice", SPLIT, ids=[f"B{c[0]}-L{c[1]}-V{c[2]}-k{c[3]}-slice{c[4]}" for c in SPLIT])
+def test_split_topk_awkward(B, L, V, k, vslice, dtype, device, monkeypatch):
+    """The split top-K with the slices forced small (rows cut in several slices, the last one
+    short), on every awkward kind of row, against the spec and the tensor ops: ids exactly (the
+    order, and which of the tokens tied at the k-th logit enter: the lowest ids)."""
+    from kdtree_engine.ddtree import kernels
+
+    monkeypatch.setattr(kernels, "TOPK_SLICE", vslice)
+    monkeypatch.setattr(kernels, "TOPK_SLICE_INTERPRETED", vslice)
+    x = awkward_logits(B, L, V, dtype, seed=V + k).to(device)
+    top = draft_topk(x, k)
+    assert torch.equal(top.token_ids, _draft_topk_torch(x, k).token_ids)
+    assert_topk_equal(top, x, k)
 
 
 def test_draft_topk_bad_inputs():

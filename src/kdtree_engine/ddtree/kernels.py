@@ -1,10 +1,11 @@
-"""Triton kernels of the DDTree step: the draft top-K's finish, the best-first expansion, the
-acceptance walk.
+"""Triton kernels of the DDTree step: the draft top-K, the best-first expansion, the acceptance
+walk.
 
-One launch each, one program per row or sequence (several under the interpreter, which runs
-programs one after another), fixed shapes, no host sync: all can be captured in a CUDA graph
-per (batch, budget) bucket. The public functions (:mod:`.tree`, :mod:`.accept`) call
-the launchers below; this module imports nothing of theirs.
+One launch each (two for the top-K: slices of a row, then a merge per row), one program per
+row, slice or sequence (several under the interpreter, which runs programs one after another),
+fixed shapes, no host sync: all can be captured in a CUDA graph per (batch, budget) bucket. The
+public functions (:mod:`.tree`, :mod:`.accept`) call the launchers below; this module imports
+nothing of theirs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from ..backend import interpreting
 
-__all__ = ["walk", "sample_walk", "greedy_walk", "expand", "finish_topk"]
+__all__ = ["walk", "sample_walk", "greedy_walk", "expand", "topk_logprobs"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -45,16 +46,23 @@ def _ranked(b_key, p_tmp, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
 
 
 
-def _seqs_per_program(batch: int, block: int) -> int:
+def _seqs_per_program(batch: int, block: int, slots: int = 2**16) -> int:
     """Sequences per program: one on a GPU (small trees: up to 1024 elements per program); under
-    the interpreter, which runs programs one after another, the batch in few programs."""
+    the interpreter, which runs programs one after another, the batch in few programs (about
+    ``slots`` elements each)."""
     if interpreting():
-        return min(triton.next_power_of_2(batch), max(1, 2**16 // block))
+        return min(triton.next_power_of_2(batch), max(1, slots // block))
     return min(triton.next_power_of_2(batch), max(1, 1024 // block))
 
 
 # ----------------------------------------------------------------------------------------------
-# the draft top-K: log-sum-exp, tie order and fixed point after torch.topk
+# the draft top-K: a split top-K (slices of a row, then a merge per row), log-sum-exp, tie order
+# and fixed point
+
+TOPK_SLICE = 16384  # vocabulary columns per program of the slice stage on a GPU (held in registers)
+TOPK_SLICE_INTERPRETED = 2**16  # the interpreter's (its programs run one after another: few, large ones)
+TOPK_INTERPRETED_SLOTS = 2**18  # the interpreter's elements per program (rows x slice)
+TOPK_RANK_ALL_INTERPRETED = 2**23  # the interpreter ranks whole rows (no selection) up to these comparisons a program
 
 
 @triton.jit
@@ -66,90 +74,243 @@ def _round_half_even(x):
     return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
 
 
+@triton.jit
+def _order_key(x):
+    """``[..]`` int32 increasing with float32 ``x`` (-0.0 folded onto +0.0)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _first_k(b_key, m_u, need, BITS: tl.constexpr):
+    """``(sel, pos)``, ``[S, N]``: per row, the ``need`` (``[S]`` int32, at least 1 and at most the
+    row's entry count) first entries ``m_u`` by the top BITS bits of their int32 key ``b_key``
+    (their bucket; descending), then position (ascending), and their positions ``0..need-1`` in
+    row order: the ``need``-th largest bucket ``t`` (the largest ``v`` with ``#{bucket >= v} >=
+    need``) by bisection, BITS rounds of a count per row, then every entry above ``t`` and the
+    first of those tied at it."""
+    SHIFT: tl.constexpr = 32 - BITS
+    v = tl.full(need.shape, -(2 ** (BITS - 1)), tl.int64)  # buckets lie in [-2**(BITS-1), 2**(BITS-1))
+    step = tl.full(need.shape, 2 ** (BITS - 1), tl.int64)
+    for _ in range(BITS):
+        c = v + step
+        n = tl.sum((m_u & (b_key >= (c << SHIFT).to(tl.int32)[:, None])).to(tl.int32), axis=1)
+        v = tl.where(n >= need, c, v)
+        step = step // 2
+    b_u = b_key >> SHIFT
+    t = v.to(tl.int32)[:, None]
+    gt = m_u & (b_u > t)
+    eq = m_u & (b_u == t)
+    n_gt = tl.sum(gt.to(tl.int32), axis=1)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=1) <= (need - n_gt)[:, None]))
+    return sel, tl.cumsum(sel.to(tl.int32), axis=1) - 1
+
+
+@triton.jit
+def _finish_rows(b_c, lse, i_r, m_r, out_lp, out_ids, p_tmp,
+                 K: tl.constexpr, SCALE: tl.constexpr, FLOOR: tl.constexpr,
+                 RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows ``i_r`` (``[S]`` int64; ``m_r``: the real ones) of the outputs ``[R, K]``: the entries
+    ``b_c`` ``[S, N]`` (``(-key) << 32 | id``, ascending = logit descending then id ascending;
+    padding INT64_MAX, N >= K real entries a row) ranked, the first K stored with their fixed point
+    ``round(SCALE * max(x - lse, FLOOR))`` (``lse`` ``[S]``). ``p_tmp``: ``[S, 1]`` pointers to N
+    int64 each (the ranks' scratch under the interpreter)."""
+    b_c, b_pos = _ranked(b_c, p_tmp, RANK_SORT, CHUNK)
+    b_ord = (-(b_c >> 32)).to(tl.int32)
+    b_v = (b_ord ^ ((b_ord >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    b_lp = _round_half_even(tl.maximum(b_v - lse[:, None], FLOOR) * SCALE)
+    p_out = i_r[:, None] * K + b_pos
+    m_out = m_r[:, None] & (b_pos < K)
+    tl.store(out_lp + p_out, b_lp.to(tl.int64), mask=m_out)
+    tl.store(out_ids + p_out, b_c & 0xFFFFFFFF, mask=m_out)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
-def _finish_topk_kernel(
-    logits, vals, ids, out_lp, out_ids, tmp,
+def _topk_slice_kernel(
+    logits, ws_m, ws_s, ws_cand, out_lp, out_ids, tmp,
     num_rows, vocab, stride_row,
     K: tl.constexpr,
     SCALE: tl.constexpr,
     FLOOR: tl.constexpr,
     ROWS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    SLICE: tl.constexpr,
+    BITS: tl.constexpr,
+    SELECT: tl.constexpr,
+    FINISH: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RANK_SORT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Program ``(i, g)``: columns ``[g * SLICE, (g + 1) * SLICE)`` of rows ``i * ROWS ..`` (one
+    row on a GPU when the slice is large), the whole slice in registers. The entries of a row are
+    taken by logit (descending) then column (ascending); SELECT: the first ``min(K, columns)`` by
+    :func:`_first_k` on the top BITS bits of their order key (16 for bf16 logits, whose keys'
+    low 16 bits carry no information, else 32), else all of them.
+
+    logits: ``[R, V]`` any float dtype (row stride ``stride_row``, unit column stride).
+    FINISH (the row is one slice): the outputs ``out_lp, out_ids`` ``[R, K]`` int64, by
+    :func:`_finish_rows`, with ``lse = m + log(sum(exp(x - m)))``; ``tmp``: ``[programs * ROWS,
+    BLOCK_R]`` int64 scratch (BLOCK_R: next_pow2(K) after a selection, else SLICE).
+    Otherwise stage 1 of the split top-K: ``ws_m, ws_s`` ``[R, G]`` float32 (G = number of
+    slices), the slice's maximum ``m`` and ``sum(exp(x - m))`` (``m`` taken as 0 when -inf);
+    ``ws_cand`` ``[R, G, K]`` int64, its ``min(K, columns)`` candidates ``(-key) << 32 | column``
+    in column order (entries past them are not written).
+    """
+    i_p = tl.program_id(0)
+    g = tl.program_id(1)
+    G = tl.num_programs(1)
+    o_r = i_p * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < num_rows
+    i_r = o_r.to(tl.int64)
+    o_v = g * SLICE + tl.arange(0, SLICE)[None, :]
+    m_x = m_r[:, None] & (o_v < vocab)
+    b_x = tl.load(logits + i_r[:, None] * stride_row + o_v, mask=m_x, other=float("-inf")).to(tl.float32)
+    b_m = tl.max(b_x, axis=1)  # [R]
+    b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)
+    b_s = tl.sum(tl.exp(b_x - b_ref[:, None]), axis=1)
+    b_key = _order_key(b_x)
+    if SELECT:
+        sel, pos = _first_k(b_key, m_x, tl.zeros([ROWS], tl.int32) + tl.minimum(K, vocab - g * SLICE), BITS)
+    b_c = ((-b_key.to(tl.int64)) << 32) | o_v
+    if FINISH:
+        p_tmp = tmp + i_r[:, None] * BLOCK_R
+        if SELECT:
+            tl.store(p_tmp + pos, b_c, mask=sel)
+            tl.debug_barrier()
+            o_k = tl.arange(0, BLOCK_R)[None, :]
+            b_c = tl.load(p_tmp + o_k, mask=m_r[:, None] & (o_k < K), other=_INT64_MAX)
+        else:
+            b_c = tl.where(m_x, b_c, _INT64_MAX)
+        _finish_rows(b_c, b_ref + tl.log(b_s), i_r, m_r, out_lp, out_ids, p_tmp, K, SCALE, FLOOR, RANK_SORT, CHUNK)
+    else:
+        tl.store(ws_m + i_r * G + g, b_m, mask=m_r)
+        tl.store(ws_s + i_r * G + g, b_s, mask=m_r)
+        p_cand = ws_cand + (i_r[:, None] * G + g) * K
+        if SELECT:
+            tl.store(p_cand + pos, b_c, mask=sel)
+        else:  # the slice has at most K columns: all of them
+            tl.store(p_cand + o_v - g * SLICE, b_c, mask=m_x)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_slices"])
+def _topk_merge_kernel(
+    ws_m, ws_s, ws_cand, out_lp, out_ids, tmp,
+    num_rows, vocab, num_slices,
+    K: tl.constexpr,
+    SCALE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    ROWS: tl.constexpr,
+    SLICE: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RANK_SORT: tl.constexpr,
     CHUNK: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
-    """Rows ``i_p * ROWS ..`` of :func:`kdtree_engine.ddtree.draft_topk` after ``torch.topk``.
+    """Stage 2 of the split top-K, rows ``program_id(0) * ROWS ..``: from the ``G = num_slices``
+    slices' ``(m, s)`` and candidates (``ws_*``, see :func:`_topk_slice_kernel`), ``lse = M +
+    log(sum_g s_g exp(m_g - M))`` (``M``: the largest ``m_g``) and the ``K`` first candidates by
+    logit (descending) then id (ascending) (:func:`_first_k`: the candidates are in column order,
+    so ties at the ``K``-th logit go to the lowest ids), by :func:`_finish_rows`.
 
-    logits: ``[R, V]`` any float dtype (row stride ``stride_row``, unit column stride).
-    vals, ids: ``[R, K]`` contiguous, the top-K logits and their token ids in any order.
-    out_lp, out_ids: ``[R, K]`` int64: ``round(SCALE * max(x - lse, FLOOR))`` and the ids,
-    ordered by logit (descending) then id (ascending); the log-sum-exp is online, float32.
+    out_lp, out_ids: ``[R, K]`` int64. tmp: ``[programs * ROWS, BLOCK_K]`` int64 scratch.
     """
     i_p = tl.program_id(0)
     o_r = i_p * ROWS + tl.arange(0, ROWS)
     m_r = o_r < num_rows
-    p_x = logits + o_r.to(tl.int64)[:, None] * stride_row  # [R, 1]
-    b_old = tl.full([ROWS, BLOCK_V], float("-inf"), tl.float32)  # running max per lane
-    b_s = tl.zeros([ROWS, BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V * UNROLL):
-        for j in tl.static_range(UNROLL):  # UNROLL independent loads in flight
-            o_v = v0 + j * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-            b_x = tl.load(p_x + o_v, mask=m_r[:, None] & (o_v < vocab), other=float("-inf")).to(tl.float32)
-            b_m = tl.maximum(b_old, b_x)
-            b_ref = tl.where(b_m > float("-inf"), b_m, 0.0)  # exp(-inf - ref) = 0, never -inf - -inf
-            b_s = b_s * tl.exp(b_old - b_ref) + tl.exp(b_x - b_ref)
-            b_old = b_m
-    m = tl.max(b_old, axis=1)  # [R]
-    m = tl.where(m > float("-inf"), m, 0.0)
-    lse = m + tl.log(tl.sum(b_s * tl.exp(b_old - m[:, None]), axis=1))  # [R]
+    i_r = o_r.to(tl.int64)
+    o_g = tl.arange(0, BLOCK_G)[None, :]
+    m_g = m_r[:, None] & (o_g < num_slices)
+    b_m = tl.load(ws_m + i_r[:, None] * num_slices + o_g, mask=m_g, other=float("-inf"))
+    b_s = tl.load(ws_s + i_r[:, None] * num_slices + o_g, mask=m_g, other=0.0)
+    top = tl.max(b_m, axis=1)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    lse = top + tl.log(tl.sum(b_s * tl.exp(b_m - top[:, None]), axis=1))  # [R]
 
+    o_c = tl.arange(0, BLOCK_C)[None, :]  # candidate j of slice g at g * K + j
+    m_c = m_r[:, None] & (o_c < num_slices * K) & (o_c % K < tl.minimum(vocab - (o_c // K) * SLICE, SLICE))
+    p_c = ws_cand + i_r[:, None] * num_slices * K  # [R, 1]
+    b_key = (-(tl.load(p_c + o_c, mask=m_c, other=0) >> 32)).to(tl.int32)
+    sel, pos = _first_k(b_key, m_c, tl.zeros([ROWS], tl.int32) + K, BITS)
+    p_tmp = tmp + i_r[:, None] * BLOCK_K
+    tl.store(p_tmp + pos, o_c, mask=sel)  # the selected candidates' indices, then the candidates
+    tl.debug_barrier()
     o_k = tl.arange(0, BLOCK_K)[None, :]
-    m_k = m_r[:, None] & (o_k < K)  # [R, BK]
-    p_k = o_r.to(tl.int64)[:, None] * K + o_k
-    b_v = tl.load(vals + p_k, mask=m_k, other=0.0).to(tl.float32) + 0.0  # -0.0 -> +0.0
-    b_bits = b_v.to(tl.int32, bitcast=True)
-    b_ord = (b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # increases with the value
-    b_id = tl.load(ids + p_k, mask=m_k, other=0)
-    # ascending key = logit descending, then id ascending
-    b_key, b_pos = _ranked(tl.where(m_k, ((-b_ord) << 32) | b_id, _INT64_MAX), tmp + o_r.to(tl.int64)[:, None] * BLOCK_K, RANK_SORT, CHUNK)
-    b_ord = (-(b_key >> 32)).to(tl.int32)
-    b_v = (b_ord ^ ((b_ord >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    b_lp = _round_half_even(tl.maximum(b_v - lse[:, None], FLOOR) * SCALE)
-    p_out = o_r.to(tl.int64)[:, None] * K + b_pos
-    m_out = m_r[:, None] & (b_pos < K)
-    tl.store(out_lp + p_out, b_lp.to(tl.int64), mask=m_out)
-    tl.store(out_ids + p_out, b_key & 0xFFFFFFFF, mask=m_out)
+    m_k = m_r[:, None] & (o_k < K)
+    b_c = tl.load(p_c + tl.load(p_tmp + o_k, mask=m_k, other=0), mask=m_k, other=_INT64_MAX)
+    _finish_rows(b_c, lse, i_r, m_r, out_lp, out_ids, p_tmp, K, SCALE, FLOOR, RANK_SORT, CHUNK)
 
 
-def finish_topk(logits, vals, ids, scale: int, floor: float):
-    """Launch :func:`_finish_topk_kernel` on ``logits [R, V]`` (unit column stride) and the
-    ``[R, K]`` output of ``torch.topk``; returns ``(logprobs, token_ids)``, each ``[R, K]`` int64."""
+def _topk_warps(block: int) -> int:
+    """Warps of a top-K program holding ``block`` entries a row (16 from 16384 entries: 32 a thread)."""
+    return 16 if block >= 16384 else 8 if block >= 2048 else 4
+
+
+def topk_logprobs(logits, k: int, scale: int, floor: float):
+    """The ``k`` first columns of each row of ``logits [R, V]`` (unit column stride) by logit
+    (descending) then column (ascending), with their fixed-point log-softmax ``round(scale *
+    max(x - lse, floor))`` (in float32). A row of one slice (``V <= TOPK_SLICE``; under the
+    interpreter ``TOPK_SLICE_INTERPRETED``): one launch of :func:`_topk_slice_kernel`; else the
+    split top-K, two launches: :func:`_topk_slice_kernel` on ``R x G`` programs (G = ``ceil(V /
+    slice)``) and :func:`_topk_merge_kernel`, one program per row on a GPU.
+
+    Returns ``(logprobs, token_ids)``, each ``[R, k]`` int64."""
     R, V = logits.shape
-    K = vals.shape[1]
     dev = logits.device
-    out_lp = torch.empty(R, K, dtype=torch.int64, device=dev)
-    out_ids = torch.empty(R, K, dtype=torch.int64, device=dev)
-    block_k = triton.next_power_of_2(K)
-    block_v = min(triton.next_power_of_2(V), 4096)
-    rows = _seqs_per_program(R, max(block_v, block_k))
-    grid = triton.cdiv(R, rows)
     rank_sort = interpreting()
-    tmp = torch.empty(grid * rows * block_k if rank_sort else 1, dtype=torch.int64, device=dev)
-    _finish_topk_kernel[(grid,)](
-        logits, vals.contiguous(), ids.contiguous(), out_lp, out_ids, tmp,
+    vslice = min(triton.next_power_of_2(V), TOPK_SLICE_INTERPRETED if rank_sort else TOPK_SLICE)
+    G = triton.cdiv(V, vslice)
+    block_k = triton.next_power_of_2(k)
+    finish = G == 1
+    rows = _seqs_per_program(R, vslice, TOPK_INTERPRETED_SLOTS)
+    if not finish:
+        select = vslice > k  # else every column of a slice is a candidate
+    else:  # a row that fits the K block is ranked whole; under the interpreter (counting) one as cheap
+        select = vslice > block_k and not (rank_sort and rows * vslice * vslice <= TOPK_RANK_ALL_INTERPRETED)
+    block_r = block_k if select else vslice
+    out_lp = torch.empty(R, k, dtype=torch.int64, device=dev)
+    out_ids = torch.empty(R, k, dtype=torch.int64, device=dev)
+    ws_m = ws_s = ws_cand = out_lp  # not read with one slice
+    if not finish:
+        ws_m = torch.empty(R, G, dtype=torch.float32, device=dev)
+        ws_s = torch.empty(R, G, dtype=torch.float32, device=dev)
+        ws_cand = torch.empty(R, G, k, dtype=torch.int64, device=dev)
+    common = dict(K=k, SCALE=float(scale), FLOOR=float(floor), SLICE=vslice,
+                  BITS=16 if logits.dtype == torch.bfloat16 else 32, RANK_SORT=rank_sort)
+
+    def chunk(rows: int, n: int) -> int:  # ranks by counting (interpreter): [rows, n, chunk] comparisons, at most 2**20
+        return min(n, max(1, 2**20 // (rows * n)))
+
+    grid = triton.cdiv(R, rows)
+    tmp = torch.empty(grid * rows if finish else 1, block_r, dtype=torch.int64, device=dev)
+    _topk_slice_kernel[(grid, G)](
+        logits, ws_m, ws_s, ws_cand, out_lp, out_ids, tmp,
         R, V, logits.stride(0),
-        K=K,
-        SCALE=float(scale),
-        FLOOR=float(floor),
         ROWS=rows,
-        BLOCK_V=block_v,
+        SELECT=select,
+        FINISH=finish,
+        BLOCK_R=block_r,
+        CHUNK=chunk(rows, block_r),
+        num_warps=_topk_warps(vslice),
+        **common,
+    )
+    if finish:
+        return out_lp, out_ids
+    block_c = triton.next_power_of_2(G * k)
+    rows = _seqs_per_program(R, block_c, TOPK_INTERPRETED_SLOTS)
+    grid = triton.cdiv(R, rows)
+    tmp = torch.empty(grid * rows, block_k, dtype=torch.int64, device=dev)
+    _topk_merge_kernel[(grid,)](
+        ws_m, ws_s, ws_cand, out_lp, out_ids, tmp,
+        R, V, G,
+        ROWS=rows,
+        BLOCK_G=triton.next_power_of_2(G),
+        BLOCK_C=block_c,
         BLOCK_K=block_k,
-        RANK_SORT=rank_sort,
-        CHUNK=min(block_k, max(1, 2**20 // (rows * block_k))),
-        UNROLL=STREAM_UNROLL,
-        num_warps=8 if block_v >= 2048 else 4,
+        CHUNK=chunk(rows, block_k),
+        num_warps=_topk_warps(block_c),
+        **common,
     )
     return out_lp, out_ids
 

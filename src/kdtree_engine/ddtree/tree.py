@@ -14,9 +14,8 @@ Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
   children, and the children of a node are emitted in rank order (best first).
 * **budget = number of draft nodes, root excluded** (as in the paper's code). A tree has
   ``1 + min(budget, #possible nodes)`` nodes, e.g. budget 32 -> 33 verify rows.
-* **K = min(topk or budget, V)** tokens per position: the K highest logits, ordered by logit
-  (descending), then token id (ascending). Which tokens enter when several tie at the K-th logit
-  is up to ``torch.topk``.
+* **K = min(topk or budget, V)** tokens per position: the K first by logit (descending), then
+  token id (ascending), in that order; of several tokens tied at the K-th logit the lowest ids enter.
 * **Scores are fixed point**: ``lp[d, r] = round(2**20 * max(log_softmax(draft_logits[d])[tok], -1000))``
   as int64 (units of 2^-20 nats); a node's score is the exact integer sum of ``lp`` along its path.
   Integer scores make ties exact and the order independent of summation order and device.
@@ -38,7 +37,7 @@ import torch
 
 from ..backend import interpreting
 from ..masks import MAX_TREE_NODES, mask_words
-from .kernels import _bits, expand, finish_topk
+from .kernels import _bits, expand, topk_logprobs
 
 __all__ = [
     "LOGPROB_SCALE",
@@ -211,10 +210,11 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
             strides (a row not contiguous in V is copied first, so every layout gives the same bits).
         k: 1 <= k <= V.
 
-    Returns a :class:`DraftTopK` (``[B, L, k]``). Ties in logit are ordered by token id; no host
-    sync. On CUDA (and on the CPU under Triton's interpreter): ``torch.topk`` on the logits as
-    they are, then one kernel (log-sum-exp of each row, the tie order, the fixed point);
-    otherwise tensor ops on a float32 copy.
+    Returns a :class:`DraftTopK` (``[B, L, k]``): the ``k`` first tokens by logit (descending),
+    then token id (ascending), so ties at the k-th logit go to the lowest ids; no host sync. On
+    CUDA (and on the CPU under Triton's interpreter) the split top-K, two kernels on the logits
+    as they are (:func:`kernels.topk_logprobs`: slices of each row, then a merge per row);
+    otherwise tensor ops on a float32 copy. Both give the same ids (tested).
     """
     logits = _check_logits("draft_logits", draft_logits)
     B, L, V = logits.shape
@@ -223,22 +223,23 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> DraftTopK:
         rows = logits.reshape(B * L, V)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        vals, ids = rows.topk(k, dim=-1, sorted=False)  # [B*L, k]
-        lp, ids = finish_topk(rows, vals, ids, LOGPROB_SCALE, LOGPROB_FLOOR)
+        lp, ids = topk_logprobs(rows, k, LOGPROB_SCALE, LOGPROB_FLOOR)  # [B*L, k]
         return DraftTopK(token_ids=ids.view(B, L, k), logprobs=lp.view(B, L, k))
     return _draft_topk_torch(logits, k)
 
 
 def _draft_topk_torch(logits: torch.Tensor, k: int) -> DraftTopK:
-    """:func:`draft_topk` with tensor ops (``logits [B, L, V]``), for the CPU without the interpreter."""
+    """:func:`draft_topk` with tensor ops (``logits [B, L, V]``), for the CPU without the
+    interpreter: one top-k of distinct int64 keys ``order key << 32 | (V - 1 - id)`` (the order key
+    increases with the float32 logit, -0.0 folded onto +0.0) gives the kernel's order and ties."""
     x = logits.float().contiguous()  # one reduction order for every layout
+    V = x.shape[-1]
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, L, 1]
-    vals, ids = x.topk(k, dim=-1, sorted=True)  # [B, L, k]
-    # deterministic order among equal logits: token id ascending (stable sort on value after id)
-    ids, perm = ids.sort(dim=-1)
-    vals = vals.gather(-1, perm)
-    vals, perm = vals.sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, perm)
+    bits = (x + 0.0).view(torch.int32)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
+    key |= torch.arange(V - 1, -1, -1, device=x.device)
+    ids = (V - 1) - (key.topk(k, dim=-1).values & 0xFFFFFFFF)  # [B, L, k]
+    vals = x.gather(-1, ids)
     lp = (vals - lse).clamp_(min=LOGPROB_FLOOR).double().mul_(LOGPROB_SCALE).round_().to(torch.int64)
     return DraftTopK(token_ids=ids, logprobs=lp)
 
