@@ -186,6 +186,77 @@ def test_greedy_kernel_equals_argmax_then_walk(V, ragged, device, monkeypatch):
                 assert_same_result(accept_greedy(tree, lg), want)
 
 
+@pytest.mark.parametrize("block, V", [(4, 45), (None, 2 * 8192 + 2 * 2048 + 7)], ids=["block4", "block2048"])
+def test_greedy_argmax_nan_inf_ties(block, V, device, monkeypatch):
+    """The greedy kernel's argmax on awkward rows, one root-only sequence per row (its bonus is
+    the row's argmax): NaN above every number (either sign; the first NaN wins, across lanes,
+    steps and the chunks of one step), NaN with +inf, all -inf, ties of +inf and of numbers
+    across lanes, steps and chunks, -0.0 == +0.0, a float32 subnormal, the maximum in the partial
+    last chunk; float32 (against fixed columns), bfloat16, float16, float64 (against torch's
+    argmax of the float32 logits); float8 e4m3 (no -inf: columns past V lose to -448). Steps of 4
+    chunks of ``block`` lanes: two whole steps, then chunks past them, the last partial."""
+    from kdtree_engine.ddtree import kernels
+
+    if block is not None:
+        monkeypatch.setattr(kernels, "GREEDY_BLOCK_V", block)
+    lanes = min(1 << (V - 1).bit_length(), kernels.GREEDY_BLOCK_V)
+    step = lanes * kernels.STREAM_UNROLL
+    assert V // step == 2 and V % lanes > 0
+
+    def col(s, u, lane):  # the column at chunk u of step s, lane ``lane``
+        return s * step + u * lanes + lane
+
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(V)
+    rows = []  # (row [V] float32, its argmax, columns of negative NaNs)
+
+    def row(want, *sets, base=None, neg_nan=()):
+        x = torch.randn(V, generator=g) if base is None else torch.full((V,), base)
+        for c, v in sets:
+            x[c] = v
+        rows.append((x, int(x.argmax()) if want is None else want, neg_nan))
+
+    row(None)
+    row(col(0, 1, 3), (col(0, 0, 0), inf), (col(0, 1, 3), nan), (col(1, 0, 1), nan))
+    row(col(1, 2, 2), (col(0, 0, 1), inf), (col(1, 2, 2), nan), neg_nan=[col(1, 2, 2)])
+    row(col(1, 1, 2), (col(1, 3, 2), nan), (col(1, 1, 2), nan), (col(2, 0, 2), nan), (col(0, 0, 2), 50.0))
+    row(V - 1, (0, inf), (V - 1, nan))
+    row(col(0, 0, 2), (col(0, 0, 2), nan), (col(0, 2, 0), nan), base=-inf, neg_nan=[col(0, 0, 2)])
+    row(0, base=-inf)
+    row(V - 1, (V - 1, -1e30), base=-inf)
+    row(col(0, 3, 1), (col(1, 0, 3), inf), (col(0, 3, 1), inf), (col(2, 0, 0), inf))
+    row(col(0, 2, 3), (col(1, 0, 0), 10.0), (col(0, 2, 3), 10.0), (col(2, 1, 0), 10.0))
+    row(col(0, 0, 3), (col(0, 1, 0), 10.0), (col(0, 0, 3), 10.0))
+    row(col(0, 3, 2), (col(0, 3, 2), 10.0), (col(1, 0, 2), 10.0), (col(2, 0, 2), 10.0))
+    row(col(1, 1, 1), (col(1, 1, 1), 10.0), (col(1, 2, 1), 10.0), (col(1, 3, 0), 10.0))
+    row(col(0, 2, 1), (col(0, 2, 1), -0.0), (col(1, 0, 0), 0.0), base=-1.0)
+    row(col(0, 0, 2), (col(0, 2, 1), 0.0), (col(0, 0, 2), -0.0), base=-1.0)
+    row(col(1, 1, 1), (col(0, 0, 0), 0.0), (col(1, 1, 1), 2.0**-140), base=-1.0)  # 0 in bf16, fp16
+    row(V - 1, (V - 1, 10.0), (V - 2, 9.0))
+    row(0, base=1.0)
+    row(col(2, 0, 1), (col(2, 0, 1), 10.0), (col(2, 1, 0), 10.0), (V - 1, 10.0))
+
+    B = len(rows)
+    tree = tree_from_parents([[-1]] * B, [[0]] * B)
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))
+    x32 = torch.stack([x for x, _, _ in rows])
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float64: torch.int64}
+    for dtype, bits in ints.items():
+        lg = x32.to(dtype)
+        for r, (_, _, cols) in enumerate(rows):
+            for c in cols:  # set the sign bit of a NaN (conversions may drop it)
+                lg.view(bits)[r, c] |= torch.iinfo(bits).min
+                assert torch.isnan(lg[r, c].float()) and lg.view(bits)[r, c] < 0
+        got = accept_greedy(tree, lg.to(device)).bonus.cpu()
+        assert torch.equal(got, lg.float().argmax(1)), f"{dtype}: {got.tolist()}"
+        if dtype == torch.float32:
+            assert got.tolist() == [w for _, w, _ in rows]
+    lg = torch.full((B, V), -448.0)
+    lg[torch.arange(1, B), torch.arange(1, B)] = -416.0
+    assert accept_greedy(tree, lg.to(torch.float8_e4m3fn).to(device)).bonus.tolist() == list(range(B))
+
+
 def test_commit_positions(device):
     tree = tree_from_parents([[-1, 0, 0, 2, 3], [-1, 0, 1, 1, 0]], [[9, 1, 2, 3, 4], [9, 1, 2, 3, 4]])
     tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))

@@ -720,7 +720,30 @@ def sample_walk(tokens, parents, num_nodes, logits, starts, max_depth: int, *, t
                         dict(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
 
 
-GREEDY_BLOCK_V = 2048  # vocabulary columns per step of a greedy program's argmax
+GREEDY_BLOCK_V = 2048  # lanes of the greedy argmax: columns per chunk (STREAM_UNROLL chunks a step)
+
+
+@triton.jit
+def _greedy_step(p_x, v0, vocab, m_r, best, at,
+                 BLOCK_V: tl.constexpr, UNROLL: tl.constexpr, TAIL: tl.constexpr):
+    """One step of the greedy argmax of rows ``p_x`` (``[R, 1]`` pointers, read where ``m_r``
+    ``[R, 1]``): lane l reads columns ``v0 + u * BLOCK_V + l``, u < UNROLL (TAIL: those past
+    ``vocab`` are -inf; else none is past it). Returns ``best``, ``at`` (``[R, BLOCK_V]``
+    float32, int32) updated: a lane's largest value so far (NaN above every number, and kept once
+    seen) and the ``v0`` of the first step that reached it. Per column one NaN-propagating max;
+    the compare with ``best`` is per lane and step."""
+    o_v = tl.arange(0, BLOCK_V)[None, :]
+    top = tl.full(best.shape, float("-inf"), tl.float32)
+    for u in tl.static_range(UNROLL):
+        p = p_x + (v0 + u * BLOCK_V) + o_v
+        if TAIL:  # -inf after the conversion: float8 e4m3 has no -inf to load as `other`
+            m = m_r & (o_v < vocab - (v0 + u * BLOCK_V))
+            x = tl.where(m, tl.load(p, mask=m).to(tl.float32), float("-inf"))
+        else:
+            x = tl.load(p, mask=m_r).to(tl.float32)
+        top = tl.maximum(top, x, propagate_nan=tl.PropagateNan.ALL)
+    up = ~(top <= best) & (best == best)  # above the lane's best, or its first NaN
+    return tl.where(up, top, best), tl.where(up, v0, at)
 
 
 @triton.jit(do_not_specialize=["max_depth", "stride_tree", "seq_rows", "stride_out"])
@@ -741,11 +764,16 @@ def _greedy_kernel(
     (one node per program on a GPU; under the interpreter, which runs programs one after another,
     a block of them).
 
-    logits: ``[T, V]`` any float dtype (row stride ``stride_row``, unit column stride); node j of
-    sequence b is row ``r = starts[b] + j`` (USE_STARTS) or ``b * seq_rows + j``.
+    logits: ``[T, V]`` any float dtype, compared as float32 (row stride ``stride_row``, unit
+    column stride); node j of sequence b is row ``r = starts[b] + j`` (USE_STARTS) or
+    ``b * seq_rows + j``.
     tgt: ``[T]`` int64 scratch, the argmax of each row (first column among ties; NaN above every
     number, as ``torch.argmax``). count: ``[B]`` int32, zero on entry.
     tok, par, num_nodes, acc, .., bonus: as :func:`_walk`.
+
+    The argmax (:func:`_greedy_step`): each lane keeps its largest value and the step that first
+    reached it; of the lanes holding the row's largest value, those of the earliest such step
+    re-read that step for their first column holding it; the row's argmax is the least of those.
 
     A program stores its rows' argmaxes (rows past ``num_nodes[b]``: none), then counts itself
     in ``count[b]`` (an acq_rel atomic, after a barrier: the store is visible before the count);
@@ -761,20 +789,32 @@ def _greedy_kernel(
         row = b.to(tl.int64) * seq_rows + j
     if tl.sum(m_j.to(tl.int32)) > 0:
         p_x = logits + row[:, None] * stride_row  # [NODES, 1]
-        o_v = tl.arange(0, BLOCK_V)[None, :]
-        best = tl.full([NODES, BLOCK_V], -1, tl.int64)  # per lane (columns lane, lane + BLOCK_V, ..)
-        col = tl.zeros([NODES, BLOCK_V], tl.int32)
-        for v0 in range(0, vocab, BLOCK_V * UNROLL):
-            for u in tl.static_range(UNROLL):
-                c = v0 + u * BLOCK_V + o_v
-                m = m_j[:, None] & (c < vocab)
-                x = tl.load(p_x + c, mask=m, other=0.0).to(tl.float32)
-                k = tl.where(m, tl.where(x != x, 2**32, _key(x)), -1)
-                up = k > best  # strict: a lane keeps its first column among ties
-                best = tl.where(up, k, best)
-                col = tl.where(up, c, col)
-        top = tl.max(best, axis=1)
-        tl.store(tgt + row, tl.min(tl.where(best == top[:, None], col, vocab), axis=1).to(tl.int64), mask=m_j)
+        m_r = m_j[:, None]
+        best = tl.full([NODES, BLOCK_V], float("-inf"), tl.float32)
+        at = tl.zeros([NODES, BLOCK_V], tl.int32)
+        full = vocab - vocab % (BLOCK_V * UNROLL)
+        for v0 in range(0, full, BLOCK_V * UNROLL):
+            best, at = _greedy_step(p_x, v0, vocab, m_r, best, at, BLOCK_V, UNROLL, False)
+        for v0 in range(full, vocab, BLOCK_V):  # the rest, one chunk a step
+            best, at = _greedy_step(p_x, v0, vocab, m_r, best, at, BLOCK_V, 1, True)
+        # the lanes holding the row's largest value (NaN above every number), of those the ones
+        # whose step ``at`` is the earliest, ``a`` (steps hold ordered, disjoint columns: the
+        # row's first such column is in step a). Each takes its first column holding the value
+        # (or a NaN) in the chunks from a, last to first: the last hit stays. A tail step (one
+        # chunk) hits at chunk 0; a hit past vocab (`other`) is overwritten, or is on a lane with
+        # no column (vocab < BLOCK_V, a row of -inf), which loses the min to lane 0
+        nan = best != best
+        top = tl.max(tl.where(nan, float("-inf"), best), axis=1)[:, None]
+        win = m_r & tl.where(tl.max(nan.to(tl.int32), axis=1)[:, None] > 0, nan, best == top)
+        a = tl.min(tl.where(win, at, vocab), axis=1)[:, None]
+        win = win & (at == a)
+        c = a + tl.arange(0, BLOCK_V)[None, :]
+        col = c
+        for i in range(UNROLL):
+            c_u = c + (UNROLL - 1 - i) * BLOCK_V
+            x = tl.load(p_x + c_u, mask=win & (c_u < vocab), other=float("-inf")).to(tl.float32)
+            col = tl.where((x == best) | (x != x), c_u, col)
+        tl.store(tgt + row, tl.min(tl.where(win, col, vocab), axis=1).to(tl.int64), mask=m_j)
     tl.debug_barrier()
     if tl.atomic_add(count + b, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         _walk(b, tok, par, num_nodes, tgt, starts, tgt, tgt, tgt, tgt, tgt,
