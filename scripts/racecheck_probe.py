@@ -7,7 +7,6 @@ On the H200 with compute-sanitizer 13.0 (perf log run 23) every mode reports one
 kernel's entry and its ``warp_specialize`` call (Triton's partition start-up), and the ``none``
 mode's real race (its result is wrong) is not reported: racecheck cannot judge such kernels.
 
-
   mbarrier: producer stores a [128] vector, thread_barrier, one thread arrives on READY; consumer
             waits READY, loads, thread_barrier, one thread arrives on FREE; producer waits FREE
             before the next store (the kernel's pattern, correct by the PTX memory model)
