@@ -294,14 +294,35 @@ def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
             tgt = tgt.contiguous().view(tree.batch_size, tree.width)
         else:
             tgt = tgt.contiguous()
-            starts = torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
-        acc, acc_tokens, new_tokens, lengths, bonus = walk(
-            tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), tgt, starts, tree.max_depth
-        )
-        return AcceptResult(
-            accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens
-        )
+            starts = _row_starts(tree)
+        return _walk_result(walk(*_walk_trees(tree), tgt, starts, tree.max_depth))
     return _accept_tokens_torch(tree, _padded_targets(tree, target_tokens))
+
+
+def _walk_trees(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens``, ``parents`` ``[B, n]`` and ``num_nodes`` ``[B]`` contiguous, as the walk kernels
+    index them."""
+    return tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous()
+
+
+def _row_starts(tree: DraftTree) -> torch.Tensor | None:
+    """Each tree's first row among the ``[T]`` flat node rows; None for uniform trees (row ``b * n + j``)."""
+    return None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes
+
+
+def _walk_result(outputs: tuple) -> AcceptResult:
+    """An :class:`AcceptResult` from a walk launcher's ``(acc, acc_tok, new_tok, lengths, bonus)``."""
+    acc, acc_tokens, new_tokens, lengths, bonus = outputs
+    return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
+
+
+def _check_target_rows(tree: DraftTree, target_logits: torch.Tensor) -> None:
+    """``target_logits`` on the tree's device with one row per node (``ValueError``)."""
+    if target_logits.device != tree.device:
+        raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
+    T = sum(tree.num_nodes_host)
+    if target_logits.shape[0] != T:
+        raise ValueError(f"target_logits must have T={T} rows, got {target_logits.shape[0]}")
 
 
 def _accept_tokens_torch(tree: DraftTree, tgt: torch.Tensor) -> AcceptResult:
@@ -352,17 +373,9 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
     if not (tree.device.type == "cuda" or interpreting()):
         return accept_tokens(tree, target_tokens_greedy(target_logits))
     _filter_args(target_logits, 1.0, None, None, "target_logits")
-    T = sum(tree.num_nodes_host)
-    if target_logits.device != tree.device:
-        raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
-    if target_logits.shape[0] != T:
-        raise ValueError(f"target_logits must have T={T} rows, got {target_logits.shape[0]}")
+    _check_target_rows(tree, target_logits)
     logits = target_logits if target_logits.stride(1) == 1 else target_logits.contiguous()
-    acc, acc_tokens, new_tokens, lengths, bonus = greedy_walk(
-        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
-        None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
-    )
-    return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
+    return _walk_result(greedy_walk(*_walk_trees(tree), logits, _row_starts(tree), tree.max_depth))
 
 
 def accept_sampling(
@@ -398,11 +411,7 @@ def accept_sampling(
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     temp, k_static, k_rows, p = _filter_args(target_logits, temperature, top_k, top_p, "target_logits")
-    T, V = target_logits.shape
-    if target_logits.device != tree.device:
-        raise ValueError(f"target_logits is on {target_logits.device}, expected {tree.device}")
-    if T != sum(tree.num_nodes_host):
-        raise ValueError(f"target_logits must have T={sum(tree.num_nodes_host)} rows, got {T}")
+    _check_target_rows(tree, target_logits)
     top_p_on = isinstance(p, torch.Tensor) or (p is not None and p < 1)
     fused = k_rows is None and (k_static or 0) <= MAX_FUSED_TOP_K and (k_static is not None or not top_p_on)
     if not fused or not (tree.device.type == "cuda" or interpreting()):
@@ -418,12 +427,10 @@ def accept_sampling(
             return x.to(torch.float32).contiguous()
         return off if x is None else float(x)
 
-    acc, acc_tokens, new_tokens, lengths, bonus = sample_walk(
-        tree.tokens.contiguous(), tree.parents.contiguous(), tree.num_nodes.contiguous(), logits,
-        None if tree.uniform else torch.cumsum(tree.num_nodes, 0) - tree.num_nodes, tree.max_depth,
+    return _walk_result(sample_walk(
+        *_walk_trees(tree), logits, _row_starts(tree), tree.max_depth,
         temp=rows(temp, 1.0), top_k=k_static or 0, top_p=rows(p, 2.0), seed=seed,
-    )
-    return AcceptResult(accepted=acc, lengths=lengths, bonus=bonus, accepted_tokens=acc_tokens, new_tokens=new_tokens)
+    ))
 
 
 # ----------------------------------------------------------------------------------------------

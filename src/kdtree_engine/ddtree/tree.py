@@ -255,6 +255,20 @@ def _resolve_k(budget: int, vocab: int, topk: int | None) -> int:
 # vectorised best-first expansion
 
 
+def _pair_counts(num_parents: int, k: int, budget: int) -> list[int]:
+    """Candidate children of each parent slot ``i < num_parents``: ranks r with ``(i+1)(r+1) <= budget``."""
+    return [min(k, budget // (i + 1)) for i in range(num_parents)]
+
+
+def _kept_counts(k: int, depth_cap: int, budget: int) -> list[int]:
+    """Nodes each depth can keep: ``min(budget, its candidates)``, the parents being the depth above's."""
+    kept, n_par = [], 1
+    for _ in range(depth_cap):
+        kept.append(min(budget, sum(_pair_counts(n_par, k, budget))))
+        n_par = kept[-1]
+    return kept
+
+
 @lru_cache(maxsize=256)
 def _pairs(num_parents: int, k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate (parent slot i, rank r) pairs of one depth with ``(i+1)(r+1) <= budget``.
@@ -265,7 +279,7 @@ def _pairs(num_parents: int, k: int, budget: int, device: str) -> tuple[torch.Te
     dev = torch.device(device)
     i = torch.arange(num_parents, device=dev)
     counts = torch.clamp(budget // (i + 1), max=k)
-    total = sum(min(k, budget // (j + 1)) for j in range(num_parents))
+    total = sum(_pair_counts(num_parents, k, budget))
     pi = torch.repeat_interleave(i, counts, output_size=total)
     starts = torch.cumsum(counts, 0) - counts
     pr = torch.arange(total, device=dev) - starts[pi]
@@ -277,13 +291,8 @@ def _plan(k: int, depth_cap: int, budget: int, device: str):
     """Static layout of one expansion: per-depth pair lists and kept counts, and the columns
     (depth, slot within its depth, offset of the parent depth) of the concatenated kept nodes."""
     dev = torch.device(device)
-    pairs, kept = [], []
-    n_par = 1
-    for _ in range(depth_cap):
-        pi, pr = _pairs(n_par, k, budget, device)
-        kept.append(min(budget, pi.numel()))
-        pairs.append((pi, pr))
-        n_par = kept[-1]
+    kept = _kept_counts(k, depth_cap, budget)
+    pairs = [_pairs(n_par, k, budget, device) for n_par in [1] + kept[:-1]]
     depth_col = torch.cat([torch.full((m,), d + 1, dtype=torch.int64, device=dev) for d, m in enumerate(kept)])
     slot_col = torch.cat([torch.arange(m, device=dev) for m in kept])
     offsets = [0]
@@ -302,8 +311,7 @@ def _pair_table(k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.T
     of :func:`_pairs` with up to ``budget`` parents, by slot then rank) and ``pair_end``
     (``[budget + 1]`` int64, the number of pairs of the slots below each)."""
     pi, pr = _pairs(budget, k, budget, device)
-    counts = [min(k, budget // (i + 1)) for i in range(budget)]
-    pair_end = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.device(device))
+    pair_end = torch.tensor([0] + _pair_counts(budget, k, budget), dtype=torch.int64).cumsum(0).to(torch.device(device))
     return pi * k + pr, pair_end
 
 
@@ -337,7 +345,7 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
         return _root_only(roots)
     if dev.type == "cuda" or interpreting():
         pairs, pair_end = _pair_table(K, budget, str(dev))
-        total = sum(_plan(K, depth_cap, budget, str(dev))[1])  # nodes the per-depth lists can hold
+        total = sum(_kept_counts(K, depth_cap, budget))  # nodes the per-depth lists can hold
         tokens, parents, depths, ranks, scores, num_nodes = expand(
             lp.contiguous(), ids.contiguous(), roots.contiguous(), pairs, pair_end,
             budget, depth_cap, min(budget, total),
