@@ -72,6 +72,13 @@ MERGE_TYPES = dict(ws_m="*fp32", ws_s="*fp32", ws_cand="*i64", out_lp="*i64", ou
 MERGE_CONSTS = dict(K=512, SCALE=float(2**20), FLOOR=-1000.0, ROWS=1, SLICE=K.TOPK_SLICE, BITS=16, BLOCK_G=16,
                     BLOCK_C=8192, BLOCK_K=512, RANK_SORT=False, CHUNK=512)
 
+GREEDY_TYPES = dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64",
+                    starts="*i64", acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64", bonus="*i64",
+                    num_seqs="i32", max_depth="i32", vocab="i32", stride_tree="i32", seq_rows="i32", stride_row="i32",
+                    stride_out="i32")
+GREEDY_CONSTS = dict(USE_STARTS=False, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=K.GREEDY_BLOCK_V, UNROLL=K.STREAM_UNROLL,
+                     NODES=1)
+
 CASES = [
     ("_topk_slice_kernel, split (V=163840: 10 slices of 16384, K=512, bf16)", K._topk_slice_kernel, TOPK_TYPES,
      TOPK_CONSTS, K._topk_warps(K.TOPK_SLICE)),
@@ -82,12 +89,7 @@ CASES = [
      dict(MERGE_CONSTS, K=1023, BLOCK_C=16384, BLOCK_K=1024, CHUNK=1024), K._topk_warps(16384)),
     ("_topk_slice_kernel, one slice (V=16384, K=512: select and finish)", K._topk_slice_kernel, TOPK_TYPES,
      dict(TOPK_CONSTS, FINISH=True), K._topk_warps(K.TOPK_SLICE)),
-    ("_greedy_kernel (V=163840, n=513)", K._greedy_kernel,
-     dict(logits="*bf16", tgt="*i64", count="*i32", tok="*i64", par="*i64", num_nodes="*i64", starts="*i64",
-          acc="*i64", acc_tok="*i64", new_tok="*i64", lengths="*i64", bonus="*i64", num_seqs="i32",
-          max_depth="i32", vocab="i32", stride_tree="i32", seq_rows="i32", stride_row="i32", stride_out="i32"),
-     dict(USE_STARTS=False, BLOCK_N=1024, BLOCK_D=32, BLOCK_V=K.GREEDY_BLOCK_V, UNROLL=K.STREAM_UNROLL, NODES=1),
-     8),
+    ("_greedy_kernel (V=163840, n=513)", K._greedy_kernel, GREEDY_TYPES, GREEDY_CONSTS, 8),
     ("_walk_kernel tokens (n=513)", K._walk_kernel, WALK_TYPES, WALK_CONSTS, 4),
     ("_walk_kernel tokens, flat rows (n=513)", K._walk_kernel, WALK_TYPES, dict(WALK_CONSTS, USE_STARTS=True), 4),
     ("_walk_kernel sample top-k 50 (V=163840, CAP=256)", K._walk_kernel, SAMPLE_TYPES,
@@ -97,6 +99,13 @@ CASES = [
     ("_walk_kernel sample top-k 1024 (CAP=2048)", K._walk_kernel, SAMPLE_TYPES,
      dict(SAMPLE_CONSTS, TOP_K=True, CAP=2048), 8),
     ("_walk_kernel sample, temperature only", K._walk_kernel, SAMPLE_TYPES, SAMPLE_CONSTS, 8),
+    # one-node trees (sample_rows), 4 lanes and a 16-entry buffer: tests/test_ddtree_accept.py's tiny-buffer
+    # case, which crashed Triton 3.6 with one-element blocks (run 24)
+    ("_walk_kernel sample, one-node trees, 4 lanes, CAP=16, per-row filters", K._walk_kernel, SAMPLE_TYPES,
+     dict(SAMPLE_CONSTS, TOP_K=True, CAP=16, TEMP_ROWS=True, TOP_P_ROWS=True, BLOCK_N=K.block_of(1),
+          BLOCK_D=K.block_of(1), BLOCK_V=4), 4),
+    ("_greedy_kernel (V=70, one-node trees)", K._greedy_kernel, GREEDY_TYPES,
+     dict(GREEDY_CONSTS, BLOCK_N=K.block_of(1), BLOCK_D=K.block_of(1), BLOCK_V=128), 8),
 ]
 
 

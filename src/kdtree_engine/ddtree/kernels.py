@@ -46,6 +46,14 @@ def _ranked(b_key, p_tmp, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
 
 
 
+def block_of(n: int) -> int:
+    """A block holding ``n`` elements: the power of 2 at least ``n``, and 2 at least. Triton 3.6
+    miscompiles these kernels for sm_90 ("operand does not dominate this use" in
+    TritonGPURemoveLayoutConversions) when a block has one element: one-node trees, depth-0 walks,
+    budget-1 expansions (docs/perf_log.md run 23 and run 24)."""
+    return max(triton.next_power_of_2(n), 2)
+
+
 def _seqs_per_program(batch: int, block: int, slots: int = 2**16) -> int:
     """Sequences per program: one on a GPU (small trees: up to 1024 elements per program); under
     the interpreter, which runs programs one after another, the batch in few programs (about
@@ -661,7 +669,7 @@ def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_
     B, n = tokens.shape
     dev = tokens.device
     acc, acc_tok, new_tok, lengths, bonus = _walk_outputs(B, max_depth, dev)
-    block_n = triton.next_power_of_2(n)
+    block_n = block_of(n)
     s = sample or {}
     vocab = target.shape[1] if sample else 1
     top_k = s.get("top_k", 0)
@@ -694,7 +702,7 @@ def _walk_launch(tokens, parents, num_nodes, target, starts, seq_rows: int, max_
         CAP=cap,
         SEQS=seqs,
         BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(max_depth + 1),
+        BLOCK_D=block_of(max_depth + 1),
         BLOCK_V=block_v,
         UNROLL=STREAM_UNROLL,
         num_warps=8 if sample and block_v >= 2048 else 4,
@@ -842,8 +850,8 @@ def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
         B, max_depth, vocab,
         tokens.stride(0), n, logits.stride(0), acc.stride(0),
         USE_STARTS=starts is not None,
-        BLOCK_N=triton.next_power_of_2(n),
-        BLOCK_D=triton.next_power_of_2(max_depth + 1),
+        BLOCK_N=block_of(n),
+        BLOCK_D=block_of(max_depth + 1),
         BLOCK_V=block_v,
         UNROLL=STREAM_UNROLL,
         NODES=nodes,
@@ -1070,9 +1078,9 @@ def expand_constexprs(B: int, K: int, budget: int, num_pairs: int, depth_cap: in
     """:func:`_expand_kernel`'s constexprs and ``num_warps`` for ``B`` sequences of ``K`` ranks per
     position, a ``budget``-node tree, a candidate table of ``num_pairs`` entries and ``depth_cap``
     depths; ``rank_sort``: under the interpreter (ranks by counting, a block of sequences per program)."""
-    block_g = max(triton.next_power_of_2(budget), 2)
-    # blocks of 2 at least and BLOCK_C twice BLOCK_G at least: else Triton 3.6 miscompiles the kernel for sm_90
-    # ("operand does not dominate this use"; budget 1, or budget 3 at top-k 2)
+    block_g = block_of(budget)
+    # BLOCK_C twice BLOCK_G at least: else Triton 3.6 miscompiles the kernel for sm_90 as for one-element
+    # blocks (see block_of; budget 3 at top-k 2)
     block_c = max(triton.next_power_of_2(num_pairs), 2 * block_g)
     tiers = [min(t, block_c) for t in EXPAND_TIERS]
     seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
