@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize tune
-#                                        (default: all but tune; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize tune timeline
+#                                        (default: all but tune and timeline; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -42,6 +42,8 @@ for stage in "${stages[@]}"; do
       done ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
+    timeline)
+      python3 scripts/hopper_timeline.py ${TIMELINE_ARGS:-} --json "$OUT/timeline.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -93,3 +93,18 @@ def test_dispatch_never_picks_what_cannot_run():
         with pytest.raises(ValueError, match="kernel='hopper' needs an sm_90 GPU"):
             verify_attention(**c, kernel="hopper")
 
+
+
+def test_timeline_script_still_fits_the_kernel():
+    """scripts/hopper_timeline.py stamps a copy of the kernel's source at anchors: each is still
+    there as often as it expects, and the stamped copy is still Python."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "hopper_timeline.py"
+    spec = importlib.util.spec_from_file_location("hopper_timeline", path)
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    src = timeline.stamped_source(8)
+    compile(src, "hopper_stamped.py", "exec")
+    assert all(f"_stamp(trace, steps, {point}, WG)" in src for point in range(timeline.NPOINTS))

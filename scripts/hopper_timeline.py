@@ -1,0 +1,196 @@
+"""Where a step of the Hopper kernel spends its cycles: ``%clock64`` stamps per consumer and step.
+
+    PYTHONPATH=src python scripts/hopper_timeline.py [--shapes 64x33x4x16384x64,...] [--steps 96] [--json t.json]
+
+The kernel is not changed for this: the script copies ``verify/hopper.py``'s source, adds a
+``trace`` pointer to the kernel and the consumer partitions and a stamp (one ``%clock64`` read,
+stored by every thread of the warpgroup to the same address) at the points below, imports the
+copy from a temporary file and runs it on the plan of each shape (the combine kernel is not run:
+the stamps are the main kernel's). Every anchor must be found as often as ``EDITS`` says, else the
+script stops: the kernel changed (tests/test_verify_hopper.py checks the anchors on the CPU).
+
+Points per consumer and step (``steps``: the consumer's step counter over all its segments):
+
+- consumer 0: 0 step start, 1 first K chunk of its tile landed, 2 S = QK^T done, 3 consumer 1's
+  row max received, 4 own PV done, 5 consumer 1's P received, 6 step end (other PV done);
+- consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's row max received,
+  4 consumer 0's P received, 5 own PV + other PV issued and the first retired, 6 step end.
+
+Printed per shape and consumer: the median over programs and steps of each interval (cycles),
+the step's median, and the stamped kernel's time against the unstamped kernel's (CUDA-graph
+replay), so the stamps' own cost is visible. A step's interval that is mostly waiting (1 - 0:
+K not there yet; 3 - 2: the other consumer's max) is on the critical path of the other side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tune_flash import make_inputs, time_graph  # noqa: E402
+
+from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
+from kdtree_engine.verify.plan import plan_verify  # noqa: E402
+
+NPOINTS = 7
+LOG2E = 1.4426950408889634
+
+STAMP_FN = '''
+    @gluon.jit
+    def _stamp(trace, steps, POINT: gl.constexpr, WG: gl.constexpr):
+        """%clock64 into trace[program, WG, steps, POINT] for the first MAX_STEPS steps."""
+        if steps < MAX_STEPS:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+            gl.store(trace + ((gl.program_id(0) * 2 + WG) * MAX_STEPS + steps) * NPOINTS + POINT, t)
+
+    @gluon.jit
+    def _copy_rows('''
+
+# (anchor, replacement): each anchor occurs exactly once (count given where more)
+EDITS = [
+    ("    @gluon.jit\n    def _copy_rows(", STAMP_FN, 1),
+    ("from .", "from kdtree_engine.verify.", 3),
+    ("        scale_log2,\n        H: gl.constexpr, PAGE_SIZE", "        scale_log2, trace,\n        H: gl.constexpr, PAGE_SIZE", 1),
+    ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                     WG: gl.constexpr",
+     "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                     WG: gl.constexpr", 1),
+    ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                            0, H,",
+     "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                            0, H,", 1),
+    ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                            1, H,",
+     "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                            1, H,", 1),
+    # step start; first chunk of the own tile (a second wait on a completed phase returns at once)
+    ("                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n",
+     "                _stamp(trace, steps, 0, WG)\n"
+     "                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n", 1),
+    ("                    zero = j >> 30\n",
+     "                    zero = j >> 30\n"
+     "                    mbarrier.wait(bars.index(_FULL + 3 * WG + _LEFT + WG), own_uses & 1)\n"
+     "                    _stamp(trace, steps, 1, WG)\n", 1),
+    ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
+    # consumer 0
+    ("                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)\n",
+     "                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
+    ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))\n",
+     "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 4, WG)\n"
+     "                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))\n", 1),
+    ("                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)\n",
+     "                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+    # consumer 1
+    ("                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n",
+     "                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
+    ("                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)\n",
+     "                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        _stamp(trace, steps, 4, WG)\n"
+     "                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)\n", 1),
+    ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
+     "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 5, WG)\n", 1),
+    ("                steps += 1\n", "                _stamp(trace, steps, 6, WG)\n                steps += 1\n", 1),
+]
+
+
+def stamped_source(max_steps: int) -> str:
+    """verify/hopper.py's source with the stamps (``ValueError`` when an anchor is not found as often
+    as expected: the kernel changed, update ``EDITS``)."""
+    src = Path(hopper.__file__).read_text()
+    edits = EDITS + [("    _NUM_BARS = gl.constexpr(19)\n", f"    _NUM_BARS = gl.constexpr(19)\n    MAX_STEPS = "
+                      f"gl.constexpr({max_steps})\n    NPOINTS = gl.constexpr({NPOINTS})\n", 1)]
+    for anchor, new, count in edits:
+        found = src.count(anchor)
+        if found != count:
+            raise ValueError(f"anchor found {found} times (expected {count}): {anchor[:80]!r}")
+        src = src.replace(anchor, new)
+    return src
+
+
+def stamped_module(max_steps: int):
+    """The stamped copy of verify/hopper.py, imported from a temporary file."""
+    path = Path(tempfile.mkdtemp()) / "hopper_stamped.py"
+    path.write_text(stamped_source(max_steps))
+    spec = importlib.util.spec_from_file_location("hopper_stamped", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["hopper_stamped"] = mod  # gluon.jit reads the function's module
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def launcher(kernel, c, plan, out, lse, trace, H, page_size):
+    """A launch of ``kernel`` (the Hopper kernel or its stamped copy) on the plan's tables."""
+    tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
+    t = plan.tables
+    args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *kernel_ints(*tensors),
+            LOG2E / math.sqrt(576))
+    extra = () if trace is None else (trace,)
+    consts = dict(H=H, PAGE_SIZE=page_size, BLOCK_M=hopper.BLOCK_M, BLOCK_N=hopper.BLOCK_N, D_LAT=512, D_ROPE=64,
+                  LOADER_WARPS=hopper.LOADER_WARPS, CONSUMER_REGS=hopper.CONSUMER_REGS,
+                  LOADER_REGS=hopper.LOADER_REGS, num_warps=4)
+    grid = (plan.num_programs,)
+    return lambda: kernel[grid](*args, *extra, **consts)
+
+
+def intervals(trace: torch.Tensor) -> dict:
+    """Median cycles of each interval per consumer: ``trace [P, 2, steps, NPOINTS]`` (-1: not stamped)."""
+    res = {}
+    for wg in range(2):
+        t = trace[:, wg]  # [P, S, N]
+        full = (t >= 0).all(dim=2)
+        nxt = torch.zeros_like(full)
+        nxt[:, :-1] = full[:, 1:]
+        rows = {f"{a}-{a - 1}": [] for a in range(1, NPOINTS)}
+        rows["next0-6"], rows["step"] = [], []
+        for p, s in (full & nxt).nonzero().tolist():
+            v = t[p, s].tolist()
+            for a in range(1, NPOINTS):
+                rows[f"{a}-{a - 1}"].append(v[a] - v[a - 1])
+            rows["next0-6"].append(t[p, s + 1, 0].item() - v[6])
+            rows["step"].append(t[p, s + 1, 0].item() - v[0])
+        res[f"consumer{wg}"] = {k: (statistics.median(x) if x else None) for k, x in rows.items()}
+        res[f"consumer{wg}"]["steps"] = len(rows["step"])
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="64x33x4x16384x64,64x9x1x131072x64,128x33x1x16384x64,16x9x4x16384x64,"
+                   "64x33x4x16384x1", help="H x nodes x B x prefix x page size")
+    p.add_argument("--steps", type=int, default=96, help="steps stamped per consumer and program")
+    p.add_argument("--json")
+    a = p.parse_args()
+    mod = stamped_module(a.steps)
+    results = []
+    for text in a.shapes.split(","):
+        H, n, B, prefix, ps = (int(x) for x in text.split("x"))
+        c = make_inputs(H, n, B, prefix, ps)
+        plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
+        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        trace = torch.full((plan.num_programs, 2, a.steps, NPOINTS), -1, dtype=torch.int64, device="cuda")
+        plain = launcher(hopper._hopper_verify_kernel, c, plan, out, lse, None, H, ps)
+        stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, trace, H, ps)
+        plain_us, stamped_us = time_graph(plain) * 1e6, time_graph(stamped) * 1e6
+        trace.fill_(-1)
+        stamped()
+        torch.cuda.synchronize()
+        row = dict(shape=text, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
+                   **intervals(trace.cpu()))
+        results.append(row)
+        print(f"{text}: main kernel {plain_us:.1f} us, stamped {stamped_us:.1f} us, {plan.num_segments} segments")
+        for wg in range(2):
+            r = row[f"consumer{wg}"]
+            print(f"  consumer {wg} ({r['steps']} steps): " + "  ".join(
+                f"{k} {v:.0f}" for k, v in r.items() if k != "steps" and v is not None))
+        del c
+        torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
