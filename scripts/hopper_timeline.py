@@ -87,9 +87,9 @@ EDITS = [
     # consumer 1
     ("                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n",
      "                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
-    ("                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)\n",
-     "                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        _stamp(trace, steps, 4, WG)\n"
-     "                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)\n", 1),
+    ("                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n",  # with and without an own tile
+     "                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        _stamp(trace, steps, 4, WG)\n",
+     2),
     ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
      "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 5, WG)\n", 1),
     ("                steps += 1\n", "                _stamp(trace, steps, 6, WG)\n                steps += 1\n", 1),
