@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from conftest import DEVICE, requires_cuda
-from kdtree_engine.ddtree import accept_greedy, build_ddtree
+from kdtree_engine.ddtree import accept_greedy, build_ddtree, tree_from_parents
 from kdtree_engine.kvpool import KVPool
 from kdtree_engine.model import MLARunner, Phase, build_random_model, tiny_config
 from kdtree_engine.model.drafters import NGramDrafter, SyntheticDrafter
 from kdtree_engine.model.graphs import PhaseClock, StepGraph
 from kdtree_engine.model.speculative import GenerateResult, SpeculativeEngine, check_lossless
+from kdtree_engine.model.step_kernels import _record_step_torch, record_step
 
 
 def test_eager_step_graph_runs_phases_in_order_and_times_each_kind():
@@ -110,6 +111,103 @@ def test_book_and_place_tree_are_reserve_tree(page_size):
     for other in pools[1:]:
         for a, b in zip(pools[0], other):
             assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+
+
+def _awkward_trees(B: int, budget: int, g: torch.Generator):
+    """Trees of one step: a DDTree of ``budget`` nodes from tie-heavy draft logits (values in
+    {0, 1, 2}: many equal logits), one-node trees, and ragged trees from parent lists."""
+    roots = torch.randint(0, 9, (B,), generator=g).to(DEVICE)
+    yield build_ddtree(torch.randint(0, 3, (B, 5, 11), generator=g).float().to(DEVICE), budget, roots)
+    yield build_ddtree(torch.zeros(B, 0, 11, device=DEVICE), 0, roots)
+    shapes = [[-1, 0, 0, 1, 3, 1, 5], [-1], [-1, 0, 1, 2, 3], [-1, 0, 0, 0]]
+    par = [shapes[b % 4] for b in range(B)]
+    yield tree_from_parents(par, [[int(x) for x in torch.randint(0, 50, (len(p),), generator=g)] for p in par])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("B,budget", [(1, 1), (1, 16), (4, 16), (5, 63)])
+def test_step_inputs_kernel_equals_torch_ops(page_size, B, budget):
+    """The fused step-inputs kernel writes compile_tree's and the pool's op-by-op tensors bit for
+    bit: ragged batches over sequences of ragged lengths in shuffled pages, B = 1, one-node trees
+    and trees of the budget (up to 64 nodes: two mask words)."""
+    g = torch.Generator().manual_seed(B * 100 + budget + page_size)
+    lens = torch.randint(0, 40, (B,), generator=g).tolist()
+    out = []
+    for use_triton in (False, True):
+        g.manual_seed(7)
+        pool = KVPool(8 + B * 120 // page_size, page_size, device=DEVICE, max_seqs=B + 1, max_seq_len=120,
+                      use_triton=use_triton)
+        pool.shuffle_free_pages(3)
+        pool.add_sequence()  # row 0 unused: the sequences' rows are not 0..B-1
+        ids = [pool.add_sequence() for _ in range(B)][::-1]
+        pool.extend(ids, lens)
+        for tree in _awkward_trees(B, budget, g):
+            step = pool.reserve_step(ids, tree)
+            out.append(step)
+            pool.commit(ids, torch.zeros(B, 1, dtype=torch.int64, device=DEVICE),
+                        torch.ones(B, dtype=torch.int64, device=DEVICE), num_accepted_host=[1] * B)
+    half = len(out) // 2
+    for a, b in zip(out[:half], out[half:]):
+        for name in ("tokens", "rope_pos", "slots", "page_table", "kv_lens", "qo_indptr", "tree_mask"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+        assert (a.kv_lens_host, a.qo_indptr_host) == (b.kv_lens_host, b.qo_indptr_host)
+
+
+@pytest.mark.parametrize("B,width,vocab", [(1, 1, 2), (1, 7, 50), (4, 1, 300), (3, 5, 1500), (2, 3, 20000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_record_step_kernel_equals_torch_ops(B, width, vocab, dtype):
+    """The fused record of a step (top-2 logits of each emitted token, the result rows, the
+    histories' append) equals the op-by-op one: ragged lengths, B = 1, one-column paths, vocabularies
+    past one block and one program's slice, tie-heavy rows (small integers: the top value held twice or more)."""
+    g = torch.Generator().manual_seed(B * 10 + width + vocab)
+    n = torch.randint(1, 6, (B,), generator=g)
+    T = int(n.sum())
+    logits = torch.randint(-3, 4, (T, vocab), generator=g).to(dtype)
+    logits[0, -1] = 9  # a row's largest in the last block
+    qo = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32)
+    lengths = torch.randint(1, width + 1, (B,), generator=g)
+    j = torch.arange(width)
+    accepted = torch.where(j < lengths[:, None], torch.minimum(j, n[:, None] - 1).expand(B, width), -1)
+    new_tokens = torch.where(j < lengths[:, None], torch.randint(0, 99, (B, width), generator=g), -1)
+    rows = torch.randperm(B + 2, generator=g)[:B]
+    C = 40
+    history = torch.randint(0, 99, (B + 2, C + 1), generator=g)
+    hist_len = torch.randint(1, C - width, (B + 2,), generator=g)
+    outs = []
+    for fn in (_record_step_torch, record_step):
+        h, hl = history.clone().to(DEVICE), hist_len.clone().to(DEVICE)
+        res, top2 = fn(*(t.to(DEVICE) for t in (logits, qo, accepted, lengths, new_tokens, rows)), h, hl)
+        outs.append((res, top2, h[:, :C], hl))  # column C: the torch path's trash column
+    for x, y in zip(*outs):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    with pytest.raises(ValueError, match="logits must be a float tensor"):
+        record_step(logits[:, :1].to(DEVICE), *(t.to(DEVICE) for t in (qo, accepted, lengths, new_tokens, rows)),
+                    history.to(DEVICE), hist_len.to(DEVICE))
+    with pytest.raises(TypeError, match="accepted must be an integer tensor"):
+        record_step(logits.to(DEVICE), qo.to(DEVICE), accepted.float().to(DEVICE),
+                    *(t.to(DEVICE) for t in (lengths, new_tokens, rows, history, hist_len)))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CUDA runs the pool's kernels in every engine test")
+def test_engine_with_the_pool_kernels_decodes_the_same_tokens():
+    """Plain and n-gram decoding with the pool's kernels (the fused step inputs, page pops and
+    commit, as on CUDA; the interpreter here) emit the tokens and top-2 logits of its tensor ops."""
+    cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)
+    runner = MLARunner(build_random_model(cfg, seed=0), kernel="reference", cache_dtype=torch.float16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 8, (P,), generator=g).tolist() for P in (37, 9, 22)]  # repetitive: n-grams hit
+    outs = []
+    for use_triton in (False, True):
+        eng = SpeculativeEngine(runner, None, budget=8, depth=3, page_size=4)
+        eng.prefill(prompts, 10)
+        eng.pool.use_triton = use_triton
+        for drafter in (None, NGramDrafter(cfg.vocab_size)):
+            eng.reset()
+            eng.drafter = drafter
+            res = eng.decode()
+            outs.append((res.tokens, [t.tolist() for t in res.top2]))
+    assert outs[:2] == outs[2:]
 
 
 def test_step_inputs_and_replayed_commit_refuse_a_missing_reservation():

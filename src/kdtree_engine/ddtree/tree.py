@@ -419,18 +419,20 @@ def _expand_topk_torch(lp, ids, roots, budget: int, depth_cap: int) -> DraftTree
 
 
 def _root_only(roots: torch.Tensor) -> DraftTree:
+    """One-node trees of the ``[B]`` int64 roots, in four device ops (a plain decoding step's tree)."""
     B = roots.shape[0]
     dev = roots.device
-    z = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+    neg = torch.full((2, B, 1), -1, dtype=torch.int64, device=dev)  # parents, ranks
+    zero = torch.zeros(2, B, 1, dtype=torch.int64, device=dev)  # depths, scores
     return DraftTree(
         tokens=roots[:, None].clone(),
-        parents=z - 1,
-        depths=z.clone(),
+        parents=neg[0],
+        depths=zero[0],
         num_nodes=torch.ones(B, dtype=torch.int64, device=dev),
         num_nodes_host=(1,) * B,
         max_depth=0,
-        ranks=z - 1,
-        scores=z.clone(),
+        ranks=neg[1],
+        scores=zero[1],
     )
 
 

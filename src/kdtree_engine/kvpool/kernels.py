@@ -1,5 +1,5 @@
-"""The KV pool's device kernels: the commit of accepted paths, the page pops of a reservation
-and the page copy, with their launchers.
+"""The KV pool's device kernels: the commit of accepted paths, the page pops of a reservation,
+a step's verify inputs and the page copy, with their launchers.
 
 Both kernels work on the pool's own buffers (made by :class:`~kdtree_engine.kvpool.KVPool`, so
 their layouts are known): the page store ``[num_layers, num_pages + 1, page_size, 576]`` with
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["copy_pages", "launch_commit", "launch_pop_pages"]
+__all__ = ["copy_pages", "launch_commit", "launch_pop_pages", "launch_step_inputs"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,6 +206,70 @@ def _commit_kernel(
         tl.store(done, 0)
 
 
+@triton.jit
+def _node_bits(node, o_w):
+    """``[BN, BW]`` int32: bit ``node % 32`` of word ``node // 32`` per row (none where node < 0)."""
+    hit = (o_w[None, :] == (node // 32)[:, None]) & (node >= 0)[:, None]
+    return tl.where(hit, (tl.full([1, 1], 1, tl.int32) << (node % 32).to(tl.int32)[:, None]), 0)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "width", "max_depth", "stride_tree", "stride_t", "num_cols"])
+def _step_inputs_kernel(
+    rows, tokens, parents, depths, num_nodes, table, lens, tree,
+    out_tokens, out_pos, out_slots, out_pages, out_lens, out_qo, out_mask,
+    num_seqs, width, max_depth, stride_tree, stride_t, num_cols,
+    PAGE_SIZE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """The verify inputs of sequence b (one program each) from the pool and its reserved tree.
+
+    Prefix P = lens[r] - tree[r] (r = rows[b]); the tree's first flat row s = sum of num_nodes
+    before b. Writes kv_lens[b] = lens[r], qo_indptr[b + 1] = s + n_b (program 0 also the leading
+    0), the page-table row (num_cols entries of table row r), and for node j < n_b, row s + j: its
+    token, RoPE position P + depth, slot of cache position P + j (page column clamped to
+    num_cols - 1) and its ancestor-or-self mask, built by walking up to max_depth parents.
+    """
+    i_b = tl.program_id(0)
+    r = tl.load(rows + i_b).to(tl.int64)
+    kv_len = tl.load(lens + r)
+    prefix = (kv_len - tl.load(tree + r)).to(tl.int64)
+    o_bb = tl.arange(0, BLOCK_B)
+    start = tl.sum(tl.load(num_nodes + o_bb, mask=o_bb < i_b, other=0), 0)
+    n = tl.load(num_nodes + i_b)
+    tl.store(out_lens + i_b, kv_len)
+    tl.store(out_qo + i_b + 1, (start + n).to(tl.int32))
+    if i_b == 0:
+        tl.store(out_qo, 0)
+    p_row = table + r * stride_t
+    p_pages = out_pages + i_b.to(tl.int64) * num_cols
+    for c0 in range(0, num_cols, BLOCK_P):
+        o_p = c0 + tl.arange(0, BLOCK_P)
+        m_p = o_p < num_cols
+        tl.store(p_pages + o_p, tl.load(p_row + o_p, mask=m_p), mask=m_p)
+    p_tree = i_b.to(tl.int64) * stride_tree
+    o_w = tl.arange(0, BLOCK_W)
+    for j0 in range(0, width, BLOCK_N):
+        o_j = j0 + tl.arange(0, BLOCK_N)
+        m_j = o_j < n
+        row = start + o_j
+        tl.store(out_tokens + row, tl.load(tokens + p_tree + o_j, mask=m_j), mask=m_j)
+        tl.store(out_pos + row, prefix + tl.load(depths + p_tree + o_j, mask=m_j), mask=m_j)
+        pos = prefix + o_j
+        page = tl.load(p_row + tl.minimum(pos // PAGE_SIZE, num_cols - 1), mask=m_j, other=0).to(tl.int64)
+        tl.store(out_slots + row, page * PAGE_SIZE + pos % PAGE_SIZE, mask=m_j)
+        node = tl.where(m_j, o_j, -1).to(tl.int64)
+        bits = _node_bits(node, o_w)
+        for _ in range(max_depth):
+            node = tl.load(parents + p_tree + tl.maximum(node, 0), mask=node >= 0, other=-1)
+            bits |= _node_bits(node, o_w)
+        m_x = m_j[:, None] & (o_w < WORDS)[None, :]
+        tl.store(out_mask + row[:, None] * WORDS + o_w[None, :], bits, mask=m_x)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host launchers (Triton) and their torch equivalents (CPU, or use_triton=False)
 
@@ -291,3 +355,35 @@ def launch_pop_pages(table: torch.Tensor, lens: torch.Tensor, tree: torch.Tensor
         BLOCK_B=_pow2(B), BLOCK_K=_pow2(max(1, max_pages)),
         num_warps=1,
     )
+
+
+def launch_step_inputs(table: torch.Tensor, lens: torch.Tensor, tree: torch.Tensor, rows: torch.Tensor,
+                       tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, num_nodes: torch.Tensor,
+                       num_rows: int, max_depth: int, num_cols: int, page_size: int, words: int):
+    """One launch of the step-inputs kernel (see ``_step_inputs_kernel``), one program per sequence.
+
+    Pool buffers: ``table [S, cols]`` int32 (column stride 1), ``lens``/``tree [S]`` int32;
+    ``rows [B]`` int64 sequence rows. Trees: ``tokens``, ``parents``, ``depths [B, n]`` int64 with
+    one row stride and column stride 1, ``num_nodes [B]`` int64 (``num_rows`` their sum, a host
+    int), ``max_depth`` a host bound of the depths. ``num_cols <= cols`` page-table columns,
+    ``words >= ceil(n / 32)`` mask words.
+
+    Returns ``(tokens [T] int64, rope_pos [T] int64, slots [T] int64, page_table [B, num_cols]
+    int32, kv_lens [B] int32, qo_indptr [B+1] int32, tree_mask [T, words] int32)``, T = num_rows.
+    """
+    B, n = tokens.shape
+    dev = tokens.device
+    T = num_rows
+    out = (torch.empty(T, dtype=torch.int64, device=dev), torch.empty(T, dtype=torch.int64, device=dev),
+           torch.empty(T, dtype=torch.int64, device=dev), torch.empty(B, num_cols, dtype=torch.int32, device=dev),
+           torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B + 1, dtype=torch.int32, device=dev),
+           torch.empty(T, words, dtype=torch.int32, device=dev))
+    block_w = _pow2(max(2, words))
+    _step_inputs_kernel[(B,)](
+        rows, tokens, parents, depths, num_nodes, table, lens, tree, *out,
+        B, n, max_depth, tokens.stride(0), table.stride(0), num_cols,
+        PAGE_SIZE=page_size, WORDS=words, BLOCK_B=_pow2(max(2, B)),
+        BLOCK_N=max(2, min(_pow2(n), 4096 // block_w)), BLOCK_W=block_w, BLOCK_P=min(1024, _pow2(max(2, num_cols))),
+        num_warps=4,
+    )
+    return out

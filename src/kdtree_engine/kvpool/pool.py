@@ -13,10 +13,11 @@ import torch
 
 from ..backend import interpreting
 from ..ddtree.tree import DraftTree, compile_tree
+from ..masks import mask_words
 from ..verify.contract import D_QK
 from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
-from .kernels import copy_pages, launch_commit, launch_pop_pages
+from .kernels import copy_pages, launch_commit, launch_pop_pages, launch_step_inputs
 from .schedule import schedule_moves
 from .step import VerifyStep
 
@@ -75,8 +76,9 @@ class KVPool:
             ``4 * max_seqs * max_seq_len / page_size`` bytes.
         debug: check inputs that need a device read (accepted paths, host lengths) and fill freed
             pages with NaN, so a kernel that reads a freed slot produces NaN.
-        use_triton: fused kernels for commit and page moves (default on CUDA); otherwise torch ops
-            (on the CPU, or under ``TRITON_INTERPRET=1`` for testing the kernels).
+        use_triton: fused kernels for commit, page pops and moves and a step's verify inputs
+            (default on CUDA); otherwise torch ops (on the CPU, or under ``TRITON_INTERPRET=1`` for
+            testing the kernels).
         defrag_scratch_bytes: the scratch buffer a defragmentation may allocate.
 
     Sequence ids are small integers (rows of the page table) from :meth:`add_sequence`.
@@ -503,6 +505,29 @@ class KVPool:
             raise ValueError(f"tree sizes {sizes.tolist()} are not the reserved ones {self._tree[ids].tolist()}: "
                              f"call reserve_tree(seq_ids, tree.num_nodes_host) first")
         rows = self.device_rows(ids)
+        if self.use_triton:
+            tokens, rope_pos, slots, page_table, kv_lens, qo_indptr, tree_mask = launch_step_inputs(
+                self._table, self._lens_d, self._tree_d, rows, tree.tokens.contiguous(), tree.parents.contiguous(),
+                tree.depths.contiguous(), tree.num_nodes.contiguous(), int(sizes.sum()), tree.max_depth,
+                self.max_pages_per_seq, self.page_size, mask_words(tree.width))
+        else:
+            tokens, rope_pos, slots, page_table, kv_lens, qo_indptr, tree_mask = self._step_inputs_torch(rows, tree)
+        return VerifyStep(
+            seq_ids=tuple(int(s) for s in ids),
+            tokens=tokens,
+            rope_pos=rope_pos,
+            slots=slots,
+            page_table=page_table,
+            kv_lens=kv_lens,
+            qo_indptr=qo_indptr,
+            tree_mask=tree_mask,
+            kv_lens_host=tuple(int(x) for x in self._len[ids]),
+            qo_indptr_host=tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)])),
+        )
+
+    def _step_inputs_torch(self, rows: torch.Tensor, tree: DraftTree) -> tuple:
+        """:meth:`step_inputs`' device tensors with torch ops (:func:`~kdtree_engine.ddtree.compile_tree`,
+        about 80 of them); the same result as the kernel of ``use_triton``."""
         page_table = self._table[:, : self.max_pages_per_seq].index_select(0, rows)
         kv_lens = self._lens_d.index_select(0, rows)
         prefix = (kv_lens - self._tree_d.index_select(0, rows)).to(torch.int64)  # [B]
@@ -514,18 +539,7 @@ class KVPool:
         node_slot = page_table.gather(1, col).long() * ps + pos % ps
         slots = torch.empty(T + 1, dtype=torch.int64, device=self.device)
         slots.scatter_(0, torch.where(vb.row_index >= 0, vb.row_index, T).view(-1), node_slot.view(-1))
-        return VerifyStep(
-            seq_ids=tuple(int(s) for s in ids),
-            tokens=vb.input_ids,
-            rope_pos=vb.positions,
-            slots=slots[:T],
-            page_table=page_table,
-            kv_lens=kv_lens,
-            qo_indptr=vb.qo_indptr,
-            tree_mask=vb.tree_mask,
-            kv_lens_host=tuple(int(x) for x in self._len[ids]),
-            qo_indptr_host=tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)])),
-        )
+        return vb.input_ids, vb.positions, slots[:T], page_table, kv_lens, vb.qo_indptr, vb.tree_mask
 
     # ------------------------------------------------------------------ commit
 

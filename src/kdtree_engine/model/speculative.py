@@ -45,6 +45,7 @@ from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
 from .graphs import GRAPH_MODES, PhaseClock, StepGraph
 from .mla import ForwardState, MLARunner, Phase
+from .step_kernels import record_step
 
 __all__ = [
     "SpeculativeEngine",
@@ -242,8 +243,9 @@ class _Bucket:
     :meth:`~kdtree_engine.kvpool.KVPool.place_tree`, :func:`~kdtree_engine.ddtree.build_ddtree`,
     the pool's :meth:`~kdtree_engine.kvpool.KVPool.step_inputs` and the attention plan: on CUDA
     the device scheduler, from the step's device lengths), the runner's forward phases, ``accept +
-    commit`` (:func:`~kdtree_engine.ddtree.accept_greedy`, top-2 logits,
-    :meth:`~kdtree_engine.kvpool.KVPool.commit`, the histories' append). The host half of the
+    commit`` (:func:`~kdtree_engine.ddtree.accept_greedy`,
+    :meth:`~kdtree_engine.kvpool.KVPool.commit`, then :func:`~kdtree_engine.model.step_kernels.record_step`:
+    top-2 logits, result rows, the histories' append). The host half of the
     reservation, :meth:`~kdtree_engine.kvpool.KVPool.book_tree`, stays outside, before the step.
     """
 
@@ -291,20 +293,13 @@ class _Bucket:
     def _accept(self, pool) -> None:
         logits, step = self.st.logits, self.st.step
         acc = accept_greedy(self.tree, logits)
-        # new token j of sequence b is the target's argmax at accepted node j: keep its top-2 logits
-        rows = step.qo_indptr[:-1, None].to(torch.int64) + acc.accepted.clamp(min=0)  # [B, D+1]
-        self.top2 = logits.topk(2, dim=-1).values[rows]  # [B, D+1, 2]
         self.lengths = acc.lengths
-        self.results = torch.cat([acc.lengths[:, None], acc.new_tokens], 1)  # [B, 1 + D+1]
         self.accepted_width = acc.accepted.shape[1]
         pool.commit(self.ids, acc.accepted, acc.lengths)
-        # the emitted tokens extend the histories (the next roots, the drafter's context)
-        start = self.hist_len[self.rows]  # [B]
-        j = torch.arange(self.accepted_width, device=start.device)
-        trash = self.history.shape[1] - 1
-        col = torch.where(j < acc.lengths[:, None], start[:, None] + j, trash)
-        self.history[self.rows[:, None], col] = acc.new_tokens
-        self.hist_len[self.rows] = start + acc.lengths
+        # new token j of sequence b is the target's argmax at accepted node j: keep its top-2
+        # logits; the emitted tokens extend the histories (the next roots, the drafter's context)
+        self.results, self.top2 = record_step(logits, step.qo_indptr, acc.accepted, acc.lengths, acc.new_tokens,
+                                              self.rows, self.history, self.hist_len)
 
     def read(self) -> int:
         """Queue the copy of the step's results to the host (pinned, non-blocking, then an event);
