@@ -12,22 +12,10 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
-from kdtree_engine.verify import plan as vplan
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, line_tables, random_tree
 from kdtree_engine.verify.plan import FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
-
-
-def host_line_tables(p: VerifyPlan, kv: np.ndarray, n: np.ndarray):
-    """What the host writes for the line schedule of these lengths: prog_first_seg, segments, groups."""
-    bm, bn = p.config.block_m, p.config.block_n
-    R, T = -(-n.astype(np.int64) * p.num_heads // bm), -(-kv.astype(np.int64) // bn)
-    pieces = vplan.schedule(R, T, p.num_programs, only="line")
-    first, seg, tile_end, grp, _ = p._tables_of(pieces, R)
-    seg = seg.copy()
-    seg[3] = np.minimum(tile_end, kv[seg[0]])
-    return first, seg, grp
 
 
 def random_batches(seed: int, count: int):
@@ -53,7 +41,7 @@ def test_device_tables_equal_the_host_line_schedule(seed):
         qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32, device=DEVICE)
         qo_dev[::2] = torch.tensor(qo)
         p.plan_on_device(kv_dev[::2], qo_dev[::2])
-        first, seg, grp = host_line_tables(p, kv, n)
+        first, seg, grp = line_tables(p, kv, n)
         t = p.tables
         S, G = seg.shape[1], grp.shape[1]
         what = f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} {CONFIGS[c]}"
