@@ -27,15 +27,17 @@ from kdtree_engine.ddtree import kernels as K
 from kdtree_engine.ddtree.tree import _pair_table
 
 
-def compile_sm90(fn, types: dict, consts: dict, num_warps: int) -> str:
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool = True) -> str:
     """ptxas's figures for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``.
 
-    Every pointer is taken as 16-byte aligned, and every int argument the kernel does not exclude
-    from specialisation (``vocab``, the logits' row stride) as divisible by 16, as at V = 163840."""
+    Every pointer is taken as 16-byte aligned, and (``divisible_ints``) every int argument the
+    kernel does not exclude from specialisation (``vocab``, the logits' row stride) as divisible by
+    16, as at V = 163840."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
-    aligned = [n for n in names if n not in consts and n not in fixed and types[n] != "fp32"]
+    aligned = [n for n in names if n not in consts and n not in fixed and types[n] != "fp32"
+               and (divisible_ints or types[n].startswith("*"))]
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))

@@ -12,22 +12,10 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
-from kdtree_engine.verify import plan as vplan
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, line_tables, random_tree
 from kdtree_engine.verify.plan import FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
-
-
-def host_line_tables(p: VerifyPlan, kv: np.ndarray, n: np.ndarray):
-    """What the host writes for the line schedule of these lengths: prog_first_seg, segments, groups."""
-    bm, bn = p.config.block_m, p.config.block_n
-    R, T = -(-n.astype(np.int64) * p.num_heads // bm), -(-kv.astype(np.int64) // bn)
-    pieces = vplan.schedule(R, T, p.num_programs, only="line")
-    first, seg, tile_end, grp, _ = p._tables_of(pieces, R)
-    seg = seg.copy()
-    seg[3] = np.minimum(tile_end, kv[seg[0]])
-    return first, seg, grp
 
 
 def random_batches(seed: int, count: int):
@@ -41,27 +29,50 @@ def random_batches(seed: int, count: int):
         yield kv, n, int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2, B + int(rng.integers(0, 9))
 
 
+def check_device_plan(p: VerifyPlan, kv: np.ndarray, qo: np.ndarray, what: str):
+    """Plan ``kv [B]`` / ``qo [B + 1]`` on the device from strided tensors (every other element of a
+    bigger buffer): the lengths copied, the tables the host's line schedule of the clamped lengths
+    (trees of 1..max_tree_nodes nodes, KV of at least one tile; a segment ending at most at the KV
+    length as given)."""
+    kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32, device=DEVICE)
+    kv_dev[::2] = torch.tensor(kv)
+    qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32, device=DEVICE)
+    qo_dev[::2] = torch.tensor(qo)
+    p.plan_on_device(kv_dev[::2], qo_dev[::2])
+    first, seg, grp = line_tables(p, np.maximum(kv, 1), np.clip(qo[1:] - qo[:-1], 1, p.max_tree_nodes))
+    seg[3] = np.minimum(seg[3], kv[seg[0]])
+    t = p.tables
+    S, G = seg.shape[1], grp.shape[1]
+    assert np.array_equal(t.prog_first_seg.cpu().numpy(), first), what
+    assert np.array_equal(t.segments.cpu().numpy()[:, :S], seg), what
+    assert int(t.group_count[0]) == G and np.array_equal(t.groups.cpu().numpy()[:, :G], grp), what
+    assert p.kv_lens.tolist() == kv.tolist() and p.qo_indptr.tolist() == qo.tolist()
+    assert t.num_groups is None and p.num_rows is None
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_device_tables_equal_the_host_line_schedule(seed):
-    """Strided device lengths (every other element of a bigger buffer), up to 300 programs, page
-    tiles 16 and 64, H 1-128, trees 1-69 nodes, KV up to ~20k and one of 100k."""
+    """Up to 300 programs, page tiles 16 and 64, H 1-128, trees 1-69 nodes, KV up to ~20k and one
+    of 100k."""
     for kv, n, H, P, c, max_batch in random_batches(seed, 25):
         p = VerifyPlan(max_batch, int(n.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
-        qo = np.concatenate([[0], np.cumsum(n)])
-        kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32, device=DEVICE)
-        kv_dev[::2] = torch.tensor(kv)
-        qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32, device=DEVICE)
-        qo_dev[::2] = torch.tensor(qo)
-        p.plan_on_device(kv_dev[::2], qo_dev[::2])
-        first, seg, grp = host_line_tables(p, kv, n)
-        t = p.tables
-        S, G = seg.shape[1], grp.shape[1]
-        what = f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} {CONFIGS[c]}"
-        assert np.array_equal(t.prog_first_seg.cpu().numpy(), first), what
-        assert np.array_equal(t.segments.cpu().numpy()[:, :S], seg), what
-        assert int(t.group_count[0]) == G and np.array_equal(t.groups.cpu().numpy()[:, :G], grp), what
-        assert p.kv_lens.tolist() == kv.tolist() and p.qo_indptr.tolist() == qo.tolist()
-        assert t.num_groups is None and p.num_rows is None
+        check_device_plan(p, kv, np.concatenate([[0], np.cumsum(n)]), f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} "
+                          f"{CONFIGS[c]}")
+
+
+def test_device_tables_at_the_edges():
+    """The largest batch of a plan (B = max_batch = 64, 128 heads, 65 nodes: 8448 segments on 132
+    programs), then one sequence on the same plan (the scratch past it from the batch before); one
+    and two programs over sequences cut into many columns; malformed lengths (empty, over-long and
+    negative trees, KV lengths 0 and negative), clamped."""
+    p = VerifyPlan(64, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132)
+    check_device_plan(p, np.full(64, 16449), np.arange(65) * 65, "B = max_batch")
+    check_device_plan(p, np.array([70]), np.array([0, 65]), "B = 1 after B = max_batch")
+    for P in (1, 2):
+        p = VerifyPlan(5, 9, 16, DEVICE, config=CONFIGS[0], num_programs=P)
+        check_device_plan(p, np.array([3000, 17, 900, 1, 40]), np.array([0, 9, 10, 15, 24, 25]), f"P={P}")
+    p = VerifyPlan(6, 12, 8, DEVICE, config=CONFIGS[0], num_programs=7)
+    check_device_plan(p, np.array([500, 0, -5, 33, 200, 90]), np.array([3, 3, 40, 20, 20, 26, 30]), "malformed")
 
 
 def test_run_on_a_device_plan_matches_the_reference():

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from .verify.contract import D_QK
+from .verify.plan import schedule
 
 __all__ = [
     "CaseSpec",
@@ -25,6 +27,7 @@ __all__ = [
     "CompareResult",
     "compare",
     "TOLERANCES",
+    "line_tables",
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,3 +169,15 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     detail = f"worst at {worst}: actual={float(a[worst]):.6g} expected={float(e[worst]):.6g}"
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
+
+
+def line_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray):
+    """What the host writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`) for the
+    line schedule of these lengths (``[B]`` each), the schedule the device scheduler takes:
+    ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
+    bm, bn = plan.config.block_m, plan.config.block_n
+    R, T = -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
+    first, seg, tile_end, grp, _ = plan._tables_of(schedule(R, T, plan.num_programs, only="line"), R)
+    seg = seg.copy()
+    seg[3] = np.minimum(tile_end, kv_lens[seg[0]])
+    return first, seg, grp

@@ -14,7 +14,7 @@ block whose KV is cut into several segments writes partials, merged by the combi
 A :class:`VerifyPlan` owns every buffer the kernels read besides the caller's tensors, allocated
 once at construction for its maxima; :meth:`VerifyPlan.plan` writes a new step's schedule into
 them (from host lengths: host numpy, one non-blocking copy from pinned staging; from device
-lengths: the device scheduler's line schedule, one launch, no sync) and allocates nothing on the
+lengths: the device scheduler's line schedule, two launches, no sync) and allocates nothing on the
 device, so a CUDA graph captured around a launch (and around a device plan) stays valid across plans.
 """
 
@@ -106,9 +106,9 @@ PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this man
 
 
 def scheduler_scratch_size(max_batch: int, num_programs: int) -> int:
-    """int64 elements of the device scheduler's scratch (:mod:`.scheduler`): 11 per-sequence arrays
-    of ``max_batch + 1`` and 5 per-program arrays of ``num_programs + 2``."""
-    return 11 * (max_batch + 1) + 5 * (num_programs + 2)
+    """int64 elements of the device scheduler's scratch (:mod:`.scheduler`): 9 per-sequence arrays
+    of ``max_batch`` and 5 per-boundary arrays of ``num_programs + 2``."""
+    return 9 * max_batch + 5 * (num_programs + 2)
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -542,7 +542,7 @@ class VerifyPlan:
 
     def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None) -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
-        int32 on the plan's device (any strides), one launch of the scheduler kernel
+        int32 on the plan's device (any strides), the two launches of the device scheduler
         (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
         capturable in a CUDA graph with the kernels that read the plan.
 

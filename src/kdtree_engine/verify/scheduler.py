@@ -1,13 +1,27 @@
 """The device scheduler: a plan's tables computed on the GPU from device lengths, with no sync.
 
-One program reads ``kv_lens [B]`` and ``qo_indptr [B+1]`` where they are (any strides), copies
-them into the plan's length buffers and writes the line schedule of :mod:`.plan`
+Two launches read ``kv_lens [B]`` and ``qo_indptr [B+1]`` where they are (any strides), copy them
+into the plan's length buffers and write the line schedule of :mod:`.plan`
 (:func:`~kdtree_engine.verify.plan._line_schedule`, the same pieces, program boundaries and
 snapping) as the tables the kernels read: ``prog_first_seg``, the segments with their partial
 slots, the split groups and their count, exactly as the host writes them for that schedule
 (:meth:`~kdtree_engine.verify.plan.VerifyPlan.plan`). The host picks the cheapest of several
 schedules; the device always takes the line schedule, whose table sizes stay within the plan's
 capacities for any lengths (at most ``row blocks + 2P`` segments, ``4P`` partials, ``2P`` groups).
+
+- :func:`_boundaries_kernel` (one program): the sequences' row blocks, KV tiles and columns, the
+  ``P - 1`` program boundaries on the line, each program's first piece and first item, the inner
+  cuts (a boundary strictly inside an item: that row block is split) and the split pieces and row
+  blocks before each sequence, into a scratch buffer; ``prog_first_seg`` and the group count.
+- :func:`_pieces_kernel` (``ceil(segment capacity / BLOCK_S)`` programs, each exiting when its
+  pieces are past the schedule's): ``BLOCK_S`` pieces each, finding its program, item, sequence
+  and partial slot by comparisons in registers against the boundaries and sequences.
+
+Both rest on a property of the line schedule: an item (a row block against one KV column) is at
+most ``chunk = ceil(total / P)`` tiles long (P: the programs with work) and the boundaries
+``k * total // P`` are at least ``floor(total / P) >= chunk - 1`` apart, so at most one boundary
+lies strictly inside an item. A row block's pieces are its columns plus its items' inner cuts; one
+of a one-column sequence is split iff its item holds an inner cut, into two pieces.
 
 Nothing here checks the lengths (that needs them on the host): a tree is clamped to
 ``1..max_tree_nodes`` nodes and a KV length to at least one tile, so a malformed step cannot
@@ -23,76 +37,70 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, Launcher, spec_key
+from .launch import Launch, Launcher, Launches, spec_key
 
 __all__ = ["DeviceScheduler"]
 
-BLOCK_S = 64  # pieces written per step
+BLOCK_S = 32  # pieces per program of the piece kernel (8 warps: one piece per lane)
 
 
 @triton.jit
-def _find(ends, n, x, LOG_N: tl.constexpr):
-    """Per lane, the first index i in ``[0, n)`` with ``ends[i] > x`` (``ends`` ascending in memory)."""
-    lo = tl.zeros_like(x)
-    hi = tl.zeros_like(x) + n
-    for _ in range(LOG_N):
-        go = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(ends + mid, mask=go, other=0)
-        right = go & (v <= x)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(go & ~right, mid, hi)
-    return lo
+def _scratch(scratch, MAX_B: tl.constexpr, P):
+    """The scratch arrays (int64): per sequence (``MAX_B`` each, neutral past B: no items, no row
+    blocks) its first item, row blocks R, KV tiles T, column width and count, line start, first row
+    block, the split pieces and split row blocks before it; per program boundary (``P + 2`` each)
+    the cut, the program's first piece and first item, the row block of an inner cut (-1: none) and
+    the column of the boundary's item."""
+    s_istart = scratch
+    s_R = s_istart + MAX_B
+    s_T = s_R + MAX_B
+    s_width = s_T + MAX_B
+    s_ncol = s_width + MAX_B
+    s_wstart = s_ncol + MAX_B
+    s_rstart = s_wstart + MAX_B
+    s_spp = s_rstart + MAX_B
+    s_spr = s_spp + MAX_B
+    s_cut = s_spr + MAX_B
+    s_first = s_cut + (P + 2)
+    s_ord = s_first + (P + 2)
+    s_key = s_ord + (P + 2)
+    s_kcol = s_key + (P + 2)
+    return s_istart, s_R, s_T, s_width, s_ncol, s_wstart, s_rstart, s_spp, s_spr, s_cut, s_first, s_ord, s_key, s_kcol
 
 
 @triton.jit
-def _locate(x, B, s_wend, s_wstart, s_R, s_T, s_width, s_ncol, LOG_B: tl.constexpr):
-    """The item (sequence b, column c, row block r, line range [s, e)) holding line position x."""
-    b = _find(s_wend, B, x, LOG_B)
+def _locate(x, w_end, s_istart, s_R, s_T, s_width, s_ncol, s_wstart):
+    """Per lane, the item holding line position ``x`` (``0 <= x < total``): its sequence b, column c,
+    row block r, line range [s, e) and ordinal among all items (``w_end [BLOCK_B]``: each sequence's
+    line end, ``total`` past B)."""
+    b = tl.sum((w_end[:, None] <= x[None, :]).to(tl.int32), 0)
     y = x - tl.load(s_wstart + b)
-    Rb = tl.maximum(tl.load(s_R + b), 1)
-    wb = tl.maximum(tl.load(s_width + b), 1)
-    Tb = tl.load(s_T + b)
+    Rb = tl.load(s_R + b)
+    wb = tl.load(s_width + b)
     span = Rb * wb
-    c = tl.minimum(y // span, tl.load(s_ncol + b) - 1)
-    ln = tl.maximum(tl.minimum(wb, Tb - c * wb), 1)
+    c = y // span
+    ln = tl.minimum(wb, tl.load(s_T + b) - c * wb)
     yc = y - c * span
     r = yc // ln
     s = x - (yc - r * ln)
-    return b, c, r, s, s + ln
+    return b, c, r, s, s + ln, tl.load(s_istart + b) + c * Rb + r
 
 
 @triton.jit
-def _schedule_kernel(
-    kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out,
-    prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
-    grp_seq, grp_row0, grp_first, grp_count, group_count, scratch,
-    H, P, max_nodes, seg_cap, grp_cap,
+def _boundaries_kernel(
+    kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count, scratch,
+    H, P, max_nodes,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, MAX_B: tl.constexpr,
-    BLOCK_B: tl.constexpr, LOG_B: tl.constexpr, BLOCK_P: tl.constexpr, LOG_P: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """The line schedule of ``B`` sequences on ``P`` programs (one program; see the module docstring)."""
-    # scratch, int64: per sequence (MAX_B + 1 each) line end and start, R, T, column width and count,
-    # item end, KV length; per program boundary (P + 2 each) cut, next cut, first segment, first
-    # item; per sequence its first row block, the split row blocks and pieces before it; per
-    # boundary the row block of an inner cut (-1: none)
-    s_wend = scratch
-    s_wstart = s_wend + (MAX_B + 1)
-    s_R = s_wstart + (MAX_B + 1)
-    s_T = s_R + (MAX_B + 1)
-    s_width = s_T + (MAX_B + 1)
-    s_ncol = s_width + (MAX_B + 1)
-    s_iend = s_ncol + (MAX_B + 1)
-    s_kv = s_iend + (MAX_B + 1)
-    s_cut = s_kv + (MAX_B + 1)
-    s_cutn = s_cut + (P + 2)
-    s_first = s_cutn + (P + 2)
-    s_ord = s_first + (P + 2)
+    """The line schedule's sequences and program boundaries (one program; see the module docstring)."""
+    s_istart, s_R, s_T, s_width, s_ncol, s_wstart, s_rstart, s_spp, s_spr, s_cut, s_first, s_ord, s_key, s_kcol = \
+        _scratch(scratch, MAX_B, P)
 
     # per sequence: row blocks R, KV tiles T, work W = R T on the line, columns of about `chunk` tiles
     o_b = tl.arange(0, BLOCK_B)
     m_b = o_b < B
+    m_s = o_b < MAX_B
     kv = tl.load(kv_lens + o_b * stride_kl, mask=m_b, other=0)
     q0 = tl.load(qo_indptr + o_b * stride_qo, mask=m_b, other=0)
     q1 = tl.load(qo_indptr + (o_b + 1) * stride_qo, mask=m_b, other=0)
@@ -111,145 +119,157 @@ def _schedule_kernel(
     ncol = tl.where(m_b, (T + chunk - 1) // chunk, 1)
     width = (T + ncol - 1) // ncol
     items = R * ncol
-    tl.store(s_wend + o_b, w_end, mask=m_b)
-    tl.store(s_wstart + o_b, w_end - W, mask=m_b)
-    tl.store(s_R + o_b, R, mask=m_b)
-    tl.store(s_T + o_b, T, mask=m_b)
-    tl.store(s_width + o_b, width, mask=m_b)
-    tl.store(s_ncol + o_b, ncol, mask=m_b)
-    tl.store(s_iend + o_b, tl.cumsum(items, 0), mask=m_b)
-    tl.store(s_kv + o_b, kv.to(tl.int64), mask=m_b)
-    # the row blocks of a sequence cut into several columns are all split: their rows and pieces,
-    # summed over the sequences before each (and the row-block ids, to key the row blocks)
-    multi = m_b & (ncol > 1)
-    sp_rows = tl.where(multi, R, 0)
-    sp_pieces = tl.where(multi, items, 0)
-    s_rstart = s_ord + (P + 2)
-    s_sprows = s_rstart + (MAX_B + 1)
-    s_sppieces = s_sprows + (MAX_B + 1)
-    s_ikey = s_sppieces + (MAX_B + 1)
-    tl.store(s_rstart + o_b, tl.cumsum(R, 0) - R, mask=m_b)
-    tl.store(s_sprows + o_b, tl.cumsum(sp_rows, 0) - sp_rows, mask=m_b)
-    tl.store(s_sppieces + o_b, tl.cumsum(sp_pieces, 0) - sp_pieces, mask=m_b)
+    tl.store(s_istart + o_b, tl.cumsum(items, 0) - items, mask=m_s)
+    tl.store(s_R + o_b, R, mask=m_s)
+    tl.store(s_T + o_b, T, mask=m_s)
+    tl.store(s_width + o_b, width, mask=m_s)
+    tl.store(s_ncol + o_b, ncol, mask=m_s)
+    tl.store(s_wstart + o_b, w_end - W, mask=m_s)
+    tl.store(s_rstart + o_b, tl.cumsum(R, 0) - R, mask=m_s)
     tl.debug_barrier()
 
     # program boundaries k = 1 .. pe-1 at k * total / pe, snapped to an item's edge when closer
     # than `snap`; cut[0] = 0, cut[k >= pe] = total. Program p runs [cut[p], cut[p + 1]).
     o_k = tl.arange(0, BLOCK_P).to(tl.int64)
+    m_k = o_k < P + 2
     bnd = o_k * total // pe
-    kb, kc, kr, ks, ke = _locate(tl.minimum(bnd, total - 1), B, s_wend, s_wstart, s_R, s_T, s_width, s_ncol, LOG_B)
+    kb, kc, kr, ks, ke, _ = _locate(tl.minimum(bnd, total - 1), w_end, s_istart, s_R, s_T, s_width, s_ncol, s_wstart)
     valid = (o_k >= 1) & (o_k < pe)
     cut = tl.where(bnd - ks < snap, ks, tl.where(ke - bnd < snap, ke, bnd))
     cut = tl.where(o_k == 0, 0, tl.where(valid, cut, total))
     inner = valid & (ks < cut) & (cut < ke)  # a cut inside an item: that row block is split
-    key = tl.load(s_rstart + kb, mask=valid, other=0) + kr  # the row block's id
-    ncol1 = tl.load(s_ncol + kb, mask=valid, other=2) == 1
-    tl.store(s_cut + o_k, cut, mask=o_k < P + 2)
-    tl.store(s_ikey + o_k, tl.where(inner, key, -1), mask=o_k < P + 2)
-    tl.debug_barrier()
-    # the first inner cut of a row block of a one-column sequence (which it splits): the inner cuts
-    # of one item are consecutive cuts (any cut between them lies inside that item too)
-    prev_key = tl.load(s_ikey + o_k - 1, mask=(o_k >= 1) & (o_k < P + 2), other=-1)
-    first_cut = inner & ncol1 & (prev_key != key)
-    cut_next = tl.load(s_cut + o_k + 1, mask=o_k < P + 1, other=0)
-    m_p = o_k < P
-    busy = m_p & (cut < cut_next)
-    lb, lc, lr, ls, le = _locate(tl.where(busy, cut, 0), B, s_wend, s_wstart, s_R, s_T, s_width, s_ncol, LOG_B)
-    hb, hc, hr, hs, he = _locate(tl.where(busy, cut_next - 1, 0), B, s_wend, s_wstart, s_R, s_T, s_width, s_ncol,
-                                 LOG_B)
-    i_start_l = tl.load(s_iend + lb) - tl.load(s_R + lb) * tl.load(s_ncol + lb)
-    i_start_h = tl.load(s_iend + hb) - tl.load(s_R + hb) * tl.load(s_ncol + hb)
-    ord_lo = i_start_l + lc * tl.load(s_R + lb) + lr  # the item ordinal of a program's first position
-    ord_hi = i_start_h + hc * tl.load(s_R + hb) + hr
-    count = tl.where(busy, ord_hi - ord_lo + 1, 0)
-    first = tl.cumsum(count, 0) - count
-    S = tl.sum(count, 0)
-    tl.store(prog_first_seg + o_k, first.to(tl.int32), mask=o_k <= P)
-    tl.store(s_first + o_k, first, mask=o_k < P + 2)
-    tl.store(s_ord + o_k, ord_lo, mask=o_k < P + 2)
-    tl.store(s_cutn + o_k, cut_next, mask=o_k < P + 2)
-    n_groups = tl.sum(sp_rows, 0) + tl.sum(first_cut.to(tl.int64), 0)
-    tl.store(group_count, n_groups.to(tl.int32))
+    tl.store(s_cut + o_k, cut, mask=m_k)
+    tl.store(s_key + o_k, tl.where(inner, tl.load(s_rstart + kb) + kr, -1), mask=m_k)
+    tl.store(s_kcol + o_k, kc, mask=m_k)
+    # per sequence, its split row blocks and their pieces: every row block of a sequence of several
+    # columns (with its columns and inner cuts), one per inner cut (two pieces) in a one-column one
+    n_inner = tl.sum((inner[None, :] & (kb[None, :] == o_b[:, None])).to(tl.int64), 1)
+    multi = ncol > 1
+    sp_rows = tl.where(multi, R, n_inner)
+    sp_pieces = tl.where(multi, items + n_inner, 2 * n_inner)
+    tl.store(s_spr + o_b, tl.cumsum(sp_rows, 0) - sp_rows, mask=m_s)
+    tl.store(s_spp + o_b, tl.cumsum(sp_pieces, 0) - sp_pieces, mask=m_s)
+    tl.store(group_count, tl.sum(sp_rows, 0).to(tl.int32))
     tl.debug_barrier()
 
-    # the pieces, in program order: piece i is item ord_lo[p] + j of its program p (j = i - first[p]),
-    # from the program's cut (j = 0) or the item's start, to the item's end or the next cut
-    for i0 in range(0, S, BLOCK_S):
-        i = i0 + tl.arange(0, BLOCK_S).to(tl.int64)
+    # per program: its items are those from the one holding its first position to the one holding
+    # its last; its first piece follows the pieces of the programs before it
+    cut_next = tl.load(s_cut + o_k + 1, mask=o_k < P + 1, other=0)
+    busy = (o_k < P) & (cut < cut_next)
+    _, _, _, _, _, ord_lo = _locate(tl.where(busy, cut, 0), w_end, s_istart, s_R, s_T, s_width, s_ncol, s_wstart)
+    _, _, _, _, _, ord_hi = _locate(tl.where(busy, cut_next - 1, 0), w_end, s_istart, s_R, s_T, s_width, s_ncol,
+                                    s_wstart)
+    count = tl.where(busy, ord_hi - ord_lo + 1, 0)
+    first = tl.cumsum(count, 0) - count  # first[P] = S, the pieces in all
+    tl.store(prog_first_seg + o_k, first.to(tl.int32), mask=o_k <= P)
+    tl.store(s_first + o_k, first, mask=m_k)
+    tl.store(s_ord + o_k, ord_lo, mask=m_k)
+
+
+@triton.jit
+def _pieces_kernel(
+    kv_out, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
+    scratch, P, seg_cap, grp_cap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_B: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule :func:`_boundaries_kernel` laid
+    out in ``scratch``, in program order (see the module docstring)."""
+    s_istart, s_R, s_T, s_width, s_ncol, s_wstart, s_rstart, s_spp, s_spr, s_cut, s_first, s_ord, s_key, s_kcol = \
+        _scratch(scratch, MAX_B, P)
+    # the programs' first pieces, the sequences' first items and the inner cuts, read with the piece
+    # count (before the test on it: one load latency less)
+    S = tl.load(s_first + P)
+    o_k = tl.arange(0, BLOCK_P)
+    m_p = o_k < P
+    first_next = tl.load(s_first + 1 + o_k, mask=m_p, other=0).to(tl.int32)
+    key = tl.load(s_key + o_k, mask=m_p, other=-1).to(tl.int32)
+    kcol = tl.load(s_kcol + o_k, mask=m_p, other=0).to(tl.int32)
+    o_b = tl.arange(0, BLOCK_B)
+    m_b = o_b < MAX_B
+    istart = tl.load(s_istart + o_b, mask=m_b, other=0).to(tl.int32)
+    i0 = tl.program_id(0) * BLOCK_S
+    if i0 < S:
+        i = i0 + tl.arange(0, BLOCK_S)
         m_i = (i < S) & (i < seg_cap)
-        p = _find(s_first + 1, P, i, LOG_P)  # the first program whose next first segment is past i
-        j = i - tl.load(s_first + p)
-        it = tl.load(s_ord + p) + j
-        b = _find(s_iend, B, it, LOG_B)
-        Rb = tl.maximum(tl.load(s_R + b), 1)
-        ncb = tl.load(s_ncol + b)
+        # piece i is item ord[p] + j of its program p (j = i - first[p]): from the program's cut
+        # (j = 0) or the item's start to the item's end or the next cut
+        p = tl.sum((m_p[:, None] & (first_next[:, None] <= i[None, :])).to(tl.int32), 0)
+        j = i - tl.load(s_first + p).to(tl.int32)
+        it = tl.where(m_i, tl.load(s_ord + p).to(tl.int32) + j, 0)  # lanes past the pieces take item 0
+        b = tl.sum((m_b[:, None] & (istart[:, None] <= it[None, :])).to(tl.int32), 0) - 1
+        Rb = tl.load(s_R + b).to(tl.int32)
+        ncb = tl.load(s_ncol + b).to(tl.int32)
         wb = tl.load(s_width + b)
-        local = it - (tl.load(s_iend + b) - Rb * ncb)
+        local = it - tl.load(s_istart + b).to(tl.int32)
         c = local // Rb
         r = local % Rb
         ln = tl.minimum(wb, tl.load(s_T + b) - c * wb)
-        s = tl.load(s_wstart + b) + c * Rb * wb + r * ln
+        s = tl.load(s_wstart + b) + (c * Rb) * wb + r * ln  # line positions: int64
         x = tl.where(j == 0, tl.load(s_cut + p), s)
-        y = tl.minimum(s + ln, tl.load(s_cutn + p))
+        y = tl.minimum(s + ln, tl.load(s_cut + p + 1))
         t0 = c * wb + x - s
         t1 = t0 + y - x
-        K = tl.load(s_rstart + b) + r
-        mine = inner[None, :] & (key[None, :] == K[:, None])  # [S, P] the inner cuts of this row block
-        n_pieces = ncb + tl.sum(mine.to(tl.int64), 1)
+        # the inner cuts of this row block K (n_pieces - ncol of them, one per column at most; those
+        # in columns before c and one at x come before this piece) and of the row blocks before it in
+        # its sequence (split pieces before it: r ncol + those when it has several columns, else two
+        # each, a one-column row block having one at most)
+        r_first = tl.load(s_rstart + b).to(tl.int32)
+        K = r_first + r
+        mine = key[:, None] == K[None, :]
+        n_pieces = ncb + tl.sum(mine.to(tl.int32), 0)
+        idx = c + tl.sum((mine & (kcol[:, None] < c[None, :])).to(tl.int32), 0) + (x > s).to(tl.int32)
+        below = tl.sum(((key[:, None] >= r_first[None, :]) & (key[:, None] < K[None, :])).to(tl.int32), 0)
+        multi = ncb > 1
+        base = tl.load(s_spp + b).to(tl.int32) + tl.where(multi, r * ncb, below) + below  # split pieces before it
+        g = tl.load(s_spr + b).to(tl.int32) + tl.where(multi, r, below)  # split row blocks before it
         split = n_pieces > 1
-        before = mine & ((kc[None, :] < c[:, None]) | ((kc[None, :] == c[:, None]) & (cut[None, :] <= x[:, None])))
-        idx = c + tl.sum(before.to(tl.int64), 1)  # this piece's place among its row block's pieces
-        lower = key[None, :] < K[:, None]
-        firsts_below = tl.sum((first_cut[None, :] & lower).to(tl.int64), 1)
-        multi_b = ncb > 1
-        base = (tl.load(s_sppieces + b) + tl.where(multi_b, r * ncb, 0)
-                + tl.sum((inner[None, :] & lower).to(tl.int64), 1) + firsts_below)  # split pieces before it
-        g = tl.load(s_sprows + b) + tl.where(multi_b, r, 0) + firsts_below  # split row blocks before it
-        tl.store(seg_seq + i, b.to(tl.int32), mask=m_i)
-        tl.store(seg_row0 + i, (r * BLOCK_M).to(tl.int32), mask=m_i)
+        tl.store(seg_seq + i, b, mask=m_i)
+        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
         tl.store(seg_kv_start + i, (t0 * BLOCK_N).to(tl.int32), mask=m_i)
-        tl.store(seg_kv_end + i, tl.minimum(t1 * BLOCK_N, tl.load(s_kv + b)).to(tl.int32), mask=m_i)
-        tl.store(seg_partial + i, tl.where(split, base + idx, -1).to(tl.int32), mask=m_i)
+        tl.store(seg_kv_end + i, tl.minimum(t1 * BLOCK_N, tl.load(kv_out + b)).to(tl.int32), mask=m_i)
+        tl.store(seg_partial + i, tl.where(split, base + idx, -1), mask=m_i)
         m_g = m_i & split & (idx == 0) & (g < grp_cap)
-        tl.store(grp_seq + g, b.to(tl.int32), mask=m_g)
-        tl.store(grp_row0 + g, (r * BLOCK_M).to(tl.int32), mask=m_g)
-        tl.store(grp_first + g, base.to(tl.int32), mask=m_g)
-        tl.store(grp_count + g, n_pieces.to(tl.int32), mask=m_g)
+        tl.store(grp_seq + g, b, mask=m_g)
+        tl.store(grp_row0 + g, r * BLOCK_M, mask=m_g)
+        tl.store(grp_first + g, base, mask=m_g)
+        tl.store(grp_count + g, n_pieces, mask=m_g)
 
 
-_SCHEDULE = Launcher(_schedule_kernel)
-
-
-def _log2_ceil(n: int) -> int:
-    return max(1, (n - 1).bit_length() + 1)
+_BOUNDARIES = Launcher(_boundaries_kernel)
+_PIECES = Launcher(_pieces_kernel)
 
 
 class DeviceScheduler:
-    """The scheduler launch of one plan: writes the line schedule of device lengths into
+    """The scheduler launches of one plan: write the line schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
     :class:`~kdtree_engine.verify.plan.FlashTables`), using ``scratch`` (int64, at least
-    ``11 (max_batch + 1) + 5 (P + 2)`` elements: the kernel's per-sequence and per-program arrays).
-    Everything but the lengths is fixed at construction (one launch costs only its arguments)."""
+    ``9 max_batch + 5 (P + 2)`` elements: the kernels' per-sequence and per-boundary arrays).
+    Everything but the lengths is fixed at construction (a launch costs only its arguments)."""
 
     def __init__(self, kv_out, qo_out, tables, scratch, *, num_heads: int, max_batch: int, max_tree_nodes: int,
                  min_split: int):
         cfg, P = tables.config, tables.num_programs
-        if scratch.numel() < 11 * (max_batch + 1) + 5 * (P + 2) or scratch.dtype != torch.int64:
+        if scratch.numel() < 9 * max_batch + 5 * (P + 2) or scratch.dtype != torch.int64:
             raise ValueError(f"scheduler scratch too small: {scratch.numel()} {scratch.dtype}")
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
-        self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split, MAX_B=max_batch,
-                           BLOCK_B=triton.next_power_of_2(max_batch), LOG_B=_log2_ceil(max_batch + 1),
-                           BLOCK_P=triton.next_power_of_2(P + 2), LOG_P=_log2_ceil(P + 1), BLOCK_S=BLOCK_S,
-                           num_warps=8)
-        self._key = (num_heads, P, seg_cap, grp_cap, max_tree_nodes, *self._const.values())
-        self._outputs = (kv_out, qo_out, tables.prog_first_seg, *tables.segment_rows, *tables.group_rows,
-                         tables.group_count, scratch, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
+        sizes = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MAX_B=max_batch,
+                     BLOCK_B=triton.next_power_of_2(max_batch), BLOCK_P=triton.next_power_of_2(P + 2))
+        self._const = dict(sizes, MIN_SPLIT=min_split, num_warps=8)
+        self._key = (num_heads, P, max_tree_nodes, *self._const.values())
+        self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, scratch, num_heads, P,
+                         max_tree_nodes)
+        const = dict(sizes, BLOCK_S=BLOCK_S, num_warps=8)
+        self._pieces = Launch(_PIECES, (P, seg_cap, grp_cap, *const.values()), (triton.cdiv(seg_cap, BLOCK_S),), (),
+                              (), (kv_out, *tables.segment_rows, *tables.group_rows, scratch, P, seg_cap, grp_cap),
+                              const)
 
-    def prepare(self, kv_lens, qo_indptr) -> Launch:
-        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the
+    def prepare(self, kv_lens, qo_indptr) -> Launches:
+        """The launches that schedule ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the
         plan's device, any strides, ``B <= max_batch``), and any lengths of their signature (dtype,
-        16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
-        on the current stream, no sync."""
+        16-byte alignment, B, strides): ``launches((kv_lens, qo_indptr), data pointers)``, two
+        launches on the current stream, no sync."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
-        return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key), (1,), (), (0, 1),
-                      (*ints, *self._outputs), self._const)
+        boundaries = Launch(_BOUNDARIES, (spec_key((kv_lens, qo_indptr), ints), self._key), (1,), (), (0, 1),
+                            (*ints, *self._outputs), self._const)
+        return Launches(boundaries, self._pieces)

@@ -1,0 +1,105 @@
+"""GPU time of the device scheduler (one ``VerifyPlan.plan_on_device``), and its tables checked
+against the host's line schedule.
+
+    PYTHONPATH=src python scripts/scheduler_time.py [--modules kdtree_engine.verify.scheduler,...]
+
+Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
+and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
+:mod:`kdtree_engine.verify.scheduler` does): the module's scheduler launches for a plan of
+``max_batch`` 64 and ``max_tree_nodes`` 65 (one plan per head count, the device's config and
+grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
+fastest replay per call in us. The tables the last replay wrote are compared with the host's
+line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. main's:
+
+    git show main:src/kdtree_engine/verify/scheduler.py > src/kdtree_engine/verify/scheduler_old.py
+    PYTHONPATH=src python scripts/scheduler_time.py \\
+        --modules kdtree_engine.verify.scheduler,kdtree_engine.verify.scheduler_old
+
+Each module compiles once per head count and B (a few seconds each on a warm machine).
+``--device cpu`` runs the scheduler under Triton's interpreter at the H200's grid (64 x 64 tiles,
+132 programs) and only checks the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+SHAPES = "1x16x9x16384,4x64x33x16384,16x128x33x16384,64x16x9x4096,64x128x33x16384,64x128x65x16384"
+MAX_BATCH, MAX_TREE_NODES = 64, 65
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modules", default="kdtree_engine.verify.scheduler")
+    ap.add_argument("--shapes", default=SHAPES, help="B x heads x nodes x prefix, comma-separated")
+    ap.add_argument("--calls", type=int, default=20, help="scheduler calls per graph")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    a = ap.parse_args()
+    cpu = a.device == "cpu"
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton loads
+
+    import numpy as np
+    import torch
+
+    from kdtree_engine.bench.timing import capture_graph
+    from kdtree_engine.testing import line_tables
+    from kdtree_engine.verify.plan import CONFIGS, MIN_SPLIT_TILES, VerifyPlan
+
+    modules = a.modules.split(",")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    plans = {}
+    print(f"{torch.cuda.get_device_name() if not cpu else 'cpu (interpreter)'}; us per plan_on_device "
+          f"(CUDA-graph replay, fastest of {a.replays} x {a.calls} calls); tables vs the host's line schedule")
+    print("| B x H x nodes x prefix | segments | " + " | ".join(modules) + " |")
+    print("|---|---|" + "---|" * len(modules))
+    for B, H, n, prefix in shapes:
+        if H not in plans:
+            kw = dict(config=CONFIGS[0], num_programs=132) if cpu else {}
+            plans[H] = VerifyPlan(MAX_BATCH, MAX_TREE_NODES, H, a.device, **kw)
+        p = plans[H]
+        kv_host, n_host = np.full(B, prefix + n), np.full(B, n)
+        kv = torch.tensor(kv_host, dtype=torch.int32, device=a.device)
+        qo = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=a.device)
+        first, seg, grp = line_tables(p, kv_host, n_host)
+        S, G = seg.shape[1], grp.shape[1]
+        cells = []
+        for name in modules:
+            # room for any scheduler's per-sequence and per-program arrays
+            scratch = torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
+                                  device=a.device)
+            sched = importlib.import_module(name).DeviceScheduler(
+                p.kv_lens_buf, p.qo_indptr_buf, p.tables, scratch, num_heads=H, max_batch=MAX_BATCH,
+                max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES)
+            launch = sched.prepare(kv, qo)
+            ptrs = (kv.data_ptr(), qo.data_ptr())
+            p.tables.segments.fill_(-9)
+            p.tables.groups.fill_(-9)
+            if cpu:
+                launch((kv, qo), ptrs)
+                time = "-"
+            else:
+                graph = capture_graph(lambda _i: launch((kv, qo), ptrs), list(range(a.calls)))
+                best = float("inf")
+                for _ in range(a.replays):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    best = min(best, start.elapsed_time(end) * 1e3 / a.calls)
+                time = f"{best:.1f}"
+            t = p.tables
+            same = (np.array_equal(t.prog_first_seg.cpu().numpy(), first)
+                    and np.array_equal(t.segments.cpu().numpy()[:, :S], seg)
+                    and int(t.group_count[0]) == G and np.array_equal(t.groups.cpu().numpy()[:, :G], grp)
+                    and p.kv_lens_buf[:B].tolist() == kv.tolist() and p.qo_indptr_buf[: B + 1].tolist() == qo.tolist())
+            cells.append(f"{time} {'ok' if same else 'DIFF'}")
+        print(f"| {B}x{H}x{n}x{prefix} | {S} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
