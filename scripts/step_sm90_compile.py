@@ -8,14 +8,14 @@ float32 and bfloat16 logits, V = 2), with the constexprs their launchers pick:
     PYTHONPATH=src python scripts/step_sm90_compile.py
 
 Needs a Triton with the NVIDIA backend (no GPU, no CUDA driver); exit status 1 if one fails.
-Uses :func:`ddtree_sm90_compile.compile_sm90` (this directory).
+Uses :func:`ddtree_sm90_compile.report` (this directory).
 """
 
 from __future__ import annotations
 
 import sys
 
-from ddtree_sm90_compile import compile_sm90
+from ddtree_sm90_compile import report
 
 from kdtree_engine.kvpool import kernels as K
 from kdtree_engine.model import step_kernels as S
@@ -55,17 +55,7 @@ CASES += [(f"_record_kernel (V={V}, {dt}, {A} tokens per sequence)", S._record_k
 
 
 def main() -> int:
-    import triton
-
-    print(f"triton {triton.__version__}, target sm_90a")
-    failed = 0
-    for name, fn, types, consts, warps in CASES:
-        try:
-            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps)}")
-        except Exception as exc:  # report every kernel, then fail
-            failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
-    return 1 if failed else 0
+    return 1 if report(CASES) else 0
 
 
 if __name__ == "__main__":
