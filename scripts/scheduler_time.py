@@ -9,9 +9,14 @@ and per scheduler module (``--modules``, comma-separated; each must define ``Dev
 ``max_batch`` 64 and ``max_tree_nodes`` 65 (one plan per head count, the device's config and
 grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
 fastest replay per call in us. The tables the last replay wrote are compared with the host's
-line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. main's:
+line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. the
+two-launch one of branch ``parallel-scheduler`` (with the launch module it imports; a scheduler
+whose constructor takes a ``scratch`` buffer, as that one and main's do, gets one):
 
-    git show main:src/kdtree_engine/verify/scheduler.py > src/kdtree_engine/verify/scheduler_old.py
+    V=src/kdtree_engine/verify
+    git show parallel-scheduler:$V/launch.py > $V/launch_old.py
+    git show parallel-scheduler:$V/scheduler.py | sed 's/from .launch import/from .launch_old import/' \\
+        > $V/scheduler_old.py
     PYTHONPATH=src python scripts/scheduler_time.py \\
         --modules kdtree_engine.verify.scheduler,kdtree_engine.verify.scheduler_old
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 
 SHAPES = "1x16x9x16384,4x64x33x16384,16x128x33x16384,64x16x9x4096,64x128x33x16384,64x128x65x16384"
@@ -68,12 +74,12 @@ def main() -> None:
         S, G = seg.shape[1], grp.shape[1]
         cells = []
         for name in modules:
-            # room for any scheduler's per-sequence and per-program arrays
-            scratch = torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
-                                  device=a.device)
-            sched = importlib.import_module(name).DeviceScheduler(
-                p.kv_lens_buf, p.qo_indptr_buf, p.tables, scratch, num_heads=H, max_batch=MAX_BATCH,
-                max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES)
+            cls = importlib.import_module(name).DeviceScheduler
+            # an older scheduler's scratch: room for its per-sequence and per-program arrays
+            scratch = ((torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
+                                    device=a.device),) if "scratch" in inspect.signature(cls).parameters else ())
+            sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=MAX_BATCH,
+                        max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES)
             launch = sched.prepare(kv, qo)
             ptrs = (kv.data_ptr(), qo.data_ptr())
             p.tables.segments.fill_(-9)

@@ -62,7 +62,7 @@ def test_device_tables_equal_the_host_line_schedule(seed):
 
 def test_device_tables_at_the_edges():
     """The largest batch of a plan (B = max_batch = 64, 128 heads, 65 nodes: 8448 segments on 132
-    programs), then one sequence on the same plan (the scratch past it from the batch before); one
+    programs), then one sequence on the same plan (the tables past it from the batch before); one
     and two programs over sequences cut into many columns; malformed lengths (empty, over-long and
     negative trees, KV lengths 0 and negative), clamped."""
     p = VerifyPlan(64, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132)
