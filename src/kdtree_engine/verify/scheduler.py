@@ -10,8 +10,9 @@ schedules; the device always takes the line schedule, whose table sizes stay wit
 capacities for any lengths (at most ``row blocks + 2P`` segments, ``4P`` partials, ``2P`` groups).
 
 :func:`_schedule_kernel` runs ``ceil(segment capacity / BLOCK_S)`` programs of ``BLOCK_S`` pieces
-(one per lane). Each computes the whole schedule's shape in registers, redundantly (B sequences and
-``P + 2`` boundaries: cheaper than a second launch and a round trip through memory):
+(32 by default: one per lane). Each computes the whole schedule's shape in registers, redundantly
+(B sequences and ``P + 2`` boundaries: cheaper than a second launch and a round trip through
+memory):
 
 - :func:`_sequences`: the sequences' row blocks, KV tiles, line ranges and columns; a program whose
   pieces are past the items and the ``P - 1`` possible inner cuts stops there;
@@ -49,7 +50,8 @@ from .launch import Launch, Launcher, spec_key
 
 __all__ = ["DeviceScheduler"]
 
-BLOCK_S = 32  # pieces per program (8 warps: one piece per lane)
+# pieces per program (8 warps: one piece per lane; no spills on sm_90a up to P = 300, where 64 spill)
+BLOCK_S = 32
 
 
 @triton.jit
@@ -207,18 +209,19 @@ _SCHEDULE = Launcher(_schedule_kernel)
 class DeviceScheduler:
     """The scheduler launch of one plan: write the line schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
-    :class:`~kdtree_engine.verify.plan.FlashTables`). Everything but the lengths is fixed at
-    construction (a launch costs only its arguments)."""
+    :class:`~kdtree_engine.verify.plan.FlashTables`), ``block_s`` pieces per program (a power of
+    two, at least 32). Everything but the lengths is fixed at construction (a launch costs only its
+    arguments)."""
 
     def __init__(self, kv_out, qo_out, tables, *, num_heads: int, max_batch: int, max_tree_nodes: int,
-                 min_split: int):
+                 min_split: int, block_s: int = BLOCK_S):
         cfg, P = tables.config, tables.num_programs
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
         self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
                            BLOCK_B=triton.next_power_of_2(max_batch), BLOCK_P=triton.next_power_of_2(P + 2),
-                           BLOCK_S=BLOCK_S, num_warps=8)
+                           BLOCK_S=block_s, num_warps=8)
         self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, *self._const.values())
-        self._grid = (triton.cdiv(seg_cap, BLOCK_S),)
+        self._grid = (triton.cdiv(seg_cap, block_s),)
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, *tables.segment_rows,
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
 
