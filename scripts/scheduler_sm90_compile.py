@@ -1,12 +1,13 @@
-"""Compile the device scheduler's kernels (:mod:`kdtree_engine.verify.scheduler`) for sm_90a
+"""Compile the device scheduler's kernel (:mod:`kdtree_engine.verify.scheduler`) for sm_90a
 without a GPU, and print registers, spills and shared memory.
 
-    PYTHONPATH=src python scripts/scheduler_sm90_compile.py [--max-batch 1,4,64] [--programs 132]
+    PYTHONPATH=src python scripts/scheduler_sm90_compile.py [--max-batch 1,4,64] [--programs 132] [--block-s 32]
 
-Each kernel is compiled with the constexprs and warps a :class:`DeviceScheduler` picks for a plan
+The kernel is compiled with the constexprs and warps a :class:`DeviceScheduler` picks for a plan
 of ``max_batch`` sequences of up to 65 nodes at 128 heads on the H200's config (64 x 64 tiles) and
-grid (``--programs``); pointers 16-byte aligned, integer arguments unspecialised. Needs a Triton
-with the NVIDIA backend (no GPU, no CUDA driver); exit status 1 if one fails.
+grid (``--programs``), at ``--block-s`` pieces per program; pointers 16-byte aligned, integer
+arguments unspecialised. Needs a Triton with the NVIDIA backend (no GPU, no CUDA driver); exit
+status 1 if one fails.
 """
 
 from __future__ import annotations
@@ -24,25 +25,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-batch", default="1,4,64")
     ap.add_argument("--programs", type=int, default=132)
+    ap.add_argument("--block-s", type=int, default=scheduler.BLOCK_S)
     a = ap.parse_args()
     failed = 0
     for max_batch in (int(v) for v in a.max_batch.split(",")):
         p = VerifyPlan(max_batch, 65, 128, "cpu", config=CONFIGS[0], num_programs=a.programs)
-        s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, p._scratch, num_heads=128,
-                                      max_batch=max_batch, max_tree_nodes=65, min_split=MIN_SPLIT_TILES)
-        # the constexprs and warps each launch passes (kept by the scheduler)
-        for fn, consts in ((scheduler._boundaries_kernel, s._const), (scheduler._pieces_kernel, s._pieces._constexprs)):
-            types = {n: "*i32" for n in fn.arg_names}
-            ints = ("stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap")
-            types.update({n: "i32" for n in ints if n in types}, scratch="*i64")
-            kernel_consts = {k: v for k, v in consts.items() if k != "num_warps"}
-            name = f"{fn.__name__} (max_batch {max_batch}, P {a.programs})"
-            try:
-                print(f"OK   {name}, {consts['num_warps']} warps: "
-                      f"{compile_sm90(fn, types, kernel_consts, consts['num_warps'], divisible_ints=False)}", flush=True)
-            except Exception as exc:  # report every kernel, then fail
-                failed += 1
-                print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
+        s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
+                                      max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s)
+        fn, consts = scheduler._schedule_kernel, s._const  # the constexprs and warps the launch passes
+        types = {n: "*i32" for n in fn.arg_names}
+        types.update({n: "i32" for n in ("stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap")})
+        kernel_consts = {k: v for k, v in consts.items() if k != "num_warps"}
+        name = f"{fn.__name__} (max_batch {max_batch}, P {a.programs}, {a.block_s} pieces per program)"
+        try:
+            print(f"OK   {name}, {consts['num_warps']} warps: "
+                  f"{compile_sm90(fn, types, kernel_consts, consts['num_warps'], divisible_ints=False)}", flush=True)
+        except Exception as exc:  # report every size, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
     return 1 if failed else 0
 
 

@@ -5,15 +5,21 @@ against the host's line schedule.
 
 Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
 and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
-:mod:`kdtree_engine.verify.scheduler` does): the module's scheduler launches for a plan of
+:mod:`kdtree_engine.verify.scheduler` does; ``module:N`` passes ``block_s=N``, the pieces per
+program): the module's scheduler launches for a plan of
 ``max_batch`` 64 and ``max_tree_nodes`` 65 (one plan per head count, the device's config and
 grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
 fastest replay per call in us. The tables the last replay wrote are compared with the host's
-line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. main's:
+line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. the
+two-launch one of branch ``parallel-scheduler`` (with the launch module it imports; a scheduler
+whose constructor takes a ``scratch`` buffer, as that one and main's do, gets one):
 
-    git show main:src/kdtree_engine/verify/scheduler.py > src/kdtree_engine/verify/scheduler_old.py
+    V=src/kdtree_engine/verify
+    git show parallel-scheduler:$V/launch.py > $V/launch_old.py
+    git show parallel-scheduler:$V/scheduler.py | sed 's/from .launch import/from .launch_old import/' \\
+        > $V/scheduler_old.py
     PYTHONPATH=src python scripts/scheduler_time.py \\
-        --modules kdtree_engine.verify.scheduler,kdtree_engine.verify.scheduler_old
+        --modules kdtree_engine.verify.scheduler,kdtree_engine.verify.scheduler:64,kdtree_engine.verify.scheduler_old
 
 Each module compiles once per head count and B (a few seconds each on a warm machine).
 ``--device cpu`` runs the scheduler under Triton's interpreter at the H200's grid (64 x 64 tiles,
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 
 SHAPES = "1x16x9x16384,4x64x33x16384,16x128x33x16384,64x16x9x4096,64x128x33x16384,64x128x65x16384"
@@ -67,13 +74,15 @@ def main() -> None:
         first, seg, grp = line_tables(p, kv_host, n_host)
         S, G = seg.shape[1], grp.shape[1]
         cells = []
-        for name in modules:
-            # room for any scheduler's per-sequence and per-program arrays
-            scratch = torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
-                                  device=a.device)
-            sched = importlib.import_module(name).DeviceScheduler(
-                p.kv_lens_buf, p.qo_indptr_buf, p.tables, scratch, num_heads=H, max_batch=MAX_BATCH,
-                max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES)
+        for spec in modules:
+            name, _, block_s = spec.partition(":")
+            cls = importlib.import_module(name).DeviceScheduler
+            # an older scheduler's scratch: room for its per-sequence and per-program arrays
+            scratch = ((torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
+                                    device=a.device),) if "scratch" in inspect.signature(cls).parameters else ())
+            sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=MAX_BATCH,
+                        max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES,
+                        **(dict(block_s=int(block_s)) if block_s else {}))
             launch = sched.prepare(kv, qo)
             ptrs = (kv.data_ptr(), qo.data_ptr())
             p.tables.segments.fill_(-9)

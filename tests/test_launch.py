@@ -84,24 +84,6 @@ def test_prepared_launch_passes_data_pointers_on_the_current_stream(fake_cuda, m
                                  (5, 2, 1, 99, *meta, h.data_ptr(), 44, 33, t.data_ptr(), 3, 7, 1)]
 
 
-def test_launches_run_in_order_and_a_launch_may_take_no_call_tensors(fake_cuda):
-    """Launches: each launch with the same per-call tensors, in order; a Launch picking none passes
-    only its fixed arguments."""
-    from kdtree_engine.verify.launch import Launch, Launcher, Launches
-
-    first, second = FakeJit(), FakeJit()
-    first.arg_names, second.arg_names = ["a", "C", "D"], ["t", "n", "C", "D"]
-    t, x = torch.zeros(2), torch.zeros(8)
-    launches = Launches(Launch(Launcher(first), "a", (1,), (), (0,), (), dict(C=1, D=2, num_warps=8)),
-                        Launch(Launcher(second), "b", (9,), (), (), (t, 3), dict(C=7, D=1, num_warps=4)))
-    launches((x,), (11,))
-    assert first.launches[0][1] == (x,) and second.launches[0][1] == (t, 3)
-    launches((x,), (22,))
-    meta = ("fn", "meta", None, None, None)
-    assert first.compiled.calls == [(1, 1, 1, 1234, *meta, 22, 1, 2)]
-    assert second.compiled.calls == [(9, 1, 1, 1234, *meta, t.data_ptr(), 3, 7, 1)]
-
-
 def test_key_tells_alignment_and_dtype():
     from kdtree_engine.verify.launch import spec_key
 

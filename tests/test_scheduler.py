@@ -13,7 +13,7 @@ from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, line_tables, random_tree
-from kdtree_engine.verify.plan import FlashConfig, VerifyPlan
+from kdtree_engine.verify.plan import MIN_SPLIT_TILES, FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -62,7 +62,7 @@ def test_device_tables_equal_the_host_line_schedule(seed):
 
 def test_device_tables_at_the_edges():
     """The largest batch of a plan (B = max_batch = 64, 128 heads, 65 nodes: 8448 segments on 132
-    programs), then one sequence on the same plan (the scratch past it from the batch before); one
+    programs), then one sequence on the same plan (the tables past it from the batch before); one
     and two programs over sequences cut into many columns; malformed lengths (empty, over-long and
     negative trees, KV lengths 0 and negative), clamped."""
     p = VerifyPlan(64, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132)
@@ -73,6 +73,19 @@ def test_device_tables_at_the_edges():
         check_device_plan(p, np.array([3000, 17, 900, 1, 40]), np.array([0, 9, 10, 15, 24, 25]), f"P={P}")
     p = VerifyPlan(6, 12, 8, DEVICE, config=CONFIGS[0], num_programs=7)
     check_device_plan(p, np.array([500, 0, -5, 33, 200, 90]), np.array([3, 3, 40, 20, 20, 26, 30]), "malformed")
+
+
+def test_device_tables_at_64_pieces_per_program():
+    """A scheduler of 64 pieces per program (two per lane, fewer programs repeating the boundaries):
+    the same tables, for a batch of many programs' pieces, then one of fewer than a program's."""
+    from kdtree_engine.verify.scheduler import DeviceScheduler
+
+    p = VerifyPlan(8, 33, 64, DEVICE, config=CONFIGS[0], num_programs=24)
+    p._scheduler = DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=64, max_batch=8,
+                                   max_tree_nodes=33, min_split=MIN_SPLIT_TILES, block_s=64)
+    check_device_plan(p, np.array([3000, 40, 900, 17, 2500, 33, 64, 700]), np.arange(9) * 33 - np.arange(9),
+                      "8 sequences")
+    check_device_plan(p, np.array([40]), np.array([0, 9]), "one sequence")
 
 
 def test_run_on_a_device_plan_matches_the_reference():

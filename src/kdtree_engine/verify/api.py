@@ -5,7 +5,7 @@ The top layer of :mod:`kdtree_engine.verify` (contract <- plan <- kernels <- op 
     out, lse = verify_attention(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
                                 sm_scale=None, *, kernel="auto", out=None, lse=None)
 
-plans on every call (on a GPU with the device scheduler: two more launches, no sync); the fast
+plans on every call (on a GPU with the device scheduler: one more launch, no sync); the fast
 path plans once per model step and runs per layer, FlashInfer's convention::
 
     attn = VerifyAttention(max_batch, max_tree_nodes, num_heads, device)
@@ -170,8 +170,8 @@ def verify_attention(
             :func:`~kdtree_engine.verify.plan_verify`, built once per model step from host
             lengths and reused by every layer; with it the flash launch has no host sync and can
             be captured in a CUDA graph. Without it one is made here, into a workspace kept per
-            (device, heads, stream): on a GPU by the device scheduler from the device lengths (two
-            launches, no sync, no length checks: see ``validate``), on the CPU from the host
+            (device, heads, stream): on a GPU by the device scheduler from the device lengths (one
+            launch, no sync, no length checks: see ``validate``), on the CPU from the host
             lengths, checked. The fast path is :class:`VerifyAttention`.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
@@ -266,8 +266,8 @@ class VerifyAttention:
 
     def plan(self, kv_lens, qo_indptr) -> None:
         """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
-        ``[B+1]``. Both int32 CUDA tensors: the device scheduler writes the schedule from them (two
-        launches on the current stream, no sync, capturable in a CUDA graph with the layers; only
+        ``[B+1]``. Both int32 CUDA tensors: the device scheduler writes the schedule from them (one
+        launch on the current stream, no sync, capturable in a CUDA graph with the layers; only
         shapes checked, see :meth:`~kdtree_engine.verify.plan.VerifyPlan.plan_on_device`).
         Otherwise host data (lists, numpy arrays or CPU tensors): checked (``ValueError`` naming
         the argument, also past the maxima), scheduled on the host and written with one

@@ -27,7 +27,7 @@ from operator import itemgetter
 import torch
 from triton import knobs
 
-__all__ = ["Launcher", "Launch", "Launches", "spec_key", "current_device", "current_stream"]
+__all__ = ["Launcher", "Launch", "spec_key", "current_device", "current_stream"]
 
 # compiled kernels a launcher keeps; past this many keys the table starts over (a key holds no
 # tensor, only dtypes, alignments and integers: a long run with ever-new strides stays bounded)
@@ -89,12 +89,12 @@ class Launch:
     and the constexprs fixed).
 
     The kernel's leading arguments are ``(*head, *picked, *tail)``: ``picked`` are the entries
-    ``picks`` of the per-call tuple ``tensors`` (none: a launch whose arguments are all fixed).
-    ``key``, ``grid``, ``constexprs``: as for the launcher. A call goes through the launcher
-    (compiling if needed) until it has kept a compiled kernel for the current device; then it
-    calls that kernel's launcher with the data pointers ``ptrs`` (ints, same order as ``tensors``)
-    in place of the picked tensors and ``head`` / ``tail`` tensors as data pointers taken once. A
-    launch hook sends every call through the launcher. Holds no per-call tensor.
+    ``picks`` of the per-call tuple ``tensors``. ``key``, ``grid``, ``constexprs``: as for the
+    launcher. A call goes through the launcher (compiling if needed) until it has kept a compiled
+    kernel for the current device; then it calls that kernel's launcher with the data pointers
+    ``ptrs`` (ints, same order as ``tensors``) in place of the picked tensors and ``head`` /
+    ``tail`` tensors as data pointers taken once. A launch hook sends every call through the
+    launcher. Holds no per-call tensor.
     """
 
     __slots__ = ("_launcher", "_key", "_grid", "_head", "_pick", "_tail", "_constexprs", "_fast")
@@ -102,10 +102,7 @@ class Launch:
     def __init__(self, launcher: Launcher, key, grid: tuple, head: tuple, picks: tuple, tail: tuple, constexprs: dict):
         self._launcher, self._key, self._grid, self._constexprs = launcher, key, grid, constexprs
         self._head, self._tail = head, tail
-        if len(picks) > 1:
-            self._pick = itemgetter(*picks)
-        else:  # itemgetter of one index gives the entry, of none fails
-            self._pick = (lambda t, i=picks[0]: (t[i],)) if picks else lambda t: ()
+        self._pick = itemgetter(*picks) if len(picks) > 1 else lambda t, i=picks[0]: (t[i],)
         self._fast: dict = {}  # device -> (kernel.run, grid x, y, z, function, metadata, head, tail + constexprs)
 
     def __call__(self, tensors: tuple, ptrs: tuple) -> None:
@@ -124,20 +121,6 @@ class Launch:
             g = (*self._grid, 1, 1)
             self._fast[current_device()] = (kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
                                             _pointers(self._head), (*_pointers(self._tail), *constexprs))
-
-
-class Launches:
-    """Launches made one after another on the same per-call tensors: ``launches(tensors, ptrs)``
-    calls each :class:`Launch` with them, in order."""
-
-    __slots__ = ("_launches",)
-
-    def __init__(self, *launches: Launch):
-        self._launches = launches
-
-    def __call__(self, tensors: tuple, ptrs: tuple) -> None:
-        for launch in self._launches:
-            launch(tensors, ptrs)
 
 
 def _pointers(args: tuple) -> tuple:

@@ -14,7 +14,7 @@ block whose KV is cut into several segments writes partials, merged by the combi
 A :class:`VerifyPlan` owns every buffer the kernels read besides the caller's tensors, allocated
 once at construction for its maxima; :meth:`VerifyPlan.plan` writes a new step's schedule into
 them (from host lengths: host numpy, one non-blocking copy from pinned staging; from device
-lengths: the device scheduler's line schedule, two launches, no sync) and allocates nothing on the
+lengths: the device scheduler's line schedule, one launch, no sync) and allocates nothing on the
 device, so a CUDA graph captured around a launch (and around a device plan) stays valid across plans.
 """
 
@@ -103,12 +103,6 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # the lengths and the last tile's end
 SCHEDULE_CACHE = 64
 PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this many the table starts over)
-
-
-def scheduler_scratch_size(max_batch: int, num_programs: int) -> int:
-    """int64 elements of the device scheduler's scratch (:mod:`.scheduler`): 9 per-sequence arrays
-    of ``max_batch`` and 5 per-boundary arrays of ``num_programs + 2``."""
-    return 9 * max_batch + 5 * (num_programs + 2)
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
@@ -452,8 +446,6 @@ class VerifyPlan:
                 segment_rows=segments.unbind(0),
                 group_rows=groups.unbind(0),
             )
-            # the device scheduler's scratch: per-sequence and per-program values (int64)
-            self._scratch = torch.empty(scheduler_scratch_size(max_batch, P), dtype=torch.int64, device=device)
         self._scheduler = None  # the device scheduler's launch, made at the first device plan
         self._device_tables = self._tables._replace(num_groups=None)  # a device plan's group count stays there
         self.tables = self._tables  # with the host's group count of the current plan
@@ -542,7 +534,7 @@ class VerifyPlan:
 
     def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None) -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
-        int32 on the plan's device (any strides), the two launches of the device scheduler
+        int32 on the plan's device (any strides), one launch of the scheduler kernel
         (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
         capturable in a CUDA graph with the kernels that read the plan.
 
@@ -598,7 +590,7 @@ class VerifyPlan:
         if self._scheduler is None:
             from .scheduler import DeviceScheduler
 
-            self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
+            self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
         return self.keep(self._device_launches, key, self._scheduler.prepare(kv_lens, qo_indptr))
