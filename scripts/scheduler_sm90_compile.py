@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree_sm90_compile import compile_sm90
+from ddtree_sm90_compile import report
 
 from kdtree_engine.verify import scheduler
 from kdtree_engine.verify.plan import CONFIGS, MIN_SPLIT_TILES, VerifyPlan
@@ -27,23 +27,18 @@ def main() -> int:
     ap.add_argument("--programs", type=int, default=132)
     ap.add_argument("--block-s", type=int, default=scheduler.BLOCK_S)
     a = ap.parse_args()
-    failed = 0
+    fn = scheduler._schedule_kernel
+    types = {n: "*i32" for n in fn.arg_names}
+    types.update({n: "i32" for n in ("stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap")})
+    cases = []
     for max_batch in (int(v) for v in a.max_batch.split(",")):
         p = VerifyPlan(max_batch, 65, 128, "cpu", config=CONFIGS[0], num_programs=a.programs)
         s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
                                       max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s)
-        fn, consts = scheduler._schedule_kernel, s._const  # the constexprs and warps the launch passes
-        types = {n: "*i32" for n in fn.arg_names}
-        types.update({n: "i32" for n in ("stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap")})
-        kernel_consts = {k: v for k, v in consts.items() if k != "num_warps"}
-        name = f"{fn.__name__} (max_batch {max_batch}, P {a.programs}, {a.block_s} pieces per program)"
-        try:
-            print(f"OK   {name}, {consts['num_warps']} warps: "
-                  f"{compile_sm90(fn, types, kernel_consts, consts['num_warps'], divisible_ints=False)}", flush=True)
-        except Exception as exc:  # report every size, then fail
-            failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
-    return 1 if failed else 0
+        consts = s._const  # the constexprs and warps the launch passes
+        cases.append((f"{fn.__name__} (max_batch {max_batch}, P {a.programs}, {a.block_s} pieces per program)", fn,
+                      types, {k: v for k, v in consts.items() if k != "num_warps"}, consts["num_warps"]))
+    return 1 if report(cases, divisible_ints=False) else 0
 
 
 if __name__ == "__main__":
