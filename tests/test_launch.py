@@ -84,6 +84,27 @@ def test_prepared_launch_passes_data_pointers_on_the_current_stream(fake_cuda, m
                                  (5, 2, 1, 99, *meta, h.data_ptr(), 44, 33, t.data_ptr(), 3, 7, 1)]
 
 
+def test_prepared_launch_returns_its_site_for_the_next(fake_cuda, monkeypatch):
+    """A call through the kept kernel returns the (device, stream) it read; a call given a site
+    launches there without reading them (nor the hooks); a call through Triton returns None."""
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    fn = FakeJit()
+    fn.arg_names = ["a", "n", "C", "D"]
+    x = torch.zeros(8)
+    launch = Launch(Launcher(fn), "k", (1,), (), (0,), (3,), dict(C=7, D=1))
+    assert launch((x,), (11,)) is None
+    assert launch((x,), (11,)) == (0, 1234)
+
+    def unread(*a):
+        raise AssertionError("read with a site given")
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", unread, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", unread, raising=False)
+    assert launch((x,), (22,), (0, 55)) == (0, 55)
+    assert fn.compiled.calls[-1] == (1, 1, 1, 55, "fn", "meta", None, None, None, 22, 3, 7, 1)
+
+
 def test_key_tells_alignment_and_dtype():
     from kdtree_engine.verify.launch import spec_key
 

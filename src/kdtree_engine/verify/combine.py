@@ -90,10 +90,11 @@ class PlannedLaunch:
         """Launch on ``tensors`` = ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out,
         lse)`` of the prepared signature, ``ptrs`` their data pointers. The combine is skipped only
         when the host knows the plan split no row block (``num_groups == 0``) and no CUDA graph is
-        being captured (a captured graph must merge whatever a later plan splits)."""
-        self._main(tensors, ptrs)
+        being captured (a captured graph must merge whatever a later plan splits). The combine
+        launches where the kernel did (the device and stream read once)."""
+        site = self._main(tensors, ptrs)
         if num_groups != 0 or (self._cuda and torch.cuda.is_current_stream_capturing()):
-            self._merge(tensors, ptrs)
+            self._merge(tensors, ptrs, site)
 
 
 def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale: float,
