@@ -63,8 +63,9 @@ def _check_backend(device: torch.device) -> None:
 _UNPLANNED: dict[tuple, VerifyPlan] = {}
 
 
-def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device) -> VerifyPlan:
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device, stream: int) -> VerifyPlan:
+    """The workspace of ``(device, num_heads, stream)`` (``stream``: the device's current raw CUDA
+    stream, 0 on the CPU) holding B sequences of max_nodes tree nodes."""
     key = (device, num_heads, stream)
     ws = _UNPLANNED.get(key)
     if ws is None or B > ws.max_batch or max_nodes > ws.max_tree_nodes:
@@ -199,13 +200,16 @@ def verify_attention(
     if not cuda:
         _check_backend(q.device)
     given = plan is not None
+    site = None  # where the launches go, when the scheduler's launch has read it
     if kernel != "naive" and not given:
-        if cuda:  # device lengths: the device scheduler, no sync
-            ws = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, q.device)
-            plan = ws.plan_on_device(kv_lens, qo_indptr, signature=sig, ptrs=None if compiling else ptrs[3:5])
+        if cuda:  # device lengths: the device scheduler, no sync; the launches go where it went
+            device = q.device
+            plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
+                                        torch._C._cuda_getCurrentRawStream(device.index))
+            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5])
         else:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
-            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device)
+            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
             plan = ws.plan(kv, qo)
     check_host_lengths = validate is None and cuda
     if validate is None:
@@ -229,7 +233,7 @@ def verify_attention(
         if given and check_host_lengths and plan.kv_lens_host is not None:
             check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
         call.state = plan.state
-    call.run(tensors, ptrs, plan.tables.num_groups)
+    call.run(tensors, ptrs, plan.tables.num_groups, site)
     return out, lse
 
 

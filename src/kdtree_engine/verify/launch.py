@@ -97,8 +97,8 @@ class Launch:
     launcher. Holds no per-call tensor.
 
     A call returns the ``(device, stream)`` it launched on through the kept kernel (None when it
-    went through the launcher); a launch that follows at once (nothing between them switches the
-    device or the stream, installs a hook or captures) passes it as ``site``, saving the reads.
+    went through the launcher); a launch that follows at once (nothing between them switching the
+    device or the stream or installing a hook) passes it as ``site``, saving the reads.
     """
 
     __slots__ = ("_launcher", "_key", "_grid", "_head", "_pick", "_tail", "_constexprs", "_fast")

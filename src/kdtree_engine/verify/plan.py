@@ -560,6 +560,13 @@ class VerifyPlan:
         reading; they are checked when first seen either way. ``ptrs``: with ``signature``, the
         lengths' data pointers when the caller has read them. Returns self.
         """
+        self.launch_on_device(kv_lens, qo_indptr, signature, ptrs)
+        return self
+
+    def launch_on_device(self, kv_lens, qo_indptr, signature, ptrs) -> tuple[int, int] | None:
+        """:meth:`plan_on_device`, returning where the scheduler launched, ``(device, stream)``, for
+        the launches that read the plan right after it (None: they read it themselves; see
+        :class:`~kdtree_engine.verify.launch.Launch`)."""
         try:
             if ptrs is None:
                 ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
@@ -571,7 +578,7 @@ class VerifyPlan:
         if kept is None:
             kept = self._device_launch(key, kv_lens, qo_indptr)
         launch, B = kept
-        launch((kv_lens, qo_indptr), ptrs)
+        site = launch((kv_lens, qo_indptr), ptrs)
         if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
             self.kv_lens = self.kv_lens_buf[:B]
             self.qo_indptr = self.qo_indptr_buf[: B + 1]
@@ -581,7 +588,7 @@ class VerifyPlan:
             self.tables = self._device_tables
             self.state = object()
         self._staged = None  # on the CPU the device buffer is the staging buffer
-        return self
+        return site
 
     def _device_launch(self, key, kv_lens, qo_indptr) -> tuple:
         """``(launch, B)``: the scheduler's launch for device lengths of this signature and their
