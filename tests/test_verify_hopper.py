@@ -95,9 +95,10 @@ def test_dispatch_never_picks_what_cannot_run():
 
 
 
-def test_timeline_script_still_fits_the_kernel():
+def test_timeline_and_ab_scripts_still_fit_the_kernel():
     """scripts/hopper_timeline.py stamps a copy of the kernel's source at anchors: each is still
-    there as often as it expects, and the stamped copy is still Python."""
+    there as often as it expects, and the stamped copy is still Python; scripts/ab_hopper.py's way
+    of loading a variant (module_from_source) gives a module with the same prepare."""
     import importlib.util
     from pathlib import Path
 
@@ -108,3 +109,7 @@ def test_timeline_script_still_fits_the_kernel():
     src = timeline.stamped_source(8)
     compile(src, "hopper_stamped.py", "exec")
     assert all(f"_stamp(trace, steps, {point}, WG)" in src for point in range(timeline.NPOINTS))
+    # scripts/ab_hopper.py loads a variant kernel the same way: a copy of this one imports and prepares
+    copy = timeline.module_from_source(Path(hopper.__file__).read_text(), "hopper_copy")
+    assert copy.prepare.__code__.co_varnames[:10] == hopper.prepare.__code__.co_varnames[:10]
+    assert copy.HAVE_GLUON == hopper.HAVE_GLUON
