@@ -1,14 +1,16 @@
-"""A/B of a variant of the Hopper kernel against this tree's, in one process on the same plans.
+"""A/B of variants of the Hopper kernel against this tree's, in one process on the same plans.
 
-    PYTHONPATH=src python scripts/ab_hopper.py VARIANT.py [--shapes 64x33x4x131072x64,...] [--rounds 3] [--json ab.json]
+    PYTHONPATH=src python scripts/ab_hopper.py VARIANT.py [VARIANT.py ...] [--shapes 64x33x4x131072x64,...]
+        [--rounds 3] [--json ab.json]
 
 ``VARIANT.py``: a whole ``verify/hopper.py`` (e.g. ``git show hopper-pbuf:src/kdtree_engine/verify/hopper.py
-> ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree). Both are
-prepared on the same plan, inputs and outputs through their own ``prepare`` (kernel + combine), each
-checked against the float64 reference on the first sequence (bf16 tolerances), the two outputs
-compared (bitwise equal or not, largest difference), then timed alternately: ``--rounds`` rounds of a
+> ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
+file stem. Per shape, this tree's kernel and every variant are prepared on the same plan and inputs
+(own outputs) through their own ``prepare`` (kernel + combine), each checked against the float64
+reference on the first sequence (bf16 tolerances), each variant's outputs compared with the base's
+(bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
 CUDA-graph replay median each, the fastest round per kernel reported, so drift between calls of the
-machine hits both. Prints a table of us and variant / base per shape.
+machine hits all of them. Each kernel compiles once per (heads, page size) of the shapes.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ def planned_call(module, c, plan, out, lse):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("variant", help="a whole verify/hopper.py")
+    p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem)")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     a = p.parse_args()
-    variant = module_from_source(Path(a.variant).read_text(), "hopper_variant")
+    kernels = {"base": hopper}
+    for path in a.variants:
+        kernels[Path(path).stem] = module_from_source(Path(path).read_text(), f"variant_{Path(path).stem}")
     rows = []
-    print(f"{'shape':>22} | {'base us':>9} {'variant':>9} {'ratio':>6} | base ok variant ok | outputs")
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
         c = make_inputs(H, n, B, prefix, ps)
@@ -59,7 +62,7 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}
-        for name, module in (("base", hopper), ("variant", variant)):
+        for name, module in kernels.items():
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
             call = planned_call(module, c, plan, out, lse)
@@ -69,19 +72,24 @@ def main() -> None:
                   and compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok)
             res[name] = dict(call=call, out=out, lse=lse, ok=ok, us=[])
         for _ in range(a.rounds):
-            for name in ("base", "variant"):
-                res[name]["us"].append(time_graph(res[name]["call"]) * 1e6)
-        base, var = res["base"], res["variant"]
-        equal = torch.equal(base["out"], var["out"]) and torch.equal(base["lse"], var["lse"])
-        diff = (base["out"].float() - var["out"].float()).abs().max().item()
-        row = dict(shape=text, base_us=min(base["us"]), variant_us=min(var["us"]), base_rounds=base["us"],
-                   variant_rounds=var["us"], base_ok=base["ok"], variant_ok=var["ok"], bitwise_equal=equal,
-                   max_out_diff=diff)
-        row["ratio"] = row["variant_us"] / row["base_us"]
-        rows.append(row)
-        print(f"{text:>22} | {row['base_us']:9.1f} {row['variant_us']:9.1f} {row['ratio']:6.3f} | "
-              f"{'PASS' if base['ok'] else 'FAIL':>7} {'PASS' if var['ok'] else 'FAIL':>10} | "
-              f"{'bitwise equal' if equal else f'max |diff| {diff:.3g}'}", flush=True)
+            for r in res.values():
+                r["us"].append(time_graph(r["call"]) * 1e6)
+        base = res["base"]
+        base_us = min(base["us"])
+        print(f"{text}: base {base_us:.1f} us {'PASS' if base['ok'] else 'FAIL'}", flush=True)
+        for name, r in res.items():
+            if name == "base":
+                continue
+            equal = torch.equal(base["out"], r["out"]) and torch.equal(base["lse"], r["lse"])
+            diff = (base["out"].float() - r["out"].float()).abs().max().item()
+            row = dict(shape=text, variant=name, base_us=base_us, variant_us=min(r["us"]), base_rounds=base["us"],
+                       variant_rounds=r["us"], base_ok=base["ok"], variant_ok=r["ok"], bitwise_equal=equal,
+                       max_out_diff=diff)
+            row["ratio"] = row["variant_us"] / base_us
+            rows.append(row)
+            print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  "
+                  f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}",
+                  flush=True)
         del c, res
         torch.cuda.empty_cache()
     if a.json:

@@ -50,9 +50,9 @@ for stage in "${stages[@]}"; do
       done ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
-    ab)  # AB_VARIANT: a whole verify/hopper.py to time against this tree's (scripts/ab_hopper.py)
-      python3 scripts/ab_hopper.py "${AB_VARIANT:?AB_VARIANT names the variant hopper.py}" ${AB_ARGS:-} --json "$OUT/ab.json" 2>&1 \
-        | tee -a "$OUT/log.txt" || status=1 ;;
+    ab)  # AB_VARIANTS: whole verify/hopper.py files to time against this tree's (scripts/ab_hopper.py)
+      python3 scripts/ab_hopper.py ${AB_VARIANTS:?AB_VARIANTS names the variant hopper.py files} ${AB_ARGS:-} \
+        --json "$OUT/ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     timeline)
       python3 scripts/hopper_timeline.py ${TIMELINE_ARGS:-} --json "$OUT/timeline.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
