@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ngram-torch", action="store_true", help="the n-gram drafter's tensor ops, not its kernels")
     a = p.parse_args()
 
     counter = Counter()
@@ -121,7 +122,7 @@ def main() -> None:
     eng = speculative.SpeculativeEngine(runner, None, budget=a.budget, depth=a.depth, page_size=16, graphs="eager")
     eng.prefill(prompts, 4 * a.steps * (a.depth + 1))
     eng.pool.use_triton = True  # the pool's kernels, as on CUDA
-    for mode, drafter in (("plain", None), ("n-gram", NGramDrafter(V))):
+    for mode, drafter in (("plain", None), ("n-gram", NGramDrafter(V, use_triton=not a.ngram_torch))):
         eng.reset()
         eng.drafter = drafter
         counter.aten.clear()

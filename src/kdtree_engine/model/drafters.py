@@ -33,6 +33,8 @@ from typing import Protocol
 
 import torch
 
+from ..backend import interpreting
+
 __all__ = ["Drafter", "NGramDrafter", "SyntheticDrafter", "as_context"]
 
 NEG = -1e4  # logit of "not proposed" (finite: log-softmax stays well defined)
@@ -68,7 +70,7 @@ class NGramDrafter:
     synthetic = False
 
     def __init__(self, vocab_size: int, *, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8,
-                 smoothing: float = 0.05):
+                 smoothing: float = 0.05, use_triton: bool | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size = vocab_size
@@ -76,6 +78,7 @@ class NGramDrafter:
         self.min_ngram = min_ngram
         self.max_matches = max_matches
         self.smoothing = smoothing
+        self.use_triton = use_triton
 
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
         """:meth:`draft_tensor` of the contexts, zero-padded into one ``[B, max len]`` history on the CPU."""
@@ -94,7 +97,20 @@ class NGramDrafter:
         V) and no host sync (capturable in a CUDA graph): every position p of the history gets the
         length of the common suffix of ``history[b, :p+1]`` and the context (at most
         ``max_ngram``); the ``max_matches`` most recent positions of the longest length vote.
+        Triton kernels or tensor ops (:meth:`_draft_tensor_torch`) as ``use_triton`` picks.
         """
+        use = self.use_triton
+        if use is None:
+            use = history.device.type == "cuda" or interpreting()
+        if not use:
+            return self._draft_tensor_torch(history, lengths, num_positions)
+        from .ngram_kernels import ngram_draft
+
+        return ngram_draft(history, lengths, num_positions, vocab_size=self.vocab_size, max_ngram=self.max_ngram,
+                           min_ngram=self.min_ngram, max_matches=self.max_matches, smoothing=self.smoothing)
+
+    def _draft_tensor_torch(self, history: torch.Tensor, lengths: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """:meth:`draft_tensor` with tensor ops (about 60): the reference, and the path on the CPU."""
         B, C = history.shape
         V, L, K, M = self.vocab_size, num_positions, self.max_ngram, min(self.max_matches, C)
         dev = history.device
