@@ -32,6 +32,10 @@ FILL_BLOCK_V = 4096  # vocabulary columns per program of the fill kernel
 @triton.jit(do_not_specialize=["stride_h", "stride_n", "num_chunks"])
 def _match_kernel(history, lengths, cbest, cpos, stride_h, stride_n, num_chunks,
                   K: tl.constexpr, M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (b, c): positions ``[c * BLOCK, (c+1) * BLOCK)`` of ``history [B, C]`` int64 (sequence
+    b's first ``lengths[b]``): the chunk's longest match length into ``cbest [B * num_chunks]`` int32
+    and its ``M`` most recent positions of that length, newest first, -1 padded, into
+    ``cpos [B * num_chunks, M]`` int32."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     n = tl.load(lengths + b * stride_n).to(tl.int64)
@@ -62,6 +66,10 @@ def _match_kernel(history, lengths, cbest, cpos, stride_h, stride_n, num_chunks,
 def _vote_kernel(history, lengths, cbest, cpos, ws_tok, ws_lp, stride_h, stride_n, num_chunks,
                  MIN_NGRAM: tl.constexpr, M: tl.constexpr, L: tl.constexpr, A_BITS: tl.constexpr,
                  C_BITS: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Program b: the ``M`` most recent positions of the longest length over the chunks (none below
+    ``MIN_NGRAM``), their followers at the ``L`` positions, the votes and log-probabilities (float64
+    ``log((1 - s) votes / total + s / V)``, ``A_BITS`` / ``C_BITS`` the float64 bits of ``1 - s`` and
+    ``s / V``) into ``ws_tok [B, L, M]`` int64 (-1: no follower) and ``ws_lp [B, L, M]`` float32."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(lengths + b * stride_n).to(tl.int64)
     ci = tl.arange(0, BLOCK_NC)
@@ -101,6 +109,9 @@ def _vote_kernel(history, lengths, cbest, cpos, ws_tok, ws_lp, stride_h, stride_
 @triton.jit(do_not_specialize=["vocab"])
 def _fill_kernel(ws_tok, ws_lp, out, vocab, M: tl.constexpr, FILL_BITS: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_M: tl.constexpr):
+    """Program (r, v): columns ``[v * BLOCK_V, (v+1) * BLOCK_V)`` of output row r of ``out [B * L, V]``
+    float32: the row's fill (``FILL_BITS``, the float32 bits of ``log(s / V)``, where the row has a
+    vote; else 0) and its voted tokens' log-probabilities."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mi = tl.arange(0, BLOCK_M)
