@@ -127,6 +127,7 @@ def test_planned_launch_reads_its_site_once(fake_cuda, monkeypatch):
     assert reads == [0]
     assert [fn.compiled.calls[-1][3] for fn in fns] == [55, 55]
 
+
 def test_key_tells_alignment_and_dtype():
     from kdtree_engine.verify.launch import spec_key
 

@@ -45,6 +45,12 @@ def _ranked(b_key, p_tmp, RANK_SORT: tl.constexpr, CHUNK: tl.constexpr):
         return tl.sort(b_key, dim=1), rank
 
 
+def _rank_chunk(rows: int, n: int) -> int:
+    """:func:`_ranked`'s CHUNK for ``[rows, n]`` keys: ranks by counting (the interpreter) compare
+    ``[rows, n, CHUNK]`` at a time, at most 2**20."""
+    return min(n, max(1, 2**20 // (rows * n)))
+
+
 
 def block_of(n: int) -> int:
     """A block holding ``n`` elements: the power of 2 at least ``n``, and 2 at least. Triton 3.6
@@ -287,9 +293,6 @@ def topk_logprobs(logits, k: int, scale: int, floor: float):
     common = dict(K=k, SCALE=float(scale), FLOOR=float(floor), SLICE=vslice,
                   BITS=16 if logits.dtype == torch.bfloat16 else 32, RANK_SORT=rank_sort)
 
-    def chunk(rows: int, n: int) -> int:  # ranks by counting (interpreter): [rows, n, chunk] comparisons, at most 2**20
-        return min(n, max(1, 2**20 // (rows * n)))
-
     grid = triton.cdiv(R, rows)
     tmp = torch.empty(grid * rows if finish else 1, block_r, dtype=torch.int64, device=dev)
     _topk_slice_kernel[(grid, G)](
@@ -299,7 +302,7 @@ def topk_logprobs(logits, k: int, scale: int, floor: float):
         SELECT=select,
         FINISH=finish,
         BLOCK_R=block_r,
-        CHUNK=chunk(rows, block_r),
+        CHUNK=_rank_chunk(rows, block_r),
         num_warps=_topk_warps(vslice),
         **common,
     )
@@ -316,7 +319,7 @@ def topk_logprobs(logits, k: int, scale: int, floor: float):
         BLOCK_G=triton.next_power_of_2(G),
         BLOCK_C=block_c,
         BLOCK_K=block_k,
-        CHUNK=chunk(rows, block_k),
+        CHUNK=_rank_chunk(rows, block_k),
         num_warps=_topk_warps(block_c),
         **common,
     )
@@ -1084,14 +1087,11 @@ def expand_constexprs(B: int, K: int, budget: int, num_pairs: int, depth_cap: in
     block_c = max(triton.next_power_of_2(num_pairs), 2 * block_g)
     tiers = [min(t, block_c) for t in EXPAND_TIERS]
     seqs = min(triton.next_power_of_2(B), max(1, EXPAND_INTERPRETED_SLOTS // block_c)) if rank_sort else 1
-
-    def chunk(n: int) -> int:  # ranks by counting (interpreter): [seqs, n, chunk] comparisons, at most 2**20
-        return min(n, max(1, 2**20 // (seqs * n)))
-
     return dict(K=K, BUDGET=budget, S=_bits(budget * K), SLOT_BITS=_bits(budget), DEPTH_BITS=_bits(depth_cap),
                 SEQS=seqs, BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_P=min(PAIR_CHUNK, block_c),
                 TIER_S=tiers[0], TIER_M=tiers[1], STEPS=_bits(block_g) + 1, RANK_SORT=rank_sort,
-                CHUNK_S=chunk(tiers[0]), CHUNK_M=chunk(tiers[1]), CHUNK_C=chunk(block_c), CHUNK_G=chunk(block_g),
+                CHUNK_S=_rank_chunk(seqs, tiers[0]), CHUNK_M=_rank_chunk(seqs, tiers[1]),
+                CHUNK_C=_rank_chunk(seqs, block_c), CHUNK_G=_rank_chunk(seqs, block_g),
                 num_warps=8 if block_c >= 2048 else 4)
 
 
