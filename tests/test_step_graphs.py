@@ -121,7 +121,8 @@ def _awkward_trees(B: int, budget: int, g: torch.Generator):
     yield build_ddtree(torch.zeros(B, 0, 11, device=DEVICE), 0, roots)
     shapes = [[-1, 0, 0, 1, 3, 1, 5], [-1], [-1, 0, 1, 2, 3], [-1, 0, 0, 0]]
     par = [shapes[b % 4] for b in range(B)]
-    yield tree_from_parents(par, [[int(x) for x in torch.randint(0, 50, (len(p),), generator=g)] for p in par])
+    tree = tree_from_parents(par, [[int(x) for x in torch.randint(0, 50, (len(p),), generator=g)] for p in par])
+    yield tree_from_parents(tree.parents.to(DEVICE), tree.tokens.to(DEVICE), [len(p) for p in par])
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
