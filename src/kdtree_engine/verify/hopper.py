@@ -54,7 +54,7 @@ BLOCK_M, BLOCK_N = 64, 64
 LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
 
 if HAVE_GLUON:
-    # barrier slots in one [_NUM_BARS, 1] mbarrier array
+    # mbarriers: indices into the kernel's tuple of one-barrier allocations
     _Q_FULL = gl.constexpr(0)  # the segment's Q rows landed (one arrival per loader thread)
     _Q_EMPTY = gl.constexpr(1)  # both consumers are done with the segment's Q (2 arrivals)
     _FULL = gl.constexpr(2)  # + 3 * stage + chunk: a K chunk landed (one arrival per loader thread)
@@ -125,10 +125,10 @@ if HAVE_GLUON:
 
             o_m, m_rows, o_t = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_L)
             p_qrow = q + o_t * stride_qt + (o_m % H) * stride_qh
-            mbarrier.wait(bars.index(_Q_EMPTY), (n_seg & 1) ^ 1)
+            mbarrier.wait(bars[_Q_EMPTY], (n_seg & 1) ^ 1)
             _copy_rows(s_q.index(0), p_qrow, m_rows, D_LAT, L)
             _copy_rows(s_q_rope.index(0), p_qrow + D_LAT, m_rows, D_ROPE, L)
-            async_copy.mbarrier_arrive(bars.index(_Q_FULL), increment_count=False)
+            async_copy.mbarrier_arrive(bars[_Q_FULL], increment_count=False)
             n_seg += 1
 
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
@@ -164,9 +164,9 @@ if HAVE_GLUON:
         """Wait until chunk CHUNK of stage STAGE is free, gather its rows, arrive on its full barrier
         when they land (nothing when ``pred`` is false: no such tile)."""
         if pred:
-            mbarrier.wait(bars.index(_EMPTY + 3 * STAGE + CHUNK), phase)
+            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)
             _copy_rows(dst, p_row, m_row, COLS, L)
-            async_copy.mbarrier_arrive(bars.index(_FULL + 3 * STAGE + CHUNK), increment_count=False)
+            async_copy.mbarrier_arrive(bars[_FULL + 3 * STAGE + CHUNK], increment_count=False)
 
     @gluon.jit
     def _swap_rows(buf, bars, n_swaps, x, WG: gl.constexpr, ROW_L: gl.constexpr):
@@ -175,8 +175,8 @@ if HAVE_GLUON:
         BLOCK_M: gl.constexpr = x.shape[0]
         buf.slice(WG * BLOCK_M, BLOCK_M).store(x)
         gl.thread_barrier()  # every thread's store lands before the single-thread arrive
-        mbarrier.arrive(bars.index(_SWAP))
-        mbarrier.wait(bars.index(_SWAP), n_swaps & 1)
+        mbarrier.arrive(bars[_SWAP])
+        mbarrier.wait(bars[_SWAP], n_swaps & 1)
         return buf.slice((1 - WG) * BLOCK_M, BLOCK_M).load(ROW_L)
 
     @gluon.jit
@@ -201,7 +201,7 @@ if HAVE_GLUON:
         """Store this consumer's row vector ``x [BLOCK_M]`` to ``dst`` and arrive on its M_READY barrier."""
         dst.store(x)
         gl.thread_barrier()  # every thread's store lands before the single-thread arrive
-        mbarrier.arrive(bars.index(_M_READY + WG))
+        mbarrier.arrive(bars[_M_READY + WG])
 
     @gluon.jit
     def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -214,19 +214,19 @@ if HAVE_GLUON:
         else, is released as soon as its wgmma retired."""
         FIRST: gl.constexpr = _LEFT + WG
         SECOND: gl.constexpr = _RIGHT - WG
-        mbarrier.wait(bars.index(_FULL + 3 * WG + FIRST), phase)
+        mbarrier.wait(bars[_FULL + 3 * WG + FIRST], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice(WG * HALF, HALF, dim=1), k_lat.slice(WG * HALF, HALF, dim=1).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
-        mbarrier.wait(bars.index(_FULL + 3 * WG + _ROPE), phase)
+        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)
         fence_async_shared()
         b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
-        mbarrier.wait(bars.index(_FULL + 3 * WG + SECOND), phase)
+        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice((1 - WG) * HALF, HALF, dim=1),
                             k_lat.slice((1 - WG) * HALF, HALF, dim=1).permute((1, 0)), b_s, is_async=True)
         b_s = warpgroup_mma_wait(1, deps=[b_s])
-        mbarrier.arrive(bars.index(_EMPTY + 3 * WG + _ROPE))
+        mbarrier.arrive(bars[_EMPTY + 3 * WG + _ROPE])
         return warpgroup_mma_wait(0, deps=[b_s])
 
     @gluon.jit
@@ -278,7 +278,7 @@ if HAVE_GLUON:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
             acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
-            mbarrier.wait(bars.index(_Q_FULL), n_seg & 1)
+            mbarrier.wait(bars[_Q_FULL], n_seg & 1)
             n_seg += 1
             q_rope = s_q_rope.index(0).load(Q_DOT)
             for j in range(gl.cdiv(n_tiles, 2)):
@@ -309,7 +309,7 @@ if HAVE_GLUON:
                     l_i = l_i * alpha + gl.sum(b_p, axis=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                     acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
-                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)
+                    mbarrier.wait(bars[_M_READY + 1], steps & 1)
                     m_i = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
                     corr = gl.exp2(m0_use - gl.where(m_i == float("-inf"), 0.0, m_i))
                     b_p = b_p * gl.expand_dims(corr, 1)
@@ -317,17 +317,17 @@ if HAVE_GLUON:
                     s_p0.store(b_p.to(dt))
                     fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(_P_READY + 0))
+                    mbarrier.arrive(bars[_P_READY + 0])
                     acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))
+                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
                     acc = acc * gl.expand_dims(gl.convert_layout(corr, ROW_O), 1)
-                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)
+                    mbarrier.wait(bars[_P_READY + 1], steps & 1)
                     if has_other:
                         acc = warpgroup_mma(s_q_rope.index(0), v_other, acc)  # P1 over Q's rope columns
-                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _LEFT))
+                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
                 else:
                     # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
-                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)
+                    mbarrier.wait(bars[_M_READY + 0], steps & 1)
                     m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1))
                     _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
                     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
@@ -339,21 +339,21 @@ if HAVE_GLUON:
                         s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
                         fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(_P_READY + 1))
+                    mbarrier.arrive(bars[_P_READY + 1])
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                     if has_own:
                         acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
-                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
+                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
                         acc = warpgroup_mma(s_p0, v_other, acc, is_async=True)
                         acc = warpgroup_mma_wait(1, deps=[acc])
-                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _RIGHT))
+                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _RIGHT])
                         acc = warpgroup_mma_wait(0, deps=[acc])
                     else:
-                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
+                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
                         acc = warpgroup_mma(s_p0, v_other, acc)
-                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _RIGHT))
+                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _RIGHT])
                 steps += 1
-            mbarrier.arrive(bars.index(_Q_EMPTY))
+            mbarrier.arrive(bars[_Q_EMPTY])
             # one row-sum swap per segment: n_seg - 1 swaps came before this one
             l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
 
@@ -408,16 +408,21 @@ if HAVE_GLUON:
         s_p0 = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], ROPE_S)  # consumer 0's P tile
         # running row maxima m0, m1 [2 * BLOCK_M]; both consumers' row sums [2 * BLOCK_M]
         s_rows = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(_Q_FULL), count=32 * LOADER_WARPS)
-        mbarrier.init(bars.index(_Q_EMPTY), count=2)
+        # one allocation per mbarrier (a tuple): the compiler then sees a wait and an arrive on different
+        # barriers as disjoint and puts no partition barrier (bar.sync) between them; with one [_NUM_BARS, 1]
+        # array it synchronised the partition before every wait (80 bar.sync in the PTX, now 54)
+        bars = ()
+        for i in gl.static_range(_NUM_BARS):
+            bars = bars + (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),)
+        mbarrier.init(bars[_Q_FULL], count=32 * LOADER_WARPS)
+        mbarrier.init(bars[_Q_EMPTY], count=2)
         for i in gl.static_range(6):
-            mbarrier.init(bars.index(_FULL + i), count=32 * LOADER_WARPS)
-            mbarrier.init(bars.index(_EMPTY + i), count=1)
+            mbarrier.init(bars[_FULL + i], count=32 * LOADER_WARPS)
+            mbarrier.init(bars[_EMPTY + i], count=1)
         for i in gl.static_range(2):
-            mbarrier.init(bars.index(_P_READY + i), count=1)
-            mbarrier.init(bars.index(_M_READY + i), count=1)
-        mbarrier.init(bars.index(_SWAP), count=2)
+            mbarrier.init(bars[_P_READY + i], count=1)
+            mbarrier.init(bars[_M_READY + i], count=1)
+        mbarrier.init(bars[_SWAP], count=2)
         fence_async_shared()
         gl.warp_specialize([
             (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
