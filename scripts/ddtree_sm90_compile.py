@@ -125,16 +125,22 @@ for budget, k, L in [(512, 512, 16), (1, 1, 5), (3, 2, 6), (37, 37, 9), (300, 4,
                   {n: v for n, v in consts.items() if n != "num_warps"}, consts["num_warps"]))
 
 
-def main() -> int:
-    print(f"triton {triton.__version__}, target sm_90a")
+def report(cases, **compile_kw) -> int:
+    """Compile each ``(name, kernel, types, constexprs, warps)`` case for sm_90a and print an OK line
+    with ptxas's figures or a FAIL line with the error; every case runs. Returns how many failed."""
+    print(f"triton {triton.__version__}, target sm_90a", flush=True)
     failed = 0
-    for name, fn, types, consts, warps in CASES:
+    for name, fn, types, consts, warps in cases:
         try:
-            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps)}")
+            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps, **compile_kw)}", flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
-    return 1 if failed else 0
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+    return failed
+
+
+def main() -> int:
+    return 1 if report(CASES) else 0
 
 
 if __name__ == "__main__":

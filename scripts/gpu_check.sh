@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize tune timeline
-#                                        (default: all but tune and timeline; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests ddtree-tests refs bench ddtree kvpool demo sanitize
+#                                        tune timeline ab
+#                                        (default: all but tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -11,7 +12,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench ddtree kvpool demo)
+[ ${#stages[@]} -eq 0 ] && stages=(machine tests ddtree-tests refs bench ddtree kvpool demo)
 status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date -u +%H:%M:%S))" | tee -a "$OUT/log.txt"
@@ -20,8 +21,15 @@ for stage in "${stages[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
         git rev-parse HEAD 2>/dev/null || echo "commit ${KDTREE_GIT_COMMIT:-unknown}"; } | tee "$OUT/machine.txt" ;;
-    tests)
-      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
+    tests)  # all but the DDTree tests (stage ddtree-tests)
+      python3 -m pytest -q -p no:cacheprovider tests --ignore-glob='tests/test_ddtree_*' 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
+    ddtree-tests)  # each parametrised case compiles its kernels (> 4 minutes in one process): one process per file
+      pids=()
+      for f in tests/test_ddtree_*.py; do
+        python3 -m pytest -q -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1 & pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      tail -n 3 "$OUT"/test_ddtree_*.log | tee -a "$OUT/log.txt" ;;
     refs)
       refs=$(mktemp -d)
       python3 -m kdtree_engine.cli refs generate "$refs" --device cuda > /dev/null &&
@@ -42,6 +50,9 @@ for stage in "${stages[@]}"; do
       done ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
+    ab)  # AB_VARIANT: a whole verify/hopper.py to time against this tree's (scripts/ab_hopper.py)
+      python3 scripts/ab_hopper.py "${AB_VARIANT:?AB_VARIANT names the variant hopper.py}" ${AB_ARGS:-} --json "$OUT/ab.json" 2>&1 \
+        | tee -a "$OUT/log.txt" || status=1 ;;
     timeline)
       python3 scripts/hopper_timeline.py ${TIMELINE_ARGS:-} --json "$OUT/timeline.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;

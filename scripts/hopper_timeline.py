@@ -59,7 +59,6 @@ STAMP_FN = '''
 # (anchor, replacement): each anchor occurs exactly once (count given where more)
 EDITS = [
     ("    @gluon.jit\n    def _copy_rows(", STAMP_FN, 1),
-    ("from .", "from kdtree_engine.verify.", 3),
     ("        scale_log2,\n        H: gl.constexpr, PAGE_SIZE", "        scale_log2, trace,\n        H: gl.constexpr, PAGE_SIZE", 1),
     ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                     WG: gl.constexpr",
      "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                     WG: gl.constexpr", 1),
@@ -110,15 +109,21 @@ def stamped_source(max_steps: int) -> str:
     return src
 
 
-def stamped_module(max_steps: int):
-    """The stamped copy of verify/hopper.py, imported from a temporary file."""
-    path = Path(tempfile.mkdtemp()) / "hopper_stamped.py"
-    path.write_text(stamped_source(max_steps))
-    spec = importlib.util.spec_from_file_location("hopper_stamped", path)
+def module_from_source(src: str, name: str):
+    """A copy of a kdtree_engine.verify module (its relative imports made absolute), imported from a
+    temporary file: Gluon reads a kernel's source from its file."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src.replace("\nfrom .", "\nfrom kdtree_engine.verify."))
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["hopper_stamped"] = mod  # gluon.jit reads the function's module
+    sys.modules[name] = mod  # gluon.jit reads the function's module
     spec.loader.exec_module(mod)
     return mod
+
+
+def stamped_module(max_steps: int):
+    """The stamped copy of verify/hopper.py."""
+    return module_from_source(stamped_source(max_steps), "hopper_stamped")
 
 
 def launcher(kernel, c, plan, out, lse, trace, H, page_size):

@@ -81,7 +81,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kdtree_engine import VerifyAttention, verify_attention
     from kdtree_engine.verify import VerifyPlan
-    from kdtree_engine.verify.api import _prepared
+    from kdtree_engine.verify.api import _DEFAULT_SCALE, _prepared
     from kdtree_engine.verify.plan import CONFIGS
 
     kw = dict(config=CONFIGS[0], num_programs=a.programs) if cpu else {}
@@ -135,9 +135,9 @@ def main() -> None:
             ws = attn.workspace
             tensors = (q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, mask, out, lse)
             sig, ptrs = attn._check(*tensors)
-            call = _prepared(ws, sig, attn.kernel, attn._default_scale, tensors)
+            call = _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors)
             check_us = best_us(lambda: attn._check(*tensors), calls, a.repeats, clock)
-            lookup_us = best_us(lambda: _prepared(ws, sig, attn.kernel, attn._default_scale, tensors), calls,
+            lookup_us = best_us(lambda: _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors), calls,
                                 a.repeats, clock)
             launch_us = best_us(lambda: call.run(tensors, ptrs, ws.tables.num_groups), calls, a.repeats, clock)
             given_us = best_us(lambda: verify_attention(*args, out=out, lse=lse, plan=ws, validate=False), calls,

@@ -84,6 +84,49 @@ def test_prepared_launch_passes_data_pointers_on_the_current_stream(fake_cuda, m
                                  (5, 2, 1, 99, *meta, h.data_ptr(), 44, 33, t.data_ptr(), 3, 7, 1)]
 
 
+def test_prepared_launch_returns_its_site_for_the_next(fake_cuda, monkeypatch):
+    """A call through the kept kernel returns the (device, stream) it read; a call given a site
+    launches there without reading them (nor the hooks); a call through Triton returns None."""
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    fn = FakeJit()
+    fn.arg_names = ["a", "n", "C", "D"]
+    x = torch.zeros(8)
+    launch = Launch(Launcher(fn), "k", (1,), (), (0,), (3,), dict(C=7, D=1))
+    assert launch((x,), (11,)) is None
+    assert launch((x,), (11,)) == (0, 1234)
+
+    def unread(*a):
+        raise AssertionError("read with a site given")
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", unread, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", unread, raising=False)
+    assert launch((x,), (22,), (0, 55)) == (0, 55)
+    assert fn.compiled.calls[-1] == (1, 1, 1, 55, "fn", "meta", None, None, None, 22, 3, 7, 1)
+
+
+def test_planned_launch_reads_its_site_once(fake_cuda, monkeypatch):
+    """The kernel and the combine of a PlannedLaunch read the device and the stream once between
+    them, or not at all when given the site of the launch before (an unplanned call's scheduler)."""
+    from kdtree_engine.verify.combine import PlannedLaunch
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    reads = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: reads.append(d) or 1234, raising=False)
+    fns = [FakeJit(), FakeJit()]
+    for fn in fns:
+        fn.arg_names = ["a", "n", "C", "D"]
+    main, merge = (Launch(Launcher(fn), k, (1,), (), (0,), (3,), dict(C=7, D=1)) for fn, k in zip(fns, "mc"))
+    planned = PlannedLaunch(main, merge, cuda=False)
+    x = torch.zeros(8)
+    planned((x,), (11,), 1)  # through Triton: each compiles and keeps its kernel
+    reads.clear()
+    planned((x,), (11,), 1)
+    assert reads == [0]
+    planned((x,), (11,), 1, (0, 55))
+    assert reads == [0]
+    assert [fn.compiled.calls[-1][3] for fn in fns] == [55, 55]
+
 def test_key_tells_alignment_and_dtype():
     from kdtree_engine.verify.launch import spec_key
 

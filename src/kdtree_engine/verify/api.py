@@ -31,6 +31,7 @@ __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
 _KERNEL_NAMES = ("auto",) + KERNELS
+_DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
 
 
 def _kernel_name(kernel) -> str:
@@ -41,7 +42,7 @@ def _kernel_name(kernel) -> str:
 
 def _scale(sm_scale) -> float:
     if sm_scale is None:
-        return 1.0 / math.sqrt(D_QK)
+        return _DEFAULT_SCALE
     if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
     return float(sm_scale)
@@ -62,8 +63,9 @@ def _check_backend(device: torch.device) -> None:
 _UNPLANNED: dict[tuple, VerifyPlan] = {}
 
 
-def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device) -> VerifyPlan:
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device, stream: int) -> VerifyPlan:
+    """The workspace of ``(device, num_heads, stream)`` (``stream``: the device's current raw CUDA
+    stream, 0 on the CPU) holding B sequences of max_nodes tree nodes."""
     key = (device, num_heads, stream)
     ws = _UNPLANNED.get(key)
     if ws is None or B > ws.max_batch or max_nodes > ws.max_tree_nodes:
@@ -191,19 +193,23 @@ def verify_attention(
     else:
         sig, ptrs = _CHECK(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
         info = sig.info
-    kernel = _kernel_name(kernel)
-    sm_scale = _scale(sm_scale)
+    if kernel != "auto":
+        _kernel_name(kernel)
+    sm_scale = _DEFAULT_SCALE if sm_scale is None else _scale(sm_scale)
     cuda = q.is_cuda
     if not cuda:
         _check_backend(q.device)
     given = plan is not None
+    site = None  # where the launches go, when the scheduler's launch has read it
     if kernel != "naive" and not given:
-        if cuda:  # device lengths: the device scheduler, no sync
-            ws = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, q.device)
-            plan = ws.plan_on_device(kv_lens, qo_indptr, signature=sig)
+        if cuda:  # device lengths: the device scheduler, no sync; the launches go where it went
+            device = q.device
+            plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
+                                        torch._C._cuda_getCurrentRawStream(device.index))
+            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5])
         else:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
-            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device)
+            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
             plan = ws.plan(kv, qo)
     check_host_lengths = validate is None and cuda
     if validate is None:
@@ -218,7 +224,8 @@ def verify_attention(
         launch(resolve(kernel, q, kv_cache, None if tables is None else tables.config), q, kv_cache, page_table,
                kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, tables)
         return out, lse
-    out, lse, ptrs = _outputs(info, q, out, lse, ptrs)
+    if out is None or lse is None:
+        out, lse, ptrs = _outputs(info, q, out, lse, ptrs)
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     call = _prepared(plan, sig, kernel, sm_scale, tensors)
     if call.state is not plan.state:
@@ -226,7 +233,7 @@ def verify_attention(
         if given and check_host_lengths and plan.kv_lens_host is not None:
             check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
         call.state = plan.state
-    call.run(tensors, ptrs, plan.tables.num_groups)
+    call.run(tensors, ptrs, plan.tables.num_groups, site)
     return out, lse
 
 
@@ -261,7 +268,6 @@ class VerifyAttention:
         self.device = self.workspace.device
         self.num_heads = num_heads
         _check_backend(self.device)
-        self._default_scale = _scale(None)
         self._check = InputCheck((self.workspace.kv_lens_buf, self.workspace.qo_indptr_buf))
 
     def plan(self, kv_lens, qo_indptr) -> None:
@@ -308,7 +314,7 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
-        scale = self._default_scale if sm_scale is None else _scale(sm_scale)
+        scale = _DEFAULT_SCALE if sm_scale is None else _scale(sm_scale)
         if torch.compiler.is_compiling():  # dynamo traces the plain checks and the op, not the caches
             info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
             self._check_plan(info, q.device)
@@ -324,7 +330,8 @@ class VerifyAttention:
             return out, lse
         kv_lens, qo_indptr = ws.kv_lens, ws.qo_indptr
         sig, ptrs = self._check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
-        out, lse, ptrs = _outputs(sig.info, q, out, lse, ptrs)
+        if out is None or lse is None:
+            out, lse, ptrs = _outputs(sig.info, q, out, lse, ptrs)
         tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
         call = _prepared(ws, sig, self.kernel, scale, tensors)
         if call.state is not ws.state:

@@ -86,14 +86,17 @@ class PlannedLaunch:
     def __init__(self, main: Launch, merge: Launch, cuda: bool):
         self._main, self._merge, self._cuda = main, merge, cuda
 
-    def __call__(self, tensors: tuple, ptrs: tuple, num_groups: int | None) -> None:
+    def __call__(self, tensors: tuple, ptrs: tuple, num_groups: int | None,
+                 site: tuple[int, int] | None = None) -> None:
         """Launch on ``tensors`` = ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out,
         lse)`` of the prepared signature, ``ptrs`` their data pointers. The combine is skipped only
         when the host knows the plan split no row block (``num_groups == 0``) and no CUDA graph is
-        being captured (a captured graph must merge whatever a later plan splits)."""
-        self._main(tensors, ptrs)
+        being captured (a captured graph must merge whatever a later plan splits). ``site``: where
+        the launch before them went (see :class:`~kdtree_engine.verify.launch.Launch`; None: read
+        here); the combine launches where the kernel did."""
+        site = self._main(tensors, ptrs, site)
         if num_groups != 0 or (self._cuda and torch.cuda.is_current_stream_capturing()):
-            self._merge(tensors, ptrs)
+            self._merge(tensors, ptrs, site)
 
 
 def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale: float,

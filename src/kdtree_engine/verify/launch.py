@@ -95,6 +95,10 @@ class Launch:
     ``ptrs`` (ints, same order as ``tensors``) in place of the picked tensors and ``head`` /
     ``tail`` tensors as data pointers taken once. A launch hook sends every call through the
     launcher. Holds no per-call tensor.
+
+    A call returns the ``(device, stream)`` it launched on through the kept kernel (None when it
+    went through the launcher); a launch that follows at once (nothing between them switching the
+    device or the stream or installing a hook) passes it as ``site``, saving the reads.
     """
 
     __slots__ = ("_launcher", "_key", "_grid", "_head", "_pick", "_tail", "_constexprs", "_fast")
@@ -105,15 +109,16 @@ class Launch:
         self._pick = itemgetter(*picks) if len(picks) > 1 else lambda t, i=picks[0]: (t[i],)
         self._fast: dict = {}  # device -> (kernel.run, grid x, y, z, function, metadata, head, tail + constexprs)
 
-    def __call__(self, tensors: tuple, ptrs: tuple) -> None:
-        if self._fast and _no_hooks():
-            device = current_device()
-            fast = self._fast.get(device)
+    def __call__(self, tensors: tuple, ptrs: tuple, site: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        if self._fast and (site is not None or _no_hooks()):
+            if site is None:
+                device = current_device()
+                site = (device, current_stream(device))
+            fast = self._fast.get(site[0])
             if fast is not None:
                 run, gx, gy, gz, function, meta, head, tail = fast
-                run(gx, gy, gz, current_stream(device), function, meta, None, None, None, *head, *self._pick(ptrs),
-                    *tail)
-                return
+                run(gx, gy, gz, site[1], function, meta, None, None, None, *head, *self._pick(ptrs), *tail)
+                return site
         self._launcher(self._key, self._grid, (*self._head, *self._pick(tensors), *self._tail), self._constexprs)
         kept = self._launcher.kept(self._key)
         if kept is not None:
@@ -121,6 +126,7 @@ class Launch:
             g = (*self._grid, 1, 1)
             self._fast[current_device()] = (kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
                                             _pointers(self._head), (*_pointers(self._tail), *constexprs))
+        return None
 
 
 def _pointers(args: tuple) -> tuple:

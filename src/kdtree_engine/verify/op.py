@@ -29,10 +29,11 @@ _PREPARERS: dict[str, Callable] = {}
 def preparer(kernel: str) -> Callable:
     """The ``prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
     plan)`` function of ``kernel`` (imports its module, and Triton, on first use): it returns
-    ``run(tensors, ptrs, num_groups)``, the kernel's launches for every call with the signature of
-    its tensors (dtypes, 16-byte alignment, shapes, strides; inputs checked), where ``tensors`` are
-    that call's eight contract tensors, ``ptrs`` their data pointers and ``num_groups`` the
-    plan's split groups when the host knows them (else None)."""
+    ``run(tensors, ptrs, num_groups, site=None)``, the kernel's launches for every call with the
+    signature of its tensors (dtypes, 16-byte alignment, shapes, strides; inputs checked), where
+    ``tensors`` are that call's eight contract tensors, ``ptrs`` their data pointers,
+    ``num_groups`` the plan's split groups when the host knows them (else None) and ``site`` where
+    the launch before went (see :class:`~kdtree_engine.verify.launch.Launch`; None: read when needed)."""
     prepare = _PREPARERS.get(kernel)
     if prepare is not None:
         return prepare

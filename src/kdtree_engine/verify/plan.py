@@ -466,7 +466,7 @@ class VerifyPlan:
         # plan: every plan; a device plan: another B): callers keep the state they checked against
         self.state = object()
         self.prepared: dict = {}  # the callers' launches prepared on these buffers, by their keys (see keep)
-        self._device_launches: dict[tuple, object] = {}  # the scheduler's launch by the lengths' signature
+        self._device_launches: dict = {}  # (the scheduler's launch, B) by the lengths' signature
         self._schedules: dict[bytes, tuple] = {}  # (row blocks, tiles) -> tables, least recently used first
         self._cache_size = schedule_cache
         self.costs = costs or default_costs(device)
@@ -540,7 +540,8 @@ class VerifyPlan:
         self.state = object()
         return self
 
-    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None) -> VerifyPlan:
+    def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None,
+                       ptrs: tuple[int, int] | None = None) -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
         int32 on the plan's device (any strides), one launch of the scheduler kernel
         (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
@@ -556,19 +557,28 @@ class VerifyPlan:
         ``signature``: a hashable object that stands for the lengths' dtypes, devices, shapes,
         strides and 16-byte alignment (e.g. the caller's
         :class:`~kdtree_engine.verify.contract.Signature` of the call's inputs), saving their
-        reading; they are checked when first seen either way. Returns self.
+        reading; they are checked when first seen either way. ``ptrs``: with ``signature``, the
+        lengths' data pointers when the caller has read them. Returns self.
         """
+        self.launch_on_device(kv_lens, qo_indptr, signature, ptrs)
+        return self
+
+    def launch_on_device(self, kv_lens, qo_indptr, signature, ptrs) -> tuple[int, int] | None:
+        """:meth:`plan_on_device`, returning where the scheduler launched, ``(device, stream)``, for
+        the launches that read the plan right after it (None: they read it themselves; see
+        :class:`~kdtree_engine.verify.launch.Launch`)."""
         try:
-            ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
+            if ptrs is None:
+                ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
             key = signature or (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
                                 qo_indptr.device, qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15)
-            launch = self._device_launches.get(key)
+            kept = self._device_launches.get(key)
         except (AttributeError, TypeError):  # not tensors: named below
-            key = launch = None
-        if launch is None:
-            launch = self._device_launch(key, kv_lens, qo_indptr)
-        launch((kv_lens, qo_indptr), ptrs)
-        B = kv_lens.shape[0]
+            key = kept = None
+        if kept is None:
+            kept = self._device_launch(key, kv_lens, qo_indptr)
+        launch, B = kept
+        site = launch((kv_lens, qo_indptr), ptrs)
         if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
             self.kv_lens = self.kv_lens_buf[:B]
             self.qo_indptr = self.qo_indptr_buf[: B + 1]
@@ -578,11 +588,12 @@ class VerifyPlan:
             self.tables = self._device_tables
             self.state = object()
         self._staged = None  # on the CPU the device buffer is the staging buffer
-        return self
+        return site
 
-    def _device_launch(self, key, kv_lens, qo_indptr):
-        """The scheduler's launch for device lengths of this signature (kept by ``key``) after
-        checking their shapes, dtypes and device (``TypeError`` / ``ValueError`` naming the argument)."""
+    def _device_launch(self, key, kv_lens, qo_indptr) -> tuple:
+        """``(launch, B)``: the scheduler's launch for device lengths of this signature and their
+        sequence count (kept by ``key``), after checking their shapes, dtypes and device
+        (``TypeError`` / ``ValueError`` naming the argument)."""
         for name, t in (("kv_lens", kv_lens), ("qo_indptr", qo_indptr)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -601,7 +612,7 @@ class VerifyPlan:
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables, self._scratch,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
-        return self.keep(self._device_launches, key, self._scheduler.prepare(kv_lens, qo_indptr))
+        return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr), B))
 
     @staticmethod
     def keep(table: dict, key, value):

@@ -97,8 +97,8 @@ def row_to_sequence(qo_indptr: torch.Tensor, num_rows: int) -> torch.Tensor:
 def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan=None):
     """The naive kernel (one program per q row and head; ``plan`` unused: the grid is ``[T, H]``)
     for every call with the signature of these tensors (inputs already checked against the
-    contract): ``run(tensors, ptrs, num_groups)`` with ``tensors`` the eight contract tensors
-    (``ptrs`` and ``num_groups`` unused) writes ``out`` and ``lse``. Each call maps rows to
+    contract): ``run(tensors, ptrs, num_groups, site)`` with ``tensors`` the eight contract tensors
+    (the others unused) writes ``out`` and ``lse``. Each call maps rows to
     sequences on the device (one more launch: this is the oracle, not a fast path)."""
     T, H, _ = q.shape
     block_n = 128 if interpreting() else 32
@@ -109,7 +109,7 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
     constexprs = dict(PAGE_SIZE=page_size, BLOCK_N=block_n, D_LATENT=D_V, D_ROPE=D_QK - D_V, num_warps=4)
     scale_log2 = sm_scale * LOG2E
 
-    def run(tensors, ptrs, num_groups) -> None:
+    def run(tensors, ptrs, num_groups, site=None) -> None:
         rows = row_to_sequence(tensors[4], T)
         _NAIVE(key, (T, H), (*tensors[:5], rows, *tensors[5:], *ints, scale_log2), constexprs)
 
