@@ -72,22 +72,22 @@ EDITS = [
      "                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n", 1),
     ("                    zero = j >> 30\n",
      "                    zero = j >> 30\n"
-     "                    mbarrier.wait(bars.index(_FULL + 3 * WG + _LEFT + WG), own_uses & 1)\n"
+     "                    mbarrier.wait(bars[_FULL + 3 * WG + _LEFT + WG], own_uses & 1)\n"
      "                    _stamp(trace, steps, 1, WG)\n", 1),
     ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
     # consumer 0
-    ("                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)\n",
-     "                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
-    ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))\n",
+    ("                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
+     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
+    ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n",
      "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 4, WG)\n"
-     "                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))\n", 1),
-    ("                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)\n",
-     "                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+     "                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n", 1),
+    ("                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n",
+     "                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
     # consumer 1
-    ("                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n",
-     "                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
-    ("                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n",  # with and without an own tile
-     "                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)\n                        _stamp(trace, steps, 4, WG)\n",
+    ("                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n",
+     "                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
+    ("                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",  # with and without an own tile
+     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 4, WG)\n",
      2),
     ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
      "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 5, WG)\n", 1),

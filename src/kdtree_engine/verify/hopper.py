@@ -14,8 +14,10 @@ warp-specialised partitions (``gl.warp_specialize``), in the manner of FlashMLA'
   Q from shared memory), FlashMLA's max chain (consumer 0 publishes its running row max, consumer 1
   takes the max with its tile's and publishes that; consumer 0 rescales its P and O to it), then
   ``O[:, w half] += P_own V_own + P_other V_other`` (m64n256, own P from registers, the other's P from
-  shared memory, where it overwrites the tile's rope chunk): each consumer owns 256 of the 512
+  shared memory: consumer 0's in a P buffer of its own, consumer 1's over Q's rope columns, which
+  both consumers hold in registers once a segment's Q landed): each consumer owns 256 of the 512
   output columns (128 fp32 registers per thread);
+- a tile's rope chunk has one reader, its consumer's QK, and is released as soon as that is done;
 - prefix tiles run unmasked; only tiles that reach the tree nodes or the segment's end read mask words.
 
 Measured on the H200 against the Triton flash kernel and FlashMLA: docs/perf_log.md, runs 14, 17.
@@ -52,7 +54,7 @@ BLOCK_M, BLOCK_N = 64, 64
 LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
 
 if HAVE_GLUON:
-    # barrier slots in one [_NUM_BARS, 1] mbarrier array
+    # mbarriers: indices into the kernel's tuple of one-barrier allocations
     _Q_FULL = gl.constexpr(0)  # the segment's Q rows landed (one arrival per loader thread)
     _Q_EMPTY = gl.constexpr(1)  # both consumers are done with the segment's Q (2 arrivals)
     _FULL = gl.constexpr(2)  # + 3 * stage + chunk: a K chunk landed (one arrival per loader thread)
@@ -123,10 +125,10 @@ if HAVE_GLUON:
 
             o_m, m_rows, o_t = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_L)
             p_qrow = q + o_t * stride_qt + (o_m % H) * stride_qh
-            mbarrier.wait(bars.index(_Q_EMPTY), (n_seg & 1) ^ 1)
+            mbarrier.wait(bars[_Q_EMPTY], (n_seg & 1) ^ 1)
             _copy_rows(s_q.index(0), p_qrow, m_rows, D_LAT, L)
             _copy_rows(s_q_rope.index(0), p_qrow + D_LAT, m_rows, D_ROPE, L)
-            async_copy.mbarrier_arrive(bars.index(_Q_FULL), increment_count=False)
+            async_copy.mbarrier_arrive(bars[_Q_FULL], increment_count=False)
             n_seg += 1
 
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
@@ -142,17 +144,17 @@ if HAVE_GLUON:
                 p_row1 = kv + pg1.to(gl.int64) * stride_kvp + (o_n1 % PAGE_SIZE).to(gl.int64) * stride_kvs
                 phase0 = (pairs & 1) ^ 1
                 phase1 = (singles1 & 1) ^ 1
-                # chunks in the order their last readers release them: each consumer's own V half
-                # (after its local PV), then the halves the other consumer reads, then the rope chunks
-                # (which held the tiles' P)
+                # chunks in the order their last readers release them: the rope chunks (after their
+                # consumer's QK), each consumer's own V half (after its local PV), then the halves the
+                # other consumer reads
+                _load_chunk(s_k_rope.index(0), p_row0 + D_LAT, m_n0, bars, 0, _ROPE, phase0, True, D_ROPE, L)
+                _load_chunk(s_k_rope.index(1), p_row1 + D_LAT, m_n1, bars, 1, _ROPE, phase1, has1, D_ROPE, L)
                 _load_chunk(s_k_lat.index(0).slice(0, HALF, dim=1), p_row0, m_n0, bars, 0, _LEFT, phase0, True, HALF, L)
                 _load_chunk(s_k_lat.index(1).slice(HALF, HALF, dim=1), p_row1 + HALF, m_n1, bars, 1, _RIGHT, phase1,
                             has1, HALF, L)
                 _load_chunk(s_k_lat.index(0).slice(HALF, HALF, dim=1), p_row0 + HALF, m_n0, bars, 0, _RIGHT, phase0,
                             True, HALF, L)
                 _load_chunk(s_k_lat.index(1).slice(0, HALF, dim=1), p_row1, m_n1, bars, 1, _LEFT, phase1, has1, HALF, L)
-                _load_chunk(s_k_rope.index(0), p_row0 + D_LAT, m_n0, bars, 0, _ROPE, phase0, True, D_ROPE, L)
-                _load_chunk(s_k_rope.index(1), p_row1 + D_LAT, m_n1, bars, 1, _ROPE, phase1, has1, D_ROPE, L)
                 pairs += 1
                 singles1 += has1.to(gl.int32)
 
@@ -162,9 +164,9 @@ if HAVE_GLUON:
         """Wait until chunk CHUNK of stage STAGE is free, gather its rows, arrive on its full barrier
         when they land (nothing when ``pred`` is false: no such tile)."""
         if pred:
-            mbarrier.wait(bars.index(_EMPTY + 3 * STAGE + CHUNK), phase)
+            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)
             _copy_rows(dst, p_row, m_row, COLS, L)
-            async_copy.mbarrier_arrive(bars.index(_FULL + 3 * STAGE + CHUNK), increment_count=False)
+            async_copy.mbarrier_arrive(bars[_FULL + 3 * STAGE + CHUNK], increment_count=False)
 
     @gluon.jit
     def _swap_rows(buf, bars, n_swaps, x, WG: gl.constexpr, ROW_L: gl.constexpr):
@@ -173,8 +175,8 @@ if HAVE_GLUON:
         BLOCK_M: gl.constexpr = x.shape[0]
         buf.slice(WG * BLOCK_M, BLOCK_M).store(x)
         gl.thread_barrier()  # every thread's store lands before the single-thread arrive
-        mbarrier.arrive(bars.index(_SWAP))
-        mbarrier.wait(bars.index(_SWAP), n_swaps & 1)
+        mbarrier.arrive(bars[_SWAP])
+        mbarrier.wait(bars[_SWAP], n_swaps & 1)
         return buf.slice((1 - WG) * BLOCK_M, BLOCK_M).load(ROW_L)
 
     @gluon.jit
@@ -199,34 +201,38 @@ if HAVE_GLUON:
         """Store this consumer's row vector ``x [BLOCK_M]`` to ``dst`` and arrive on its M_READY barrier."""
         dst.store(x)
         gl.thread_barrier()  # every thread's store lands before the single-thread arrive
-        mbarrier.arrive(bars.index(_M_READY + WG))
+        mbarrier.arrive(bars[_M_READY + WG])
 
     @gluon.jit
     def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
-        """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma: first the
-        V half this consumer released earliest (its own), then the other half, then the rope (Q's
-        rope columns ``q_rope`` from registers: a ninth less shared-memory traffic in the QK, whose
-        m64n64 wgmmas read both operands from shared memory at its full bandwidth)."""
+        """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma, in the
+        order the chunks are refilled: the V half this consumer released earliest (its own), the rope
+        (Q's rope columns ``q_rope`` from registers: a ninth less shared-memory traffic in the QK,
+        whose m64n64 wgmmas read both operands from shared memory at its full bandwidth), then the
+        other half, which the other consumer's PV releases last. The rope chunk, read by nothing
+        else, is released as soon as its wgmma retired."""
         FIRST: gl.constexpr = _LEFT + WG
         SECOND: gl.constexpr = _RIGHT - WG
-        mbarrier.wait(bars.index(_FULL + 3 * WG + FIRST), phase)
+        mbarrier.wait(bars[_FULL + 3 * WG + FIRST], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice(WG * HALF, HALF, dim=1), k_lat.slice(WG * HALF, HALF, dim=1).permute((1, 0)),
                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
-        mbarrier.wait(bars.index(_FULL + 3 * WG + SECOND), phase)
+        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice((1 - WG) * HALF, HALF, dim=1),
                             k_lat.slice((1 - WG) * HALF, HALF, dim=1).permute((1, 0)), b_s, is_async=True)
-        mbarrier.wait(bars.index(_FULL + 3 * WG + _ROPE), phase)
-        fence_async_shared()
-        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+        b_s = warpgroup_mma_wait(1, deps=[b_s])
+        mbarrier.arrive(bars[_EMPTY + 3 * WG + _ROPE])
         return warpgroup_mma_wait(0, deps=[b_s])
 
     @gluon.jit
     def _ws_consumer(kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
                      seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
-                     s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                     s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
                      stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                      stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
                      WG: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -272,7 +278,7 @@ if HAVE_GLUON:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
             acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
-            mbarrier.wait(bars.index(_Q_FULL), n_seg & 1)
+            mbarrier.wait(bars[_Q_FULL], n_seg & 1)
             n_seg += 1
             q_rope = s_q_rope.index(0).load(Q_DOT)
             for j in range(gl.cdiv(n_tiles, 2)):
@@ -303,26 +309,25 @@ if HAVE_GLUON:
                     l_i = l_i * alpha + gl.sum(b_p, axis=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                     acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
-                    mbarrier.wait(bars.index(_M_READY + 1), steps & 1)
+                    mbarrier.wait(bars[_M_READY + 1], steps & 1)
                     m_i = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
                     corr = gl.exp2(m0_use - gl.where(m_i == float("-inf"), 0.0, m_i))
                     b_p = b_p * gl.expand_dims(corr, 1)
                     l_i = l_i * corr
-                    s_k_rope.index(0).store(b_p.to(dt))  # P0 where tile 2j's rope keys were
+                    s_p0.store(b_p.to(dt))
                     fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(_P_READY + 0))
+                    mbarrier.arrive(bars[_P_READY + 0])
                     acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _LEFT))
+                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
                     acc = acc * gl.expand_dims(gl.convert_layout(corr, ROW_O), 1)
-                    mbarrier.wait(bars.index(_P_READY + 1), steps & 1)
+                    mbarrier.wait(bars[_P_READY + 1], steps & 1)
                     if has_other:
-                        acc = warpgroup_mma(s_k_rope.index(1), v_other, acc)
-                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _LEFT))
-                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _ROPE))
+                        acc = warpgroup_mma(s_q_rope.index(0), v_other, acc)  # P1 over Q's rope columns
+                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
                 else:
                     # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
-                    mbarrier.wait(bars.index(_M_READY + 0), steps & 1)
+                    mbarrier.wait(bars[_M_READY + 0], steps & 1)
                     m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1))
                     _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
                     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
@@ -331,25 +336,24 @@ if HAVE_GLUON:
                     b_p = gl.exp2(b_s - gl.expand_dims(m1_use, 1))
                     l_i = l_i * alpha + gl.sum(b_p, axis=1)
                     if has_own:
-                        s_k_rope.index(1).store(b_p.to(dt))  # P1 where tile 2j + 1's rope keys were
+                        s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
                         fence_async_shared()
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(_P_READY + 1))
+                    mbarrier.arrive(bars[_P_READY + 1])
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                     if has_own:
                         acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
-                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
-                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc, is_async=True)
+                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
+                        acc = warpgroup_mma(s_p0, v_other, acc, is_async=True)
                         acc = warpgroup_mma_wait(1, deps=[acc])
-                        mbarrier.arrive(bars.index(_EMPTY + 3 * 1 + _RIGHT))
+                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _RIGHT])
                         acc = warpgroup_mma_wait(0, deps=[acc])
                     else:
-                        mbarrier.wait(bars.index(_P_READY + 0), steps & 1)
-                        acc = warpgroup_mma(s_k_rope.index(0), v_other, acc)
-                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _RIGHT))
-                    mbarrier.arrive(bars.index(_EMPTY + 3 * 0 + _ROPE))
+                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
+                        acc = warpgroup_mma(s_p0, v_other, acc)
+                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _RIGHT])
                 steps += 1
-            mbarrier.arrive(bars.index(_Q_EMPTY))
+            mbarrier.arrive(bars[_Q_EMPTY])
             # one row-sum swap per segment: n_seg - 1 swaps came before this one
             l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
 
@@ -387,12 +391,13 @@ if HAVE_GLUON:
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
-        (``LOADER_WARPS``). Shared memory (222,656 B of the 232,448 an H200 block may use; compiled for sm_90a: 4-16 B of spills): Q
-        ``[64, 512] + [64, 64]``, two K stages ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile;
-        its rope chunk later holds that tile's P), the row max / row sum vectors, the mbarriers.
+        (``LOADER_WARPS``). Shared memory (230,864 B of the 232,448 an H200 block may use; compiled for sm_90a: 20 B of spills): Q
+        ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
+        ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
+        max / row sum vectors, the mbarriers.
         """
         gl.static_assert(num_warps == 4)
-        gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits in a rope chunk
+        gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
         dt: gl.constexpr = kv.dtype.element_ty
         LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_LAT], dt)
         ROPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
@@ -400,29 +405,35 @@ if HAVE_GLUON:
         s_q_rope = gl.allocate_shared_memory(dt, [1, BLOCK_M, D_ROPE], ROPE_S)
         s_k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_LAT], LAT_S)
         s_k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, D_ROPE], ROPE_S)
+        s_p0 = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], ROPE_S)  # consumer 0's P tile
         # running row maxima m0, m1 [2 * BLOCK_M]; both consumers' row sums [2 * BLOCK_M]
         s_rows = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(_Q_FULL), count=32 * LOADER_WARPS)
-        mbarrier.init(bars.index(_Q_EMPTY), count=2)
+        # one allocation per mbarrier (a tuple): the compiler then sees a wait and an arrive on different
+        # barriers as disjoint and puts no partition barrier (bar.sync) between them; with one [_NUM_BARS, 1]
+        # array it synchronised the partition before every wait (80 bar.sync in the PTX, now 54)
+        bars = ()
+        for i in gl.static_range(_NUM_BARS):
+            bars = bars + (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),)
+        mbarrier.init(bars[_Q_FULL], count=32 * LOADER_WARPS)
+        mbarrier.init(bars[_Q_EMPTY], count=2)
         for i in gl.static_range(6):
-            mbarrier.init(bars.index(_FULL + i), count=32 * LOADER_WARPS)
-            mbarrier.init(bars.index(_EMPTY + i), count=1)
+            mbarrier.init(bars[_FULL + i], count=32 * LOADER_WARPS)
+            mbarrier.init(bars[_EMPTY + i], count=1)
         for i in gl.static_range(2):
-            mbarrier.init(bars.index(_P_READY + i), count=1)
-            mbarrier.init(bars.index(_M_READY + i), count=1)
-        mbarrier.init(bars.index(_SWAP), count=2)
+            mbarrier.init(bars[_P_READY + i], count=1)
+            mbarrier.init(bars[_M_READY + i], count=1)
+        mbarrier.init(bars[_SWAP], count=2)
         fence_async_shared()
         gl.warp_specialize([
             (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
                             seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
-                            s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                            s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
                             stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                             stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
                             0, H, BLOCK_M, BLOCK_N, D_LAT)),
             (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
                             seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
-                            s_q, s_q_rope, s_k_lat, s_k_rope, s_rows, bars,
+                            s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
                             stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                             stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
                             1, H, BLOCK_M, BLOCK_N, D_LAT)),
