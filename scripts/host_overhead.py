@@ -115,7 +115,8 @@ def main() -> None:
         T = B * n
         q = torch.zeros(T, H, 576, dtype=torch.bfloat16, device=a.device)
         kv_cache = torch.zeros(B * (prefix + n) + 1, 1, 576, dtype=torch.bfloat16, device=a.device)
-        page_table = torch.zeros(B, prefix + n, dtype=torch.int32, device=a.device)
+        # distinct slots: an all-zero table sends every KV read to one cache line (one L2 slice)
+        page_table = torch.arange(B * (prefix + n), dtype=torch.int32, device=a.device).view(B, prefix + n)
         mask = torch.zeros(T, 2, dtype=torch.int32, device=a.device)
         out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=a.device)
         lse = torch.empty(T, H, dtype=torch.float32, device=a.device)
