@@ -17,6 +17,7 @@ from kdtree_engine.ddtree import (
     commit_positions,
     compile_tree,
     filter_probs,
+    greedy_workspace,
     tree_links,
     sample_from_probs,
     tree_from_parents,
@@ -166,6 +167,7 @@ def test_greedy_kernel_equals_argmax_then_walk(V, ragged, device, monkeypatch):
     T = sum(tree.num_nodes_host)
     starts = [sum(tree.num_nodes_host[:b]) for b in range(tree.batch_size)]
     Vt = max(V, 40) if ragged else V
+    ws = greedy_workspace(tree.batch_size + 3, device)  # shared by every call below, wider than B
     for case in ("deep", "ties", "special"):
         logits = torch.randint(0, 3, (T, Vt), generator=g).float() if case == "ties" else torch.randn(T, Vt, generator=g)
         if case == "deep":  # follow a child at most nodes
@@ -184,6 +186,25 @@ def test_greedy_kernel_equals_argmax_then_walk(V, ragged, device, monkeypatch):
             for lg in (logits, logits.to(torch.bfloat16), logits.t().contiguous().t()):  # column stride != 1
                 want = accept_reference(tree, lg.float().cpu().argmax(1).to(device))
                 assert_same_result(accept_greedy(tree, lg), want)
+                assert_same_result(accept_greedy(tree, lg, workspace=ws), want)
+    assert not ws.any()  # left zero by every call
+
+
+def test_greedy_workspace_checked(device):
+    tree = tree_from_parents([[-1, 0], [-1, 0]], [[1, 2], [3, 4]])
+    tree = tree_from_parents(tree.parents.to(device), tree.tokens.to(device))
+    logits = torch.zeros(4, 8, device=device)
+    with pytest.raises(TypeError, match="workspace"):
+        accept_greedy(tree, logits, workspace=torch.zeros(2, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="workspace"):
+        accept_greedy(tree, logits, workspace=[0, 0])
+    with pytest.raises(TypeError, match="workspace"):
+        accept_greedy(tree, logits, workspace=torch.zeros(4, dtype=torch.int32, device=device)[::2])
+    with pytest.raises(ValueError, match="workspace"):
+        accept_greedy(tree, logits, workspace=greedy_workspace(1, device))
+    if device != "cpu":
+        with pytest.raises(ValueError, match="workspace"):
+            accept_greedy(tree, logits, workspace=greedy_workspace(2, "cpu"))
 
 
 @pytest.mark.parametrize("block, V", [(4, 45), (None, 2 * 8192 + 2 * 2048 + 7)], ids=["block4", "block2048"])

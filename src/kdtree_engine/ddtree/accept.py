@@ -43,6 +43,7 @@ __all__ = [
     "target_tokens_sampled",
     "accept_tokens",
     "accept_greedy",
+    "greedy_workspace",
     "accept_sampling",
     "accept_reference",
     "commit_positions",
@@ -358,24 +359,43 @@ def _accept_tokens_torch(tree: DraftTree, tgt: torch.Tensor) -> AcceptResult:
     )
 
 
-def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, *, workspace: torch.Tensor | None = None) -> AcceptResult:
     """Greedy acceptance: the target's argmax at each node, then the walk.
 
     ``target_logits``: ``[T, V]`` verify rows (row of node j of tree b = qo_indptr[b] + j).
+    ``workspace``: optional int32 ``[>= B]`` zeros on the tree's device (:func:`greedy_workspace`),
+    which the call leaves zero: calls that pass the same one skip zeroing a counter (one device
+    op less per call, a node less in a CUDA graph). Calls sharing a workspace must run one after
+    another (one stream, or graphs replayed one after another); its content is not checked
+    (that would sync): a nonzero entry gives a wrong result.
 
     On CUDA (and on the CPU under Triton's interpreter) one kernel launch (plus the zeroing of a
-    ``[B]`` counter): one program per node takes its row's argmax, the last of a sequence walks
-    it (:func:`kernels.greedy_walk`). Otherwise :func:`target_tokens_greedy` then
-    :func:`accept_tokens`. No host sync either way.
+    ``[B]`` counter without ``workspace``): one program per node takes its row's argmax, the last
+    of a sequence walks it (:func:`kernels.greedy_walk`). Otherwise :func:`target_tokens_greedy`
+    then :func:`accept_tokens` (``workspace`` unused). No host sync either way.
     """
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    if workspace is not None:
+        if not isinstance(workspace, torch.Tensor):
+            raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+        if workspace.dtype != torch.int32 or workspace.dim() != 1 or not workspace.is_contiguous():
+            raise TypeError(f"workspace must be a contiguous 1-D int32 tensor, got {workspace.dtype} of shape "
+                            f"{tuple(workspace.shape)}")
+        if workspace.device != tree.device or workspace.shape[0] < tree.batch_size:
+            raise ValueError(f"workspace must hold >= B={tree.batch_size} entries on {tree.device}, got "
+                             f"{workspace.shape[0]} on {workspace.device}")
     if not (tree.device.type == "cuda" or interpreting()):
         return accept_tokens(tree, target_tokens_greedy(target_logits))
     _filter_args(target_logits, 1.0, None, None, "target_logits")
     _check_target_rows(tree, target_logits)
     logits = target_logits if target_logits.stride(1) == 1 else target_logits.contiguous()
-    return _walk_result(greedy_walk(*_walk_trees(tree), logits, _row_starts(tree), tree.max_depth))
+    return _walk_result(greedy_walk(*_walk_trees(tree), logits, _row_starts(tree), tree.max_depth, workspace))
+
+
+def greedy_workspace(max_batch: int, device) -> torch.Tensor:
+    """A workspace for :func:`accept_greedy` of up to ``max_batch`` sequences: int32 zeros."""
+    return torch.zeros(max_batch, dtype=torch.int32, device=device)
 
 
 def accept_sampling(

@@ -13,7 +13,8 @@ expand_host        :func:`expand_topk_reference`: one device->host copy of the t
                    heap per sequence, the tree copied back (what a host-side DDTree costs)
 compile            :func:`compile_tree` (masks, positions, links)
 accept_greedy      :func:`accept_greedy` on random target logits ``[T, V]`` (argmax + walk;
-                   the walk stops at the root or one node below)
+                   the walk stops at the root or one node below), with a workspace
+                   (:func:`greedy_workspace`, as the engine's step: no counter zeroed per call)
 accept_greedy_graph  the same, replayed from a CUDA graph (CUDA only)
 accept_sample      :func:`accept_sampling`, temperature 0.7, top-k 50, top-p 0.9, random target
                    logits (the fused kernel samples one or two rows per sequence)
@@ -52,7 +53,7 @@ import torch
 
 from ..bench.report import machine_info, machine_line
 from ..bench.timing import capture_graph, event_times_ms, wall_times_ms
-from .accept import accept_greedy, accept_sampling, accept_tokens
+from .accept import accept_greedy, accept_sampling, accept_tokens, greedy_workspace
 from .tree import DraftTree, compile_tree, draft_topk, expand_topk, expand_topk_reference, tree_links
 
 __all__ = ["run_benchmark", "main"]
@@ -200,7 +201,12 @@ def run_benchmark(
         def step(i: int = 0):
             t = expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
             compile_tree(t, prefix)
-            return accept_greedy(t, target)
+            return accept_greedy(t, target, workspace=gws)
+
+        gws = greedy_workspace(batch, dev)
+
+        def greedy(logits):
+            return accept_greedy(tree, logits, workspace=gws)
 
         def construct(i: int = 0):
             return expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
@@ -217,15 +223,15 @@ def run_benchmark(
             lambda: _time_wall(lambda i: compile_tree(tree, prefix), dev, reps, warmup),
         )
         if target is not None:
-            stage("accept_greedy", lambda: _time_wall(lambda i: accept_greedy(tree, target), dev, reps, warmup))
+            stage("accept_greedy", lambda: _time_wall(lambda i: greedy(target), dev, reps, warmup))
             sgen = torch.Generator(device=dev).manual_seed(seed)
             stage(
                 "accept_sample",
                 lambda: _time_wall(lambda i: sample(sgen), dev, reps, warmup),
             )
             deep = deep_targets(tree, target)
-            row["deep_length"] = float(accept_greedy(tree, deep).lengths.double().mean())
-            stage("accept_greedy_deep", lambda: _time_wall(lambda i: accept_greedy(tree, deep), dev, reps, warmup))
+            row["deep_length"] = float(greedy(deep).lengths.double().mean())
+            stage("accept_greedy_deep", lambda: _time_wall(lambda i: greedy(deep), dev, reps, warmup))
             stage("accept_sample_deep", lambda: _time_wall(lambda i: sample(sgen, deep), dev, reps, warmup))
             stage("walk", lambda: _time_wall(lambda i: accept_tokens(tree, tgt_tokens), dev, reps, warmup))
             stage("step", lambda: _time_wall(step, dev, reps, warmup))
@@ -233,9 +239,9 @@ def run_benchmark(
             stage("expand_graph", lambda: _time_graph(lambda: expand_topk(top, budget, roots), dev, reps, warmup))
             stage("construct_graph", lambda: _time_graph(construct, dev, reps, warmup))
             if target is not None:
-                stage("accept_greedy_graph", lambda: _time_graph(lambda: accept_greedy(tree, target), dev, reps, warmup))
+                stage("accept_greedy_graph", lambda: _time_graph(lambda: greedy(target), dev, reps, warmup))
                 stage("accept_sample_graph", lambda: _time_graph(sample, dev, reps, warmup))
-                stage("accept_greedy_deep_graph", lambda: _time_graph(lambda: accept_greedy(tree, deep), dev, reps, warmup))
+                stage("accept_greedy_deep_graph", lambda: _time_graph(lambda: greedy(deep), dev, reps, warmup))
                 stage("accept_sample_deep_graph", lambda: _time_graph(lambda: sample(None, deep), dev, reps, warmup))
                 stage("step_graph", lambda: _time_graph(step, dev, reps, warmup))
         del target, deep

@@ -779,7 +779,7 @@ def _greedy_kernel(
     column stride); node j of sequence b is row ``r = starts[b] + j`` (USE_STARTS) or
     ``b * seq_rows + j``.
     tgt: ``[T]`` int64 scratch, the argmax of each row (first column among ties; NaN above every
-    number, as ``torch.argmax``). count: ``[B]`` int32, zero on entry.
+    number, as ``torch.argmax``). count: ``[B]`` int32, zero on entry and left zero on exit.
     tok, par, num_nodes, acc, .., bonus: as :func:`_walk`.
 
     The argmax (:func:`_greedy_step`): each lane keeps its largest value and the step that first
@@ -789,7 +789,8 @@ def _greedy_kernel(
     A program stores its rows' argmaxes (rows past ``num_nodes[b]``: none), then counts itself
     in ``count[b]`` (an acq_rel atomic, after a barrier: the store is visible before the count);
     the program that completes sequence b's count walks it (:func:`_walk`, reading the tokens
-    past L1).
+    past L1) and zeroes ``count[b]`` (every other program of b has counted by then), so the next
+    launch on the same stream can take the same counter without zeroing it.
     """
     b = tl.program_id(0)
     j = tl.program_id(1) * NODES + tl.arange(0, NODES)  # [NODES]
@@ -832,18 +833,21 @@ def _greedy_kernel(
               acc, acc_tok, new_tok, lengths, bonus, num_seqs, max_depth, vocab,
               stride_tree, seq_rows, 1, stride_out, 1.0, 0, 2.0,
               USE_STARTS, False, False, False, False, 1, 1, BLOCK_N, BLOCK_D, 1, UNROLL)
+        tl.store(count + b, 0)
 
 
-def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int):
+def greedy_walk(tokens, parents, num_nodes, logits, starts, max_depth: int, count=None):
     """Greedy acceptance in one launch (:func:`_greedy_kernel`): the argmax of every row of
     ``logits [T, V]`` (unit column stride), then the walk on them. Node j of sequence b is row
-    ``starts[b] + j`` (or ``b * n + j`` with ``starts`` None). Same returns as :func:`walk`."""
+    ``starts[b] + j`` (or ``b * n + j`` with ``starts`` None). ``count``: int32 ``[>= B]`` zeros,
+    left zero (None: a zeroed one per call). Same returns as :func:`walk`."""
     B, n = tokens.shape
     dev = tokens.device
     acc, acc_tok, new_tok, lengths, bonus = _walk_outputs(B, max_depth, dev)
     vocab = logits.shape[1]
     tgt = torch.empty(logits.shape[0], dtype=torch.int64, device=dev)
-    count = torch.zeros(B, dtype=torch.int32, device=dev)
+    if count is None:
+        count = torch.zeros(B, dtype=torch.int32, device=dev)
     block_v = min(triton.next_power_of_2(vocab), GREEDY_BLOCK_V)
     nodes = min(triton.next_power_of_2(n), max(1, 2**16 // block_v)) if interpreting() else 1
     _greedy_kernel[(B, triton.cdiv(n, nodes))](

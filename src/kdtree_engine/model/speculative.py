@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ddtree import accept_greedy, build_ddtree, tree_from_parents
+from ..ddtree import accept_greedy, build_ddtree, greedy_workspace, tree_from_parents
 from ..verify import VerifyAttention
 from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
@@ -267,6 +267,7 @@ class _Bucket:
         self.n = build_ddtree(self.draft, self.budget, torch.zeros(B, dtype=torch.int64, device=dev)).width
         self.st = ForwardState()
         self.attn = attn
+        self.greedy_ws = greedy_workspace(B, dev)  # acceptance's counter, left zero by each step
         self.graph = StepGraph([Phase("tree", "draft tree", lambda: self._tree(pool)),
                                 *r.phases(self.st, pool.kv_layers, attn),
                                 Phase("accept", "accept + commit", lambda: self._accept(pool))], mode, dev)
@@ -292,7 +293,7 @@ class _Bucket:
 
     def _accept(self, pool) -> None:
         logits, step = self.st.logits, self.st.step
-        acc = accept_greedy(self.tree, logits)
+        acc = accept_greedy(self.tree, logits, workspace=self.greedy_ws)
         self.lengths = acc.lengths
         self.accepted_width = acc.accepted.shape[1]
         pool.commit(self.ids, acc.accepted, acc.lengths)
