@@ -71,9 +71,10 @@ class OursImpl(Impl):
 
     def host_figures(self, case: BenchCase, prepared: Prepared, n_sets: int) -> dict[str, float]:
         """``eager_us``: one planned call timed back to back, without a head start (the larger of
-        host and GPU time per call); ``host_us``: wall time of 1000 planned calls without a sync,
-        per call; ``unplanned_us``: :func:`verify_attention` without a plan (it plans and syncs
-        every call), back to back. CUDA only."""
+        host and GPU time per call); ``host_us``: host wall time per planned call, 1000 calls in
+        bursts of 16 without a sync (:func:`~.timing.host_us_per_call`); ``unplanned_us``:
+        :func:`verify_attention` without a plan (the device scheduler's launch, then the kernels),
+        back to back. CUDA only."""
 
         def unplanned(i: int) -> None:
             s = case.sets[i]
@@ -137,7 +138,7 @@ class Row:
     # planned kernels only, CUDA only (None elsewhere): the Python call's own cost (OursImpl.host_figures)
     eager_us: float | None = None  # a planned call, back to back, eager (max of host and GPU time)
     graph_us: float | None = None  # a planned call replayed from a CUDA graph (GPU time)
-    host_us: float | None = None  # host wall time per planned call, 1000 calls without a sync
+    host_us: float | None = None  # host wall time per planned call (bursts of 16 calls without a sync)
     unplanned_us: float | None = None  # verify_attention without a plan (plans and syncs), back to back
 
     def to_dict(self) -> dict:
