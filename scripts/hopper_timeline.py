@@ -9,17 +9,24 @@ copy from a temporary file and runs it on the plan of each shape (the combine ke
 the stamps are the main kernel's). Every anchor must be found as often as ``EDITS`` says, else the
 script stops: the kernel changed (tests/test_verify_hopper.py checks the anchors on the CPU).
 
-Points per consumer and step (``steps``: the consumer's step counter over all its segments):
+Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
+s of both consumers is the same tile pair):
 
-- consumer 0: 0 step start, 1 first K chunk of its tile landed, 2 S = QK^T done, 3 consumer 1's
-  row max received, 4 own PV done, 5 consumer 1's P received, 6 step end (other PV done);
-- consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's row max received,
-  4 consumer 0's P received, 5 own PV + other PV issued and the first retired, 6 step end.
+- consumer 0: 0 step start, 1 first K chunk of its tile landed, 2 S = QK^T done, 3 its row max m0
+  published, 4 own PV issued, 5 consumer 1's max m1 received, 6 P0 published, 7 own PV retired,
+  8 consumer 1's P received, 9 step end (other PV done);
+- consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's max m0 received,
+  4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
+  PVs retired, 9 step end.
 
 Printed per shape and consumer: the median over programs and steps of each interval (cycles),
 the step's median, and the stamped kernel's time against the unstamped kernel's (CUDA-graph
-replay), so the stamps' own cost is visible. A step's interval that is mostly waiting (1 - 0:
-K not there yet; 3 - 2: the other consumer's max) is on the critical path of the other side.
+replay), so the stamps' own cost is visible. Both consumers of a program run on one SM, whose
+``%clock64`` they share, so the script also prints one joint timeline per shape: each point of
+both consumers as the median of its time minus consumer 0's step start of the same step
+(``joint`` in the JSON). An interval that is mostly waiting (consumer 0's 5 - 4: m1 not there yet;
+consumer 1's 7 - 6: P0 not there yet) is on the critical path of the other side; the joint view
+says which wgmma, if any, was running meanwhile.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from kdtree_engine.verify import hopper  # noqa: E402
 from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
-NPOINTS = 7
+NPOINTS = 10
 LOG2E = 1.4426950408889634
 
 STAMP_FN = '''
@@ -76,22 +83,42 @@ EDITS = [
      "                    _stamp(trace, steps, 1, WG)\n", 1),
     ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
     # consumer 0
-    ("                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
-     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
+    ("                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
+     "                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n                    _stamp(trace, steps, 3, WG)\n",
+     1),
+    ("                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
+     "                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                    _stamp(trace, steps, 4, WG)\n"
+     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+    ("                    mbarrier.arrive(bars[_P_READY + 0])\n",
+     "                    mbarrier.arrive(bars[_P_READY + 0])\n                    _stamp(trace, steps, 6, WG)\n", 1),
     ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n",
-     "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 4, WG)\n"
+     "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 7, WG)\n"
      "                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n", 1),
     ("                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n",
-     "                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+     "                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n                    _stamp(trace, steps, 8, WG)\n", 1),
     # consumer 1
     ("                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n",
      "                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
-    ("                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",  # with and without an own tile
-     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 4, WG)\n",
-     2),
+    ("                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n",
+     "                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n"
+     "                    _stamp(trace, steps, 4, WG)\n", 1),
+    ("                    mbarrier.arrive(bars[_P_READY + 1])\n",
+     "                    mbarrier.arrive(bars[_P_READY + 1])\n                    _stamp(trace, steps, 5, WG)\n", 1),
+    ("                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",
+     "                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                        _stamp(trace, steps, 6, WG)\n"
+     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 7, WG)\n",
+     1),
+    ("                    else:\n                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",  # no own tile
+     "                    else:\n                        _stamp(trace, steps, 6, WG)\n"
+     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 7, WG)\n",
+     1),
     ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
-     "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 5, WG)\n", 1),
-    ("                steps += 1\n", "                _stamp(trace, steps, 6, WG)\n                steps += 1\n", 1),
+     "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 8, WG)\n", 1),
+    ("                steps += 1\n", "                _stamp(trace, steps, 9, WG)\n                steps += 1\n", 1),
 ]
 
 
@@ -141,23 +168,30 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
 
 
 def intervals(trace: torch.Tensor) -> dict:
-    """Median cycles of each interval per consumer: ``trace [P, 2, steps, NPOINTS]`` (-1: not stamped)."""
+    """Median cycles of each interval per consumer, and the joint timeline: ``trace [P, 2, steps,
+    NPOINTS]`` (-1: not stamped)."""
     res = {}
+    last = NPOINTS - 1
     for wg in range(2):
         t = trace[:, wg]  # [P, S, N]
         full = (t >= 0).all(dim=2)
         nxt = torch.zeros_like(full)
         nxt[:, :-1] = full[:, 1:]
         rows = {f"{a}-{a - 1}": [] for a in range(1, NPOINTS)}
-        rows["next0-6"], rows["step"] = [], []
+        rows[f"next0-{last}"], rows["step"] = [], []
         for p, s in (full & nxt).nonzero().tolist():
             v = t[p, s].tolist()
             for a in range(1, NPOINTS):
                 rows[f"{a}-{a - 1}"].append(v[a] - v[a - 1])
-            rows["next0-6"].append(t[p, s + 1, 0].item() - v[6])
+            rows[f"next0-{last}"].append(t[p, s + 1, 0].item() - v[last])
             rows["step"].append(t[p, s + 1, 0].item() - v[0])
         res[f"consumer{wg}"] = {k: (statistics.median(x) if x else None) for k, x in rows.items()}
         res[f"consumer{wg}"]["steps"] = len(rows["step"])
+    both = (trace >= 0).all(dim=3).all(dim=1)  # [P, S]: every point of both consumers stamped
+    stamped = trace.permute(0, 2, 1, 3)[both]  # [K, 2, NPOINTS]
+    rel = stamped - stamped[:, 0:1, 0:1]  # each point minus consumer 0's start of the same step
+    res["joint"] = {f"consumer{wg}": [float(rel[:, wg, k].median()) if len(rel) else None for k in range(NPOINTS)]
+                    for wg in range(2)}
     return res
 
 
@@ -191,6 +225,9 @@ def main() -> None:
             r = row[f"consumer{wg}"]
             print(f"  consumer {wg} ({r['steps']} steps): " + "  ".join(
                 f"{k} {v:.0f}" for k, v in r.items() if k != "steps" and v is not None))
+        for wg in range(2):
+            print(f"  joint, consumer {wg} (cycles after consumer 0's step start): " + "  ".join(
+                f"{k}:{v:.0f}" for k, v in enumerate(row["joint"][f"consumer{wg}"]) if v is not None))
         del c
         torch.cuda.empty_cache()
     if a.json:
