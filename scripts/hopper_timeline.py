@@ -1,8 +1,12 @@
 """Where a step of the Hopper kernel spends its cycles: ``%clock64`` stamps per consumer and step.
 
     PYTHONPATH=src python scripts/hopper_timeline.py [--shapes 64x33x4x16384x64,...] [--steps 96] [--json t.json]
+        [--kernel VARIANT.py]
 
-The kernel is not changed for this: the script copies ``verify/hopper.py``'s source, adds a
+The kernel is not changed for this: the script copies ``verify/hopper.py``'s source (or a variant's,
+``--kernel``: a whole ``hopper.py`` of another branch, as ``scripts/ab_hopper.py`` takes; its stamped
+copy must not make ptxas serialize the wgmmas, info C7514, or its timeline says nothing: the stamped
+``hopper-qk-ahead`` does, the stamped main kernel does not), adds a
 ``trace`` pointer to the kernel and the consumer partitions and a stamp (one ``%clock64`` read,
 stored by every thread of the warpgroup to the same address) at the points below, imports the
 copy from a temporary file and runs it on the plan of each shape (the combine kernel is not run:
@@ -122,10 +126,11 @@ EDITS = [
 ]
 
 
-def stamped_source(max_steps: int) -> str:
-    """verify/hopper.py's source with the stamps (``ValueError`` when an anchor is not found as often
-    as expected: the kernel changed, update ``EDITS``)."""
-    src = Path(hopper.__file__).read_text()
+def stamped_source(max_steps: int, src: str | None = None) -> str:
+    """``src`` (default: verify/hopper.py's source) with the stamps (``ValueError`` when an anchor is
+    not found as often as expected: the kernel changed, update ``EDITS``)."""
+    if src is None:
+        src = Path(hopper.__file__).read_text()
     edits = EDITS + [("    _NUM_BARS = gl.constexpr(19)\n", f"    _NUM_BARS = gl.constexpr(19)\n    MAX_STEPS = "
                       f"gl.constexpr({max_steps})\n    NPOINTS = gl.constexpr({NPOINTS})\n", 1)]
     for anchor, new, count in edits:
@@ -148,9 +153,9 @@ def module_from_source(src: str, name: str):
     return mod
 
 
-def stamped_module(max_steps: int):
-    """The stamped copy of verify/hopper.py."""
-    return module_from_source(stamped_source(max_steps), "hopper_stamped")
+def stamped_module(max_steps: int, src: str | None = None):
+    """The stamped copy of ``src`` (default: verify/hopper.py)."""
+    return module_from_source(stamped_source(max_steps, src), "hopper_stamped")
 
 
 def launcher(kernel, c, plan, out, lse, trace, H, page_size):
@@ -201,8 +206,11 @@ def main() -> None:
                    "64x33x4x16384x1", help="H x nodes x B x prefix x page size")
     p.add_argument("--steps", type=int, default=96, help="steps stamped per consumer and program")
     p.add_argument("--json")
+    p.add_argument("--kernel", help="a variant hopper.py to stamp and time (default: this tree's)")
     a = p.parse_args()
-    mod = stamped_module(a.steps)
+    src = Path(a.kernel).read_text() if a.kernel else None
+    base = hopper if src is None else module_from_source(src, "hopper_variant")
+    mod = stamped_module(a.steps, src)
     results = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
@@ -211,7 +219,7 @@ def main() -> None:
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         trace = torch.full((plan.num_programs, 2, a.steps, NPOINTS), -1, dtype=torch.int64, device="cuda")
-        plain = launcher(hopper._hopper_verify_kernel, c, plan, out, lse, None, H, ps)
+        plain = launcher(base._hopper_verify_kernel, c, plan, out, lse, None, H, ps)
         stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, trace, H, ps)
         plain_us, stamped_us = time_graph(plain) * 1e6, time_graph(stamped) * 1e6
         trace.fill_(-1)
