@@ -3,7 +3,8 @@
 The KV pool's step-inputs kernel (``kdtree_engine.kvpool.kernels``) at the demo's sizes (B = 4,
 page 16, a 131072-token prompt's page-table row) and at awkward ones (B = 1, one-node trees,
 a 1024-node tree), and the step's record kernel (``kdtree_engine.model.step_kernels``, V = 163840
-float32 and bfloat16 logits, V = 2), with the constexprs their launchers pick:
+float32 and bfloat16 logits, V = 2), with the constexprs their launchers pick
+(``step_inputs_constexprs``, ``record_constexprs``):
 
     PYTHONPATH=src python scripts/step_sm90_compile.py
 
@@ -18,6 +19,7 @@ import sys
 from ddtree_sm90_compile import report
 
 from kdtree_engine.kvpool import kernels as K
+from kdtree_engine.masks import mask_words
 from kdtree_engine.model import step_kernels as S
 
 STEP_TYPES = dict(
@@ -27,18 +29,8 @@ STEP_TYPES = dict(
     stride_t="i32", num_cols="i32",
 )
 
-
-def step_consts(B: int, n: int, num_cols: int, page_size: int) -> dict:
-    """The constexprs :func:`~kdtree_engine.kvpool.kernels.launch_step_inputs` picks."""
-    words = (n + 31) // 32
-    block_w = K._pow2(max(2, words))
-    return dict(PAGE_SIZE=page_size, WORDS=words, BLOCK_B=K._pow2(max(2, B)),
-                BLOCK_N=max(2, min(K._pow2(n), 4096 // block_w)), BLOCK_W=block_w,
-                BLOCK_P=min(1024, K._pow2(max(2, num_cols))))
-
-
 CASES = [(f"_step_inputs_kernel (B={B}, n={n}, {cols} page columns, page {ps})", K._step_inputs_kernel, STEP_TYPES,
-          step_consts(B, n, cols, ps), 4)
+          K.step_inputs_constexprs(B, n, cols, ps, mask_words(n)), 4)
          for B, n, cols, ps in [(4, 1, 8200, 16), (4, 17, 8200, 16), (1, 1, 1, 1), (64, 33, 2049, 64),
                                 (2, 1024, 300, 1)]]
 
@@ -49,8 +41,7 @@ RECORD_TYPES = dict(
 )
 CASES += [(f"_record_kernel (V={V}, {dt}, {A} tokens per sequence)", S._record_kernel,
            dict(RECORD_TYPES, logits=f"*{dt}", top2=f"*{dt}"),
-           dict(SLICE=min(S.RECORD_SLICE, max(2, V)), BLOCK_V=min(S.RECORD_BLOCK_V, K._pow2(V)),
-                BLOCK_S=K._pow2(max(2, -(-V // S.RECORD_SLICE))), BLOCK_A=K._pow2(max(2, A))), 4)
+           S.record_constexprs(V, A), 4)
           for V, dt, A in [(163840, "fp32", 1), (163840, "fp32", 7), (163840, "bf16", 7), (2, "fp32", 1)]]
 
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ddtree.kernels import block_of
+
 __all__ = ["copy_pages", "launch_commit", "launch_pop_pages", "launch_step_inputs"]
 
 
@@ -378,12 +380,18 @@ def launch_step_inputs(table: torch.Tensor, lens: torch.Tensor, tree: torch.Tens
            torch.empty(T, dtype=torch.int64, device=dev), torch.empty(B, num_cols, dtype=torch.int32, device=dev),
            torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B + 1, dtype=torch.int32, device=dev),
            torch.empty(T, words, dtype=torch.int32, device=dev))
-    block_w = _pow2(max(2, words))
     _step_inputs_kernel[(B,)](
         rows, tokens, parents, depths, num_nodes, table, lens, tree, *out,
         B, n, max_depth, tokens.stride(0), table.stride(0), num_cols,
-        PAGE_SIZE=page_size, WORDS=words, BLOCK_B=_pow2(max(2, B)),
-        BLOCK_N=max(2, min(_pow2(n), 4096 // block_w)), BLOCK_W=block_w, BLOCK_P=min(1024, _pow2(max(2, num_cols))),
+        **step_inputs_constexprs(B, n, num_cols, page_size, words),
         num_warps=4,
     )
     return out
+
+
+def step_inputs_constexprs(B: int, n: int, num_cols: int, page_size: int, words: int) -> dict:
+    """``_step_inputs_kernel``'s constexprs for ``B`` trees of width ``n``, ``num_cols`` page-table
+    columns of pages of ``page_size`` and ``words`` mask words (:func:`launch_step_inputs`)."""
+    block_w = block_of(words)
+    return dict(PAGE_SIZE=page_size, WORDS=words, BLOCK_B=block_of(B), BLOCK_N=max(2, min(_pow2(n), 4096 // block_w)),
+                BLOCK_W=block_w, BLOCK_P=min(1024, block_of(num_cols)))

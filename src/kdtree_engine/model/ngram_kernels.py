@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ddtree.kernels import block_of
+
 __all__ = ["ngram_draft"]
 
 MATCH_BLOCK = 1024  # history positions per program of the match kernel
@@ -145,7 +147,7 @@ def ngram_draft(history: torch.Tensor, lengths: torch.Tensor, num_positions: int
         history = history.contiguous()
     block = min(MATCH_BLOCK, triton.next_power_of_2(C))
     nc = triton.cdiv(C, block)
-    block_m = triton.next_power_of_2(max(2, M))
+    block_m = block_of(M)
     cbest = torch.empty(B, nc, dtype=torch.int32, device=dev)
     cpos = torch.empty(B, nc, M, dtype=torch.int32, device=dev)
     ws_tok = torch.empty(B, L, M, dtype=torch.int64, device=dev)
@@ -155,8 +157,8 @@ def ngram_draft(history: torch.Tensor, lengths: torch.Tensor, num_positions: int
     s = smoothing
     _vote_kernel[(B,)](history, lengths, cbest, cpos, ws_tok, ws_lp, history.stride(0), lengths.stride(0), nc,
                        MIN_NGRAM=min_ngram, M=M, L=L, A_BITS=_bits64(1.0 - s), C_BITS=_bits64(s / V),
-                       BLOCK_NC=triton.next_power_of_2(max(2, nc)), BLOCK_M=block_m,
-                       BLOCK_L=triton.next_power_of_2(max(2, L)), num_warps=4)
+                       BLOCK_NC=block_of(nc), BLOCK_M=block_m,
+                       BLOCK_L=block_of(L), num_warps=4)
     block_v = min(FILL_BLOCK_V, triton.next_power_of_2(V))
     _fill_kernel[(B * L, triton.cdiv(V, block_v))](ws_tok, ws_lp, out, V, M=M, FILL_BITS=_bits32(math.log(s / V)),
                                                    BLOCK_V=block_v, BLOCK_M=block_m, num_warps=4)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
+from ..ddtree.kernels import block_of
 
 __all__ = ["record_step"]
 
@@ -128,19 +129,25 @@ def record_step(logits: torch.Tensor, qo_indptr: torch.Tensor, accepted: torch.T
     dev = logits.device
     results = torch.empty(B, 1 + A, dtype=torch.int64, device=dev)
     top2 = torch.empty(B, A, 2, dtype=logits.dtype, device=dev)
-    block_v = min(RECORD_BLOCK_V, triton.next_power_of_2(V))
-    slice_v = min(RECORD_SLICE, triton.cdiv(V, block_v) * block_v)
-    splits = triton.cdiv(V, slice_v)
+    consts = record_constexprs(V, A)
+    splits = triton.cdiv(V, consts["SLICE"])
     part = torch.empty(B * A, splits, 2, dtype=torch.float32, device=dev)
     count = torch.zeros(B * A, dtype=torch.int32, device=dev)
     _record_kernel[(B, A, splits)](
         logits, qo_indptr, accepted, lengths, new_tokens, rows, history, hist_len, results, top2, part, count,
         V, A, logits.stride(0), accepted.stride(0), new_tokens.stride(0), history.stride(0),
-        SLICE=slice_v, BLOCK_V=block_v, BLOCK_S=triton.next_power_of_2(max(2, splits)),
-        BLOCK_A=triton.next_power_of_2(max(2, A)),
+        **consts,
         num_warps=4,
     )
     return results, top2
+
+
+def record_constexprs(V: int, A: int) -> dict:
+    """``_record_kernel``'s constexprs for a vocabulary of ``V`` and ``A`` new tokens per sequence
+    (:func:`record_step`; its grid's third axis is ``cdiv(V, SLICE)``)."""
+    block_v = min(RECORD_BLOCK_V, triton.next_power_of_2(V))
+    slice_v = min(RECORD_SLICE, triton.cdiv(V, block_v) * block_v)
+    return dict(SLICE=slice_v, BLOCK_V=block_v, BLOCK_S=block_of(triton.cdiv(V, slice_v)), BLOCK_A=block_of(A))
 
 
 def _record_step_torch(logits, qo_indptr, accepted, lengths, new_tokens, rows, history, hist_len):
