@@ -170,7 +170,6 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
 
-
 def line_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray):
     """What the host writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`) for the
     line schedule of these lengths (``[B]`` each), the schedule the device scheduler takes:

@@ -198,12 +198,12 @@ def run_benchmark(
                 if verbose:
                     print(f"  {name} failed at budget {budget}: {exc!r}", file=sys.stderr)
 
+        gws = greedy_workspace(batch, dev)
+
         def step(i: int = 0):
             t = expand_topk(draft_topk(drafts[i % n_rot], k), budget, roots)
             compile_tree(t, prefix)
             return accept_greedy(t, target, workspace=gws)
-
-        gws = greedy_workspace(batch, dev)
 
         def greedy(logits):
             return accept_greedy(tree, logits, workspace=gws)

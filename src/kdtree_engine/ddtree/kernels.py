@@ -51,7 +51,6 @@ def _rank_chunk(rows: int, n: int) -> int:
     return min(n, max(1, 2**20 // (rows * n)))
 
 
-
 def block_of(n: int) -> int:
     """A block holding ``n`` elements: the power of 2 at least ``n``, and 2 at least. Triton 3.6
     miscompiles these kernels for sm_90 ("operand does not dominate this use" in

@@ -391,7 +391,7 @@ if HAVE_GLUON:
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
-        (``LOADER_WARPS``). Shared memory (230,864 B of the 232,448 an H200 block may use; compiled for sm_90a: 20 B of spills): Q
+        (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled for sm_90a: 20 B of spills): Q
         ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
         max / row sum vectors, the mbarriers.
