@@ -52,7 +52,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kdtree_engine.bench.timing import capture_graph
+    from kdtree_engine.bench.timing import capture_graph, event_times_ms
     from kdtree_engine.testing import line_tables
     from kdtree_engine.verify.plan import CONFIGS, MIN_SPLIT_TILES, VerifyPlan
 
@@ -92,15 +92,7 @@ def main() -> None:
                 time = "-"
             else:
                 graph = capture_graph(lambda _i: launch((kv, qo), ptrs), list(range(a.calls)))
-                best = float("inf")
-                for _ in range(a.replays):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    best = min(best, start.elapsed_time(end) * 1e3 / a.calls)
-                time = f"{best:.1f}"
+                time = f"{min(event_times_ms(lambda _j: graph.replay(), a.replays)) * 1e3 / a.calls:.1f}"
             t = p.tables
             same = (np.array_equal(t.prog_first_seg.cpu().numpy(), first)
                     and np.array_equal(t.segments.cpu().numpy()[:, :S], seg)
