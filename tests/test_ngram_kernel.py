@@ -83,6 +83,8 @@ def test_strided_history_and_draft(device):
     wide = torch.randint(0, 6, (4, 90), generator=g)
     h = wide[1:, 10:70]  # non-zero offset, row stride 90
     _both(dict(vocab_size=6), h, torch.tensor([60, 1, 33]), 5, device)
+    # column-major history (column stride != 1) and lengths in a strided slice
+    _both(dict(vocab_size=6), h.t().contiguous().t(), torch.tensor([60, -1, 1, -1, 33])[::2], 5, device)
     d = NGramDrafter(10, max_ngram=3)
     ctx = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
     assert torch.equal(d.draft([ctx], 4), NGramDrafter(10, max_ngram=3, use_triton=False).draft([ctx], 4))
