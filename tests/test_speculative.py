@@ -239,6 +239,47 @@ def test_synthetic_drafter_agreement():
     assert torch.all(tail[1:] == 0)
 
 
+def test_synthetic_drafter_proposes_distinct_ranked_tokens():
+    """Every drafted position proposes ``max_rank`` distinct tokens at logits 0, -1, ...; the true
+    token, when proposed, is the reference's; the draws do not depend on the history's padding or
+    on which batch row asks; no match and past the end are uniform."""
+    V, K = 7, 4
+    g = torch.Generator().manual_seed(3)
+    refs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (30, 45)]
+    d = SyntheticDrafter(refs, V, agreement=0.5, max_rank=K, seed=5)
+    contexts = [refs[1][:20], refs[0][:28], [refs[0][0] ^ 1] + refs[0][1:10]]  # ref 1, ref 0 near its end, none
+    out = d.draft(contexts, 5)
+    for b, (ctx, ref) in enumerate(zip(contexts, (refs[1], refs[0], None))):
+        for i in range(5):
+            row, p = out[b, i], len(ctx) + i
+            if ref is None or p >= len(ref):
+                assert torch.equal(row, torch.zeros(V)), (b, i)
+                continue
+            proposed = (row > -1e3).nonzero().flatten()
+            assert len(proposed) == K
+            assert sorted(row[proposed].tolist()) == [-3.0, -2.0, -1.0, 0.0]
+            if ref[p] not in proposed.tolist():
+                continue
+            assert row[ref[p]] in (0.0, -1.0, -2.0, -3.0)
+    history = torch.full((3, 64), 5, dtype=torch.int64)  # other padding, another width, rows swapped
+    for b, c in zip((1, 0, 2), contexts):
+        history[b, : len(c)] = torch.tensor(c)
+    again = d.draft_tensor(history, torch.tensor([28, 20, 10]), 5)
+    assert torch.equal(again[[1, 0, 2]], out)
+    d.set_references([refs[1], refs[0]])  # in place, the copy the drafts above made included
+    swapped = SyntheticDrafter([refs[1], refs[0]], V, agreement=0.5, max_rank=K, seed=5)
+    assert torch.equal(d.draft(contexts, 5), swapped.draft(contexts, 5))
+    assert not torch.equal(d.draft(contexts, 5), out)  # context 0 matches reference 0 now: other draws
+    with pytest.raises(ValueError, match="holds 2"):
+        d.set_references([refs[0]])
+    with pytest.raises(ValueError, match="capacity"):
+        d.set_references([refs[0], refs[1] + [0]])
+    with pytest.raises(ValueError, match="vocab_size"):
+        SyntheticDrafter(refs, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        SyntheticDrafter(refs, V, capacity=10)
+
+
 def test_check_lossless_report():
     logits = [torch.tensor([[0.0, 1.0, 0.999], [0.0, 5.0, 1.0]])]
     near = check_lossless([[2, 1]], [[1, 1]], logits, tie_tol=0.01)

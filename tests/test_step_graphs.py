@@ -93,24 +93,45 @@ def test_book_and_place_tree_are_reserve_tree(page_size):
     """The host half, then the device half, leave the pool as ``reserve_tree`` does, step after
     step, with the page pops as tensor ops or as the Triton kernel (the interpreter on the CPU)."""
     pools = []
-    for split, use_triton in ((False, False), (True, False), (True, True), (False, True)):
+    for split, use_triton, own_rows in ((False, False, False), (True, False, False), (True, True, False),
+                                        (False, True, False), (True, False, True), (True, True, True)):
         pool, ids, tree = _pool_and_tree(page_size, use_triton)
+        # the caller's rows buffer, as a step graph keeps it: here a strided column of a bigger tensor
+        rows = torch.tensor([[i, 99] for i in ids], device=DEVICE)[:, 0] if own_rows else None
         for step in range(3):
             if split:
                 pool.book_tree(ids, tree.width)
-                pool.place_tree(ids, tree.width)
+                pool.place_tree(ids, tree.width, rows=rows)
             else:
                 pool.reserve_tree(ids, tree.num_nodes_host)
             pool.check()
-            s = pool.step_inputs(ids, tree)
+            s = pool.step_inputs(ids, tree, rows=rows)
             acc = torch.tensor([[0, 1 + step], [0, -1], [0, 2]], device=DEVICE)
-            pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2])
+            pool.commit(ids, acc, torch.tensor([2, 1, 2], device=DEVICE), num_accepted_host=[2, 1, 2], rows=rows)
             pool.check()
         pools.append((s.slots, s.page_table, s.kv_lens, pool.num_free_pages, pool._top.clone(),
                       pool._stack[: pool.num_pages].clone(), [pool.seq_len(i) for i in ids]))  # not the trash slot
     for other in pools[1:]:
         for a, b in zip(pools[0], other):
             assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+
+
+def test_rows_buffer_is_checked():
+    """A caller's rows buffer: int64, one per sequence, on the pool's device; with ``debug`` its
+    values must be the sequences' (a wrong one is refused before any device work)."""
+    pool, ids, tree = _pool_and_tree(4)
+    pool.debug = True
+    pool.book_tree(ids, tree.width)
+    for bad, err, match in ((torch.tensor(ids, dtype=torch.int32, device=DEVICE), TypeError, "int64"),
+                            (torch.tensor(ids[:2], device=DEVICE), ValueError, "one row per sequence"),
+                            (torch.tensor(ids), ValueError, "device") if DEVICE == "cuda" else
+                            (list(ids), TypeError, "int64"),
+                            (torch.tensor(ids[::-1], device=DEVICE), ValueError, "not the sequences")):
+        with pytest.raises(err, match=match):
+            pool.place_tree(ids, tree.width, rows=bad)
+    assert pool._tree_d.tolist() == [0, 0, 0]  # nothing placed
+    pool.place_tree(ids, tree.width, rows=torch.tensor(ids, device=DEVICE))
+    assert pool._tree_d.tolist() == [tree.width] * 3
 
 
 def _awkward_trees(B: int, budget: int, g: torch.Generator):
@@ -299,6 +320,40 @@ def test_graph_decoding_equals_eager(mode, kernel):
     assert eng.capture_s > 0
     kinds = set(res.phase_s)
     assert kinds == ({"step"} if mode == "step" else {"tree", "attention", "accept", "rest"})
+
+
+def _finishing_at_different_steps(device):
+    """A dense 2-layer model, three prompts and a SYNTHETIC drafter whose acceptance differs per
+    sequence, so the batch shrinks 3 -> 2 -> 1 with other sequences than the first ones left."""
+    cfg = tiny_config(num_hidden_layers=2, first_k_dense_replace=2)
+    model = build_random_model(cfg, seed=0, dtype=torch.float32, device=device)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (P,), generator=g).tolist() for P in (40, 9, 23)]
+    runner = MLARunner(model, kernel="reference" if device == "cpu" else "flash", cache_dtype=torch.float16)
+    plain = SpeculativeEngine(runner, None, page_size=4, graphs="eager").generate(prompts, 20)
+    refs = [p + t for p, t in zip(prompts, plain.tokens)]
+    return runner, prompts, plain, SyntheticDrafter(refs, cfg.vocab_size, agreement=0.6, seed=2)
+
+
+@pytest.mark.parametrize("graphs", ["eager", pytest.param("step", marks=requires_cuda)])
+def test_warm_up_makes_every_batch_size_and_changes_nothing(graphs):
+    """warm_up() leaves one bucket per batch size 1..N and the prefilled state; decoding afterwards
+    makes no new bucket (captures nothing), although its shrinking batches hold other sequences
+    than the warm-up's first ones, and emits what it emits without the warm-up."""
+    runner, prompts, plain, drafter = _finishing_at_different_steps(DEVICE if graphs == "step" else "cpu")
+    cold = SpeculativeEngine(runner, drafter, budget=6, depth=3, page_size=4, graphs=graphs)
+    cold.prefill(prompts, 20)
+    want = cold.decode()
+    eng = SpeculativeEngine(runner, drafter, budget=6, depth=3, page_size=4, graphs=graphs)
+    eng.prefill(prompts, 20)
+    eng.warm_up()
+    assert sorted(k[2] for k in eng._buckets) == [1, 2, 3]
+    assert [s.length for s in eng.seqs] == [len(p) + 1 for p in prompts]
+    res = eng.decode()
+    assert sorted(k[2] for k in eng._buckets) == [1, 2, 3] and res.captures == 0 and res.capture_s == 0
+    assert res.tokens == want.tokens and res.accepted == want.accepted
+    assert check_lossless(res.tokens, plain.tokens, plain.top2, tie_tol=0.0).exact
+    assert {b.ids for b in eng._buckets.values()} - {(0, 1, 2), (0, 1), (0,)}, "no bucket was re-bound"
 
 
 @requires_cuda

@@ -236,6 +236,22 @@ class KVPool:
             self._rows_cache.move_to_end(key)
         return t
 
+    def _rows_of(self, ids: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` (a caller's ``[B]`` int64 device buffer holding ``ids``, e.g. a captured step's
+        input) checked, or :meth:`device_rows` of ``ids``. With ``debug`` its values are checked too
+        (a host read; not while a CUDA graph is being captured)."""
+        if rows is None:
+            return self.device_rows(ids)
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64:
+            raise TypeError(f"rows must be an int64 tensor, got {getattr(rows, 'dtype', type(rows).__name__)}")
+        if tuple(rows.shape) != (len(ids),):
+            raise ValueError(f"rows has shape {tuple(rows.shape)}, expected ({len(ids)},): one row per sequence")
+        self._check_device("rows", rows)
+        capturing = rows.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.debug and not capturing and not np.array_equal(rows.cpu().numpy(), ids):
+            raise ValueError(f"rows holds {rows.tolist()}, not the sequences {ids.tolist()}")
+        return rows.contiguous()  # a strided view: copied (in a graph, the copy is captured too)
+
     def _pages_of(self, lens):
         return _cdiv(np.asarray(lens, np.int64), self.page_size)
 
@@ -342,13 +358,16 @@ class KVPool:
         anything reads these sequences on the device."""
         self._grow(seq_ids, tree_size, tree=True, device=False)
 
-    def place_tree(self, seq_ids, tree_size: int) -> None:
+    def place_tree(self, seq_ids, tree_size: int, *, rows: torch.Tensor | None = None) -> None:
         """The device half of a :meth:`book_tree`: pops the pages the trees need from the free stack
         into the sequences' table rows and sets their device lengths and tree sizes. Derived from
         the device lengths alone, with shapes fixed by (B, ``tree_size``) and no host-to-device copy
-        once :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph."""
+        once :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph.
+        ``rows``: the sequences' rows as a ``[B]`` int64 device tensor the caller keeps (default
+        :meth:`device_rows`); a CUDA graph captured with a buffer here serves any B sequences whose
+        rows are copied into that buffer before each replay."""
         ids = self._ids(seq_ids)
-        self._pop_pages(self.device_rows(ids), tree_size, _cdiv(tree_size, self.page_size), tree=True)
+        self._pop_pages(self._rows_of(ids, rows), tree_size, _cdiv(tree_size, self.page_size), tree=True)
 
     def _pop_pages(self, rows: torch.Tensor, counts, max_pages: int, tree: bool) -> None:
         """Device half of a grow: sequence rows ``rows [B]`` gain ``counts`` (an int, or ``[B]``
@@ -485,7 +504,7 @@ class KVPool:
         self.reserve_tree(ids, np.asarray(tree.num_nodes_host, np.int64))
         return self.step_inputs(ids, tree)
 
-    def step_inputs(self, seq_ids, tree: DraftTree) -> VerifyStep:
+    def step_inputs(self, seq_ids, tree: DraftTree, *, rows: torch.Tensor | None = None) -> VerifyStep:
         """The :class:`VerifyStep` of trees already reserved with :meth:`reserve_tree` (sizes
         ``tree.num_nodes_host``): slots, page table ``[B, max_pages_per_seq]`` (every column: a
         fixed shape), lengths, ``qo_indptr``, mask, node tokens, RoPE positions, host lengths.
@@ -493,7 +512,10 @@ class KVPool:
         Device work only, with shapes fixed by (B, ``tree.width``) and no host-to-device copy once
         :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph, whose
         replays recompute the device tensors from the pool's state and the tree's tensors then
-        (the host fields stay those of the capture: plan a replayed step from :meth:`seq_len`)."""
+        (the host fields stay those of the capture: plan a replayed step from :meth:`seq_len`).
+        ``rows``: the sequences' rows as a ``[B]`` int64 device tensor the caller keeps (default
+        :meth:`device_rows`); a CUDA graph captured with a buffer here serves any B sequences whose
+        rows are copied into that buffer before each replay."""
         ids = self._ids(seq_ids)
         if not isinstance(tree, DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
@@ -504,7 +526,7 @@ class KVPool:
         if not np.array_equal(self._tree[ids], sizes):
             raise ValueError(f"tree sizes {sizes.tolist()} are not the reserved ones {self._tree[ids].tolist()}: "
                              f"call reserve_tree(seq_ids, tree.num_nodes_host) first")
-        rows = self.device_rows(ids)
+        rows = self._rows_of(ids, rows)
         if self.use_triton:
             tokens, rope_pos, slots, page_table, kv_lens, qo_indptr, tree_mask = launch_step_inputs(
                 self._table, self._lens_d, self._tree_d, rows, tree.tokens.contiguous(), tree.parents.contiguous(),
@@ -544,7 +566,7 @@ class KVPool:
     # ------------------------------------------------------------------ commit
 
     def commit(self, seq_ids, accepted: torch.Tensor, num_accepted: torch.Tensor, *,
-               num_accepted_host=None) -> None:
+               num_accepted_host=None, rows: torch.Tensor | None = None) -> None:
         """Commit the accepted path of each sequence's reserved tree. No host sync.
 
         Args:
@@ -555,6 +577,7 @@ class KVPool:
             num_accepted: ``[B]`` int on the device, ``1 <= num_accepted[b] <= min(n_b, A)``
                 (values outside are clamped into that range, on host and device alike).
             num_accepted_host: the same lengths on the host, if known: finalizes at once.
+            rows: see :meth:`place_tree`.
 
         Accepted node ``accepted[b, i]`` becomes position ``P_b + i``; the other nodes are freed
         (page size 1: their slots; larger pages: pages past the new length). Until
@@ -582,7 +605,7 @@ class KVPool:
         num_accepted = num_accepted.contiguous()
         if self.debug:
             self._check_accepted(ids, accepted, num_accepted)
-        rows = self.device_rows(ids)
+        rows = self._rows_of(ids, rows)
         if self.use_triton:
             launch_commit(self._store, self._table, self._lens_d, self._tree_d, self._stack, self._top, self._done,
                           self._marks, rows, accepted, num_accepted, int(n.max()))

@@ -22,12 +22,12 @@ then drafts inside the step, in its CUDA graph, with no host work)::
   (a reference continuation) and puts the true next token at rank 1 with probability
   ``agreement``, else at rank 2 with probability ``agreement``, ... down to ``max_rank`` (else not
   in its top list). Losslessness does not depend on it: the target still verifies every token.
+  Tensor ops with a counter-based hash for its draws: it drafts on the device too.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -56,6 +56,17 @@ def as_context(tokens) -> torch.Tensor:
     return torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
 
 
+def pad_contexts(contexts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as one zero-padded CPU history ``[B, max(1, longest)]`` int64 and their
+    lengths ``[B]`` int64 (the layout of ``draft_tensor``)."""
+    ctxs = [as_context(c) for c in contexts]
+    lengths = torch.tensor([c.numel() for c in ctxs], dtype=torch.int64)
+    history = torch.zeros(len(ctxs), max([1, *(c.numel() for c in ctxs)]), dtype=torch.int64)
+    for b, c in enumerate(ctxs):
+        history[b, : c.numel()] = c
+    return history, lengths
+
+
 class NGramDrafter:
     """Prompt-lookup drafter (no weights).
 
@@ -81,13 +92,8 @@ class NGramDrafter:
         self.use_triton = use_triton
 
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
-        """:meth:`draft_tensor` of the contexts, zero-padded into one ``[B, max len]`` history on the CPU."""
-        ctxs = [as_context(c) for c in contexts]
-        lengths = torch.tensor([c.numel() for c in ctxs], dtype=torch.int64)
-        history = torch.zeros(len(ctxs), max(1, int(lengths.max())), dtype=torch.int64)
-        for b, c in enumerate(ctxs):
-            history[b, : c.numel()] = c
-        return self.draft_tensor(history, lengths, num_positions)
+        """:meth:`draft_tensor` of the contexts (:func:`pad_contexts`) on the CPU."""
+        return self.draft_tensor(*pad_contexts(contexts), num_positions)
 
     def draft_tensor(self, history: torch.Tensor, lengths: torch.Tensor, num_positions: int) -> torch.Tensor:
         """The draft logits ``[B, L, V]`` float32 of ``B`` token histories, on their device.
@@ -149,61 +155,132 @@ class SyntheticDrafter:
     """SYNTHETIC drafter with a set agreement with the target, for benchmarking.
 
     ``references``: each sequence's full greedy token sequence (prompt + the target's greedy
-    continuation), e.g. from a plain-decoding run. A context is matched to the reference it is a
-    prefix of. At each draft position the true token's rank is drawn: rank ``r`` (1-based) with
-    probability ``agreement * (1 - agreement)^(r-1)`` for ``r <= max_rank``, else it is not
-    proposed; the other ranks hold random tokens. Rank ``r`` gets logit ``-rank_gap * (r - 1)``,
-    tokens not proposed ``-1e4``. Draws are seeded by (``seed``, reference, position), so the same
-    request drafts the same trees whatever the kernel or batch. Past a reference's end, or for
-    a context that matches no reference, all positions are uniform.
+    continuation), e.g. from a plain-decoding run. A context is matched to the first reference it
+    is a proper prefix of. At each draft position the true token's rank is drawn: rank ``r``
+    (1-based) with probability ``agreement * (1 - agreement)^(r-1)`` for ``r <= max_rank``, else it
+    is not proposed; the other ranks hold distinct random tokens. Rank ``r`` gets logit
+    ``-rank_gap * (r - 1)``, tokens not proposed ``-1e4``. Draws are a hash of (``seed``,
+    reference, position), so the same request drafts the same trees whatever the kernel, batch or
+    device. Past a reference's end, or for a context that matches no reference, all positions are
+    uniform.
+
+    The references live in one ``[R, capacity]`` buffer (``capacity``: default the longest), copied
+    to a device at its first draft there; :meth:`set_references` rewrites them in place, so a
+    captured step that drafts from them stays valid.
     """
 
     name = "synthetic"
     synthetic = True
 
     def __init__(self, references: Sequence[Sequence[int]], vocab_size: int, *, agreement: float = 0.7,
-                 max_rank: int = 4, rank_gap: float = 1.0, seed: int = 0):
+                 max_rank: int = 4, rank_gap: float = 1.0, seed: int = 0, capacity: int | None = None):
         if not 0.0 <= agreement <= 1.0:
             raise ValueError(f"agreement must be in [0, 1], got {agreement}")
-        self.references = [as_context(r) for r in references]
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2 (a true token and another), got {vocab_size}")
+        refs = [as_context(r) for r in references]
+        if not refs:
+            raise ValueError("references is empty")
+        longest = max(r.numel() for r in refs)
+        capacity = longest if capacity is None else capacity
+        if capacity < longest:
+            raise ValueError(f"capacity {capacity} is shorter than the longest reference ({longest} tokens)")
         self.vocab_size = vocab_size
         self.agreement = agreement
-        self.max_rank = max(1, min(max_rank, vocab_size))
+        self.max_rank = max(1, min(max_rank, vocab_size - 1))
         self.rank_gap = rank_gap
         self.seed = seed
         self.name = f"synthetic(agreement={agreement:g})"
+        self._tokens = torch.zeros(len(refs), max(1, capacity), dtype=torch.int64)  # [R, capacity]
+        self._lengths = torch.zeros(len(refs), dtype=torch.int64)  # [R]
+        self._device_copies: dict = {}  # device -> (tokens, lengths)
+        self.set_references(refs)
 
-    def _find(self, ctx: torch.Tensor) -> int:
-        n = ctx.shape[0]
-        for i, r in enumerate(self.references):
-            if r.shape[0] > n and torch.equal(r[:n], ctx):
-                return i
-        return -1
+    def set_references(self, references: Sequence[Sequence[int]]) -> None:
+        """Replace the references (as many as before, each within the capacity), in place on every
+        device they were copied to."""
+        refs = [as_context(r) for r in references]
+        R, cap = self._tokens.shape
+        if len(refs) != R:
+            raise ValueError(f"references: {len(refs)} sequences, this drafter holds {R}")
+        if max(r.numel() for r in refs) > cap:
+            raise ValueError(f"references: a sequence of {max(r.numel() for r in refs)} tokens exceeds the capacity {cap}")
+        self._tokens.zero_()
+        for i, r in enumerate(refs):
+            self._tokens[i, : r.numel()] = r
+            self._lengths[i] = r.numel()
+        for tokens, lengths in self._device_copies.values():
+            tokens.copy_(self._tokens)
+            lengths.copy_(self._lengths)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._device_copies:
+            self._device_copies[key] = (self._tokens.to(device), self._lengths.to(device))
+        return self._device_copies[key]
 
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
-        V, L = self.vocab_size, num_positions
-        out = torch.full((len(contexts), L, V), NEG, dtype=torch.float32)
-        for b, c in enumerate(contexts):
-            ctx = as_context(c)
-            ref = self._find(ctx)
-            N = ctx.shape[0]
-            for i in range(L):
-                p = N + i  # reference index of the token at depth i + 1
-                if ref < 0 or p >= self.references[ref].shape[0]:
-                    out[b, i] = 0.0
-                    continue
-                true = int(self.references[ref][p])
-                rng = random.Random(hash((self.seed, ref, p)))
-                rank = next((r for r in range(self.max_rank) if rng.random() < self.agreement), -1)  # 0-based
-                others = rng.sample(range(V - 1), self.max_rank)
-                ranked = [t + (t >= true) for t in others]  # never the true token
-                if rank >= 0:
-                    ranked[rank] = true
-                for r, tok in enumerate(ranked):
-                    out[b, i, tok] = -self.rank_gap * r
-        return out
+        """:meth:`draft_tensor` of the contexts (:func:`pad_contexts`) on the CPU."""
+        return self.draft_tensor(*pad_contexts(contexts), num_positions)
+
+    def draft_tensor(self, history: torch.Tensor, lengths: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """The draft logits ``[B, L, V]`` float32 of ``B`` token histories (``history [B, C]``
+        int64, ``lengths [B]`` int64, as :meth:`NGramDrafter.draft_tensor`), on their device.
+
+        Tensor ops with shapes fixed by (B, C, R, capacity, L, V) and no host sync: capturable in a
+        CUDA graph. The prefix match compares ``B x R x min(C, capacity)`` tokens.
+        """
+        V, L, K = self.vocab_size, num_positions, self.max_rank
+        dev = history.device
+        refs, ref_lens = self._on(dev)
+        n = lengths.to(torch.int64)
+        cols = min(history.shape[1], refs.shape[1])
+        # reference r matches sequence b: longer than its context, equal on it
+        differ = (history[:, None, :cols] != refs[None, :, :cols]) & (torch.arange(cols, device=dev) < n[:, None, None])
+        match = ~differ.any(-1) & (ref_lens[None, :] > n[:, None])  # [B, R]
+        ref = torch.where(match.any(1), match.to(torch.int8).argmax(1), -1)  # [B]: the first match
+        p = n[:, None] + torch.arange(L, device=dev)  # [B, L]: reference index of depth i + 1
+        r = ref.clamp(min=0)[:, None]
+        valid = (ref[:, None] >= 0) & (p < ref_lens[r])
+        true = refs[r, p.clamp(max=refs.shape[1] - 1)]  # [B, L]
+        draws = _hash_uniform(self.seed, ref[:, None, None], p[..., None], torch.arange(K + 2, device=dev))
+        hit = draws[..., :K] < self.agreement  # [B, L, K]: rank k takes the true token if the first hit
+        rank = torch.where(hit.any(-1), hit.to(torch.int8).argmax(-1), -1)  # [B, L], -1: not proposed
+        # K distinct other tokens: an arithmetic progression modulo V - 1 (stride * (K-1) < V - 1),
+        # shifted past the true token
+        span = V - 1
+        start = (draws[..., K] * span).long().clamp_(max=span - 1)
+        stride = 1 + (draws[..., K + 1] * max(1, (span - 1) // max(1, K - 1))).long()
+        others = (start[..., None] + stride[..., None] * torch.arange(K, device=dev)) % span  # [B, L, K]
+        ranked = others + (others >= true[..., None]).long()
+        ranked = torch.where(torch.arange(K, device=dev) == rank[..., None], true[..., None], ranked)
+        logit = (-self.rank_gap * torch.arange(K, device=dev, dtype=torch.float32)).expand(ranked.shape)
+        out = torch.full((history.shape[0], L, V), NEG, dtype=torch.float32, device=dev)
+        out.scatter_(2, ranked, logit.contiguous())
+        return out.masked_fill_(~valid[..., None], 0.0)
 
     @staticmethod
     def expected_chain_acceptance(agreement: float, depth: int) -> float:
         """Mean tokens per step of a pure chain (top-1 only) of ``depth`` drafts: sum_k a^k, k=0..depth."""
         return sum(agreement**k for k in range(depth + 1)) if agreement < 1 else float(depth + 1)
+
+
+_MASK31 = (1 << 31) - 1
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 values in ``[0, 2^31)`` into ``[0, 2^31)`` (xor-shift-multiply
+    rounds; every product stays below 2^63)."""
+    for _ in range(3):
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK31
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK31
+    return x ^ (x >> 15)
+
+
+def _hash_uniform(seed: int, *keys: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in ``[0, 1)`` per element of the broadcast ``keys`` (int64 tensors), a
+    pure function of (``seed``, keys): the same draws on every device."""
+    x = torch.as_tensor(seed & _MASK31, dtype=torch.int64, device=keys[0].device)
+    for k in keys:
+        x = _mix31((x * 31 + (k & _MASK31)) & _MASK31)
+    return (x >> 7).to(torch.float32) / float(1 << 24)

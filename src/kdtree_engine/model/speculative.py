@@ -229,7 +229,11 @@ class _Seq:
 
 
 class _Bucket:
-    """One step shape, (active sequences, tree size, drafter positions), and its phases.
+    """One step shape, (batch size, tree size, drafter positions), and its phases.
+
+    The step's sequences are an input like the others: their rows are in ``rows [B]`` int64 on the
+    device, rewritten by :meth:`bind` when the active sequences change, so one captured graph
+    serves every set of B sequences (a server's per-batch-size bucket).
 
     The phases read the engine's device token histories (``history [S, C]`` int64, ``hist_len
     [S]`` int64: each sequence's prompt and output; the last token is the next root) and, for a
@@ -249,12 +253,11 @@ class _Bucket:
     reservation, :meth:`~kdtree_engine.kvpool.KVPool.book_tree`, stays outside, before the step.
     """
 
-    def __init__(self, eng: SpeculativeEngine, ids: tuple[int, ...], spec: bool, mode: str, attn):
+    def __init__(self, eng: SpeculativeEngine, B: int, spec: bool, mode: str, attn):
         r, pool = eng.runner, eng.pool
         dev = r.device
-        B = len(ids)
-        self.ids = ids
-        self.rows = pool.device_rows(ids)  # [B] int64; the one a capture uses is held here (a graph keeps its address)
+        self.ids: tuple[int, ...] | None = None  # the sequences bound now (see bind)
+        self.rows = torch.zeros(B, dtype=torch.int64, device=dev)  # their rows; a graph keeps this address
         self.L = eng.depth if spec else 0
         self.budget = eng.budget if spec else 0
         self.history, self.hist_len = eng._history, eng._hist_len
@@ -275,6 +278,13 @@ class _Bucket:
         self._host: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []  # 2 read slots
         self._slot = 0
 
+    def bind(self, pool, ids: tuple[int, ...]) -> None:
+        """Make ``ids`` (B live sequences) the step's sequences: their rows into :attr:`rows` (a
+        device copy on the current stream, before the step that reads them)."""
+        if ids != self.ids:
+            self.rows.copy_(pool.device_rows(ids))
+            self.ids = ids
+
     def stage(self, draft: torch.Tensor) -> None:
         """Write a host drafter's logits (``[B, L, V]``) into the fixed buffer."""
         self._draft_h.copy_(draft)
@@ -285,9 +295,9 @@ class _Bucket:
         n = self.hist_len[rows]  # [B]
         roots = self.history[rows, n - 1]
         draft = self.draft if self.drafter is None else self.drafter.draft_tensor(self.history[rows], n, self.L)
-        pool.place_tree(self.ids, self.n)  # the device half of the reservation booked before the step
+        pool.place_tree(self.ids, self.n, rows=rows)  # the device half of the reservation booked before the step
         self.tree = build_ddtree(draft, self.budget, roots)
-        self.st.step = step = pool.step_inputs(self.ids, self.tree)
+        self.st.step = step = pool.step_inputs(self.ids, self.tree, rows=rows)
         if self.attn is not None:  # device lengths: the scheduler kernel (the CPU reads them: a host plan)
             self.attn.plan(step.kv_lens, step.qo_indptr)
 
@@ -296,7 +306,7 @@ class _Bucket:
         acc = accept_greedy(self.tree, logits, workspace=self.greedy_ws)
         self.lengths = acc.lengths
         self.accepted_width = acc.accepted.shape[1]
-        pool.commit(self.ids, acc.accepted, acc.lengths)
+        pool.commit(self.ids, acc.accepted, acc.lengths, rows=self.rows)
         # new token j of sequence b is the target's argmax at accepted node j: keep its top-2
         # logits; the emitted tokens extend the histories (the next roots, the drafter's context)
         self.results, self.top2 = record_step(logits, step.qo_indptr, acc.accepted, acc.lengths, acc.new_tokens,
@@ -476,6 +486,25 @@ class SpeculativeEngine:
             s.done = False
         self._sync_hist_len()
 
+    def warm_up(self) -> None:
+        """Make every step shape the decode loop can meet with the current drafter, budget, depth
+        and kernel ready before timing: two steps on the first B prefilled sequences for each batch
+        size B (the first step runs eagerly: JIT compiles; with graphs the second captures), then
+        :meth:`reset`. A loop whose sequences finish at different steps then replays captured
+        graphs only (what a server does at start-up, per batch-size bucket)."""
+        if self.pool is None:
+            raise RuntimeError("call prefill() first")
+        seqs = self.seqs
+        self.reset()
+        try:
+            for B in range(len(seqs), 0, -1):
+                self.seqs = seqs[:B]
+                self.decode(max_steps=2)
+                self.reset()
+        finally:
+            self.seqs = seqs
+        self.reset()
+
     # -- decoding -----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -520,8 +549,7 @@ class SpeculativeEngine:
                 bucket.stage(self._draft(active))
                 res.draft_s += time.perf_counter() - t1
             self.pool.book_tree(ids, bucket.n)  # host counts only; the step places the pages
-            if not bucket.graph.captured:  # the rows tensor a capture bakes in, held by the bucket
-                bucket.rows = self.pool.device_rows(ids)  # (the pool's row cache may drop it later)
+            bucket.bind(self.pool, ids)
             captured_before = bucket.graph.capture_s
             if not bucket.graph.run(clock):  # a replay: the commit's host half
                 self.pool.replayed_commit(ids, bucket.lengths, bucket.accepted_width)
@@ -583,11 +611,11 @@ class SpeculativeEngine:
                 attn = self._attn[r.kernel] = VerifyAttention(len(self.seqs), self._max_tree, r.num_heads, r.device,
                                                               kernel=r.kernel)
         mode = self._mode()
-        key = (r.kernel, mode, ids, spec, self.budget if spec else 0, self.depth if spec else 0,
+        key = (r.kernel, mode, len(ids), spec, self.budget if spec else 0, self.depth if spec else 0,
                _drafter_key(self.drafter) if spec else None)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self, ids, spec, mode, attn)
+            bucket = self._buckets[key] = _Bucket(self, len(ids), spec, mode, attn)
         return bucket
 
     def _mode(self) -> str:
@@ -616,10 +644,14 @@ class SpeculativeEngine:
 
 def _drafter_key(drafter) -> tuple | None:
     """What a step shape depends on of its drafter: a device drafter's type and settings (a
-    captured step holds its kernels); nothing of a host drafter (its logits are staged)."""
+    captured step holds its kernels), a setting that is not a number or a string by identity (a
+    captured step holds the tensors it read; the bucket holds the drafter, so the identity is not
+    reused); nothing of a host drafter (its logits are staged)."""
     if not hasattr(drafter, "draft_tensor"):
         return None
-    return (type(drafter).__qualname__, tuple(sorted(vars(drafter).items())))
+    plain = (bool, int, float, str, type(None))
+    return (type(drafter).__qualname__,
+            tuple((k, v if isinstance(v, plain) else ("id", id(v))) for k, v in sorted(vars(drafter).items())))
 
 
 def verify_once(runner: MLARunner, prefixes: Sequence[Sequence[int]], trees: Sequence[tuple[list[int], list[int]]],
