@@ -280,7 +280,7 @@ def _mix31(x: torch.Tensor) -> torch.Tensor:
 def _hash_uniform(seed: int, *keys: torch.Tensor) -> torch.Tensor:
     """Uniform float32 in ``[0, 1)`` per element of the broadcast ``keys`` (int64 tensors), a
     pure function of (``seed``, keys): the same draws on every device."""
-    x = torch.as_tensor(seed & _MASK31, dtype=torch.int64, device=keys[0].device)
+    x = seed & _MASK31  # a Python int until the first key (no host-to-device copy: capturable)
     for k in keys:
         x = _mix31((x * 31 + (k & _MASK31)) & _MASK31)
     return (x >> 7).to(torch.float32) / float(1 << 24)
