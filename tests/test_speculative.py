@@ -270,6 +270,11 @@ def test_synthetic_drafter_proposes_distinct_ranked_tokens():
     swapped = SyntheticDrafter([refs[1], refs[0]], V, agreement=0.5, max_rank=K, seed=5)
     assert torch.equal(d.draft(contexts, 5), swapped.draft(contexts, 5))
     assert not torch.equal(d.draft(contexts, 5), out)  # context 0 matches reference 0 now: other draws
+    fresh = SyntheticDrafter(refs, V, agreement=0.5, max_rank=K, seed=5)
+    with torch.inference_mode():  # first drafted as the engine drafts: its copy stays writable outside
+        fresh.draft(contexts, 5)
+    fresh.set_references([refs[1], refs[0]])
+    assert torch.equal(fresh.draft(contexts, 5), swapped.draft(contexts, 5))
     with pytest.raises(ValueError, match="holds 2"):
         d.set_references([refs[0]])
     with pytest.raises(ValueError, match="capacity"):

@@ -215,8 +215,9 @@ class SyntheticDrafter:
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = str(device)
-        if key not in self._device_copies:
-            self._device_copies[key] = (self._tokens.to(device), self._lengths.to(device))
+        if key not in self._device_copies:  # normal tensors even when first drafted under inference_mode
+            with torch.inference_mode(False):  # (set_references rewrites them outside it)
+                self._device_copies[key] = (self._tokens.to(device, copy=True), self._lengths.to(device, copy=True))
         return self._device_copies[key]
 
     def draft(self, contexts: Sequence[torch.Tensor], num_positions: int) -> torch.Tensor:
