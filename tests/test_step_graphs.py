@@ -357,6 +357,30 @@ def test_warm_up_makes_every_batch_size_and_changes_nothing(graphs):
 
 
 @requires_cuda
+def test_capture_survives_a_dead_graph_in_a_cycle():
+    """A captured graph that died in a reference cycle (as a dropped bucket's does) must not be
+    collected inside a later capture: the phase allocates enough Python objects to trigger the
+    automatic collector there, which would destroy the dead graph mid-capture."""
+    x = torch.zeros(4, device="cuda")
+
+    def dead_cycle():
+        graph = StepGraph([Phase("rest", "add", lambda: x.add_(1))], "step", "cuda")
+        graph.cycle = graph  # unreachable only through the collector
+        for _ in range(2):
+            graph.run(PhaseClock("cuda"))
+        assert graph.captured
+
+    dead_cycle()
+    churn = Phase("rest", "churn", lambda: ([[i] for i in range(1_000_000)], x.mul_(2)))  # every generation
+    g = StepGraph([churn], "step", "cuda")
+    g.run(PhaseClock("cuda"))
+    g.run(PhaseClock("cuda"))  # the capture, then a replay
+    assert g.captured
+    torch.cuda.synchronize()
+    assert x.tolist() == [8.0] * 4  # 1, 2 (replay); then 4 (eager), 8 (replay)
+
+
+@requires_cuda
 def test_replayed_graph_steps_do_not_sync_inside():
     """Once captured, a step is host work + one replay + one read: the replay itself launches no
     synchronising op (sync debug mode raises on any), and the step time is mostly device time."""

@@ -22,6 +22,7 @@ once, by :meth:`PhaseClock.flush`), ``time.perf_counter`` on the CPU.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -132,15 +133,27 @@ class StepGraph:
             clock.add(p.kind, t0, clock.mark())
 
     def _capture(self) -> None:
+        """Capture the phases (one graph, or one per phase). Python's cyclic garbage collector is
+        off meanwhile: a collection inside the capture can destroy a CUDA graph of an earlier step
+        shape or request that died in a reference cycle (a bucket's phases close over the bucket),
+        and destroying a graph while a stream captures is an error that invalidates the capture
+        (seen on the H200: "operation not permitted when stream is capturing (function reset)").
+        torch.cuda.graph no longer collects before capturing."""
         t0 = time.perf_counter()
         groups = [(None, self.phases)] if self.mode == "step" else [(p.kind, [p]) for p in self.phases]
         pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs replay in capture order
-        for kind, phases in groups:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=self._stream):
-                for p in phases:
-                    p.run()
-            self._graphs.append((kind or "step", g))
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for kind, phases in groups:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=self._stream):
+                    for p in phases:
+                        p.run()
+                self._graphs.append((kind or "step", g))
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
 
