@@ -8,6 +8,7 @@ eager decoding, across step shapes that change as sequences finish, with each sh
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -357,25 +358,35 @@ def test_warm_up_makes_every_batch_size_and_changes_nothing(graphs):
 
 
 @requires_cuda
-def test_capture_survives_a_dead_graph_in_a_cycle():
-    """A captured graph that died in a reference cycle (as a dropped bucket's does) must not be
-    collected inside a later capture: the phase allocates enough Python objects to trigger the
-    automatic collector there, which would destroy the dead graph mid-capture."""
+def test_capture_survives_another_thread_destroying_a_graph():
+    """Another thread destroys a captured graph while this one captures (as Python's collector
+    did in the demo's progress-bar thread, freeing a dead request's step graphs): the capture
+    stands (CUDA's thread_local capture mode), and release() destroys a graph on demand."""
     x = torch.zeros(4, device="cuda")
+    doomed = [StepGraph([Phase("rest", "add", lambda: x.add_(1))], "step", "cuda")]
+    for _ in range(2):
+        doomed[0].run(PhaseClock("cuda"))
+    assert doomed[0].captured
+    go, done = threading.Event(), threading.Event()
 
-    def dead_cycle():
-        graph = StepGraph([Phase("rest", "add", lambda: x.add_(1))], "step", "cuda")
-        graph.cycle = graph  # unreachable only through the collector
-        for _ in range(2):
-            graph.run(PhaseClock("cuda"))
-        assert graph.captured
+    def destroy():
+        go.wait()
+        doomed.pop().release()  # the last reference: the graph is destroyed in this thread
+        done.set()
 
-    dead_cycle()
-    churn = Phase("rest", "churn", lambda: ([[i] for i in range(1_000_000)], x.mul_(2)))  # every generation
-    g = StepGraph([churn], "step", "cuda")
+    def phase():
+        if torch.cuda.is_current_stream_capturing():
+            go.set()
+            assert done.wait(10)  # releases the GIL: the other thread runs inside this capture
+        x.mul_(2)
+
+    t = threading.Thread(target=destroy)
+    t.start()
+    g = StepGraph([Phase("rest", "wait", phase)], "step", "cuda")
     g.run(PhaseClock("cuda"))
-    g.run(PhaseClock("cuda"))  # the capture, then a replay
-    assert g.captured
+    g.run(PhaseClock("cuda"))  # the capture (the other thread destroys its graph now), then a replay
+    t.join()
+    assert g.captured and not doomed
     torch.cuda.synchronize()
     assert x.tolist() == [8.0] * 4  # 1, 2 (replay); then 4 (eager), 8 (replay)
 

@@ -437,6 +437,7 @@ def run_decoding(runner, args, kernels: list[str], prompts, bars: _Bars, hf=None
             vs_hf = check_lossless(res.tokens, hf_tokens, hf_logits, tie_tol) if hf else None
             vs_split = check_lossless(split.tokens, res.tokens, res.top2, tie_tol) if split else None
             rows.append(_row(kernel, label, res, split, plain, eng.capture_s - c1, vs_plain, vs_hf, vs_split))
+    eng.close()
     return rows
 
 
@@ -494,7 +495,7 @@ def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], boo
                     rows.append(base | _sweep_fields(spec, plain, eng.capture_s - c0, budget, f"SYNTHETIC a={args.agreement:g}")
                                 | dict(lossless_vs_plain=same.line(), ok=same.ok))
                     print(_sweep_line(rows[-1]), flush=True)
-            del eng
+            eng.close()
             if runner.device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows, ok

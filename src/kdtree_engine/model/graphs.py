@@ -33,6 +33,7 @@ from .mla import Phase
 __all__ = ["GRAPH_MODES", "PhaseClock", "StepGraph"]
 
 GRAPH_MODES = ("eager", "step", "phases")
+CAPTURE_ERROR_MODE = "thread_local"  # see StepGraph._capture
 
 
 class PhaseClock:
@@ -132,13 +133,21 @@ class StepGraph:
             p.run()
             clock.add(p.kind, t0, clock.mark())
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (the next :meth:`run` starts over with a warm-up)."""
+        self._graphs.clear()
+        self.runs = 0
+
     def _capture(self) -> None:
-        """Capture the phases (one graph, or one per phase). Python's cyclic garbage collector is
-        off meanwhile: a collection inside the capture can destroy a CUDA graph of an earlier step
-        shape or request that died in a reference cycle (a bucket's phases close over the bucket),
-        and destroying a graph while a stream captures is an error that invalidates the capture
-        (seen on the H200: "operation not permitted when stream is capturing (function reset)").
-        torch.cuda.graph no longer collects before capturing."""
+        """Capture the phases (one graph, or one per phase), in CUDA's ``thread_local`` capture
+        mode: another thread's CUDA calls do not invalidate the capture. Seen on the H200: a
+        request's step graphs, dead in a reference cycle (a bucket's phases close over the bucket),
+        were collected by Python's cyclic collector in another thread (the demo's progress bars)
+        while this thread captured; destroying a graph then is an error in the default ``global``
+        mode ("operation not permitted when stream is capturing (function reset)"), which
+        invalidated the capture. The collector is also off in this thread meanwhile, for the same
+        reason (torch.cuda.graph no longer collects before capturing); :meth:`release` destroys
+        graphs at a time of the caller's choosing."""
         t0 = time.perf_counter()
         groups = [(None, self.phases)] if self.mode == "step" else [(p.kind, [p]) for p in self.phases]
         pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs replay in capture order
@@ -147,7 +156,7 @@ class StepGraph:
         try:
             for kind, phases in groups:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=self._stream):
+                with torch.cuda.graph(g, pool=pool, stream=self._stream, capture_error_mode=CAPTURE_ERROR_MODE):
                     for p in phases:
                         p.run()
                 self._graphs.append((kind or "step", g))

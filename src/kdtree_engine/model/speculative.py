@@ -437,9 +437,7 @@ class SpeculativeEngine:
             raise ValueError("max_new_tokens must be >= 1")
         plan = self.plan([p.numel() for p in prompts], max_new_tokens)
         plan.check(self.max_pool_bytes)
-        self._buckets.clear()  # graphs of a previous request hold its pool's addresses
-        self._attn.clear()
-        self.pool = None  # free a previous request's pool first
+        self.close()  # graphs of a previous request hold its pool's addresses
         self.pool = KVPool(plan.num_pages, self.page_size, num_layers=r.num_layers, dtype=r.cache_dtype,
                            device=r.device, max_seqs=len(prompts),
                            max_seq_len=max(plan.pages_per_seq) * self.page_size)
@@ -471,6 +469,16 @@ class SpeculativeEngine:
         self._hist_len = torch.zeros(len(self.seqs), dtype=torch.int64, device=r.device)
         self._sync_hist_len()
         return first, _now(r.device) - t0
+
+    def close(self) -> None:
+        """Free the request's captured graphs and KV pool now. A bucket's phases refer to the
+        bucket, so dropped buckets otherwise wait for Python's cyclic collector, which may run at
+        any time in any thread (see :meth:`~kdtree_engine.model.graphs.StepGraph._capture`)."""
+        for b in self._buckets.values():
+            b.graph.release()
+        self._buckets.clear()
+        self._attn.clear()
+        self.pool = None
 
     def _sync_hist_len(self) -> None:
         """The device history lengths from the host ones (one small copy)."""
