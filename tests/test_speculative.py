@@ -266,6 +266,7 @@ def test_synthetic_drafter_proposes_distinct_ranked_tokens():
         history[b, : len(c)] = torch.tensor(c)
     again = d.draft_tensor(history, torch.tensor([28, 20, 10]), 5)
     assert torch.equal(again[[1, 0, 2]], out)
+    assert d.references() == refs
     d.set_references([refs[1], refs[0]])  # in place, the copy the drafts above made included
     swapped = SyntheticDrafter([refs[1], refs[0]], V, agreement=0.5, max_rank=K, seed=5)
     assert torch.equal(d.draft(contexts, 5), swapped.draft(contexts, 5))

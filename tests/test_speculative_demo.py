@@ -56,16 +56,40 @@ def test_demo_sweep(tmp_path, capsys, device):
                                       "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    rows = json.loads(out.read_text())["sweep"]
+    report = json.loads(out.read_text())
+    rows = report["sweep"]
+    assert report["sweep_complete"] is True
     # per batch and context: plain, then each budget (ascending)
     assert [(r["batch"], r["context"], r["budget"]) for r in rows] == [
         (b, c, k) for b in (1, 2) for c in (8, 40) for k in (0, 2, 4)]
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 < r["device_ms"] <= r["step_ms"]
-        assert r["budget"] == 0 or r["ok"], r
+        assert r["budget"] == 0 or (r["ok"] and r["in_sync"] and 1 <= r["sync_passes"] <= 4), r
     assert all(r["mean_accepted"] == 1.0 for r in rows if r["budget"] == 0)
     assert (tmp_path / "sweep.png").stat().st_size > 0  # the plot next to the JSON
     assert text.count("batch ") >= len(rows) and "wrote " in text
+    assert all(r["timed_captures"] == 0 for r in rows)
+
+
+def test_demo_sweep_keeps_its_rows_when_it_fails(tmp_path, monkeypatch, device):
+    """The JSON holds every finished row, marked incomplete, when a later row raises."""
+    import kdtree_engine.demo as demo
+
+    fields, calls = demo._sweep_fields, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("row 3 fails")
+        return fields(*a, **k)
+
+    monkeypatch.setattr(demo, "_sweep_fields", failing)
+    out = tmp_path / "sweep.json"
+    with pytest.raises(RuntimeError, match="row 3 fails"):
+        main(_device_args(device) + ["--sweep", "8", "--sweep-batches", "1", "--sweep-budgets", "2,4", "--steps", "3",
+                                     "--kernel", "naive", "--depth", "2", "--no-progress", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["sweep_complete"] is False and [r["budget"] for r in report["sweep"]] == [0, 2]
 
 
 def test_numerics_tolerance():

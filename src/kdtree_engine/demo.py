@@ -352,18 +352,30 @@ def _warm_up(eng, drafters, modes) -> None:
     eng.graphs = keep
 
 
-def _sync_references(eng, drafter, prompts, plain_tokens, modes) -> None:
-    """Point the SYNTHETIC ``drafter`` at the target's tokens under this speculative configuration:
-    it drafts first from plain decoding's tokens (every step shape warmed up meanwhile), then from
-    that untimed speculative run's own tokens. Exact bf16 ties let a speculative run leave plain
-    decoding's tokens (within the near-tie tolerance); a drafter still drafting from those would
-    propose nothing right for the rest of the sequence, and its acceptance would measure the tie,
-    not the agreement."""
-    drafter.set_references([p + t for p, t in zip(prompts, plain_tokens)])
+SYNC_PASSES = 4
+
+
+def _sync_references(eng, drafter, prompts, plain_tokens, modes) -> int:
+    """Point the SYNTHETIC ``drafter`` at the target's own tokens under this speculative
+    configuration: it drafts first from plain decoding's tokens (every step shape warmed up
+    meanwhile), then, for up to :data:`SYNC_PASSES` untimed speculative runs, from the previous
+    run's tokens, until a run emits its references. Exact bf16 ties let a speculative run leave
+    plain decoding's tokens (within the near-tie tolerance: the verify forward rounds differently
+    from the one-token one); a drafter still drafting from those would propose nothing right for
+    the rest of that sequence, which then decodes one token per step while the others wait.
+    Returns the passes run; the timed run is in sync when the last one emitted its references
+    (the steps are deterministic)."""
+    refs = plain_tokens
+    drafter.set_references([p + t for p, t in zip(prompts, refs)])
     _warm_up(eng, (drafter,), modes)
-    eng.reset()
-    first = eng.decode()
-    drafter.set_references([p + t for p, t in zip(prompts, first.tokens)])
+    for passes in range(1, SYNC_PASSES + 1):
+        eng.reset()
+        out = eng.decode().tokens
+        if out == refs:
+            break
+        refs = out
+        drafter.set_references([p + t for p, t in zip(prompts, refs)])
+    return passes
 
 
 def _split_mode(eng) -> str | None:
@@ -460,9 +472,10 @@ SWEEP_BATCHES = (1, 4)
 SWEEP_BUDGETS = (8, 16, 32, 64)
 
 
-def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], bool]:
+def _sweep(runner, args, kernels, bars, tie_tol: float, save=None) -> tuple[list[dict], bool]:
     """Per batch, context and kernel: plain decoding, then synthetic speculative decoding at each
-    tree budget (one prefill per batch and context, the pool sized for the largest budget)."""
+    tree budget (one prefill per batch and context, the pool sized for the largest budget).
+    ``save(rows)`` after each row (the rows so far survive a failure later in the sweep)."""
     from .model.drafters import SyntheticDrafter
     from .model.speculative import SpeculativeEngine, check_lossless
 
@@ -483,18 +496,23 @@ def _sweep(runner, args, kernels, bars, tie_tol: float) -> tuple[list[dict], boo
                 base = dict(batch=batch, context=ctx, kernel=kernel, prefill_s=prefill_s, graphs=eng.graphs)
                 rows.append(base | _sweep_fields(plain, None, eng.capture_s - c0, 0, "plain"))
                 print(_sweep_line(rows[-1]), flush=True)
+                if save:
+                    save(rows)
                 drafter = SyntheticDrafter([p + t for p, t in zip(prompts, plain.tokens)], runner.vocab_size,
                                            agreement=args.agreement, seed=args.seed)
                 for budget in budgets:
                     eng.budget = budget
                     c0 = eng.capture_s
-                    _sync_references(eng, drafter, prompts, plain.tokens, (eng.graphs,))
+                    passes = _sync_references(eng, drafter, prompts, plain.tokens, (eng.graphs,))
                     spec, _ = _measure(eng, drafter, split=False)
+                    synced = [t[len(p):] for p, t in zip(prompts, drafter.references())] == spec.tokens
                     same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
                     ok &= same.ok
                     rows.append(base | _sweep_fields(spec, plain, eng.capture_s - c0, budget, f"SYNTHETIC a={args.agreement:g}")
-                                | dict(lossless_vs_plain=same.line(), ok=same.ok))
+                                | dict(lossless_vs_plain=same.line(), ok=same.ok, sync_passes=passes, in_sync=synced))
                     print(_sweep_line(rows[-1]), flush=True)
+                    if save:
+                        save(rows)
             eng.close()
             if runner.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -515,6 +533,7 @@ def _sweep_line(r: dict) -> str:
     if r["timed_captures"]:
         line += f" | {r['timed_captures']} step shape(s) captured inside the timed run"
     if r["budget"]:
+        line += f" | drafter {'in sync' if r['in_sync'] else 'OUT OF SYNC'} ({r['sync_passes']} passes)"
         line += " | " + ("lossless" if r["lossless_vs_plain"].startswith("lossless") else r["lossless_vs_plain"])
     return line
 
@@ -691,9 +710,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== stage 3: sweep, batches {args.sweep_batches} x contexts {args.sweep}, {args.steps} "
                   f"tokens/sequence, plain and SYNTHETIC drafter a={args.agreement:g} at budgets "
                   f"{sorted(args.sweep_budgets)}, depth {args.depth} ==", flush=True)
-            rows, ok = _sweep(runner, args, kernels, bars, tie_tol)
+            def save(rows):  # the JSON so far, marked incomplete until the sweep ends
+                args.json.write_text(json.dumps(report | {"sweep": rows, "sweep_complete": False}, indent=2,
+                                                default=str))
+
+            rows, ok = _sweep(runner, args, kernels, bars, tie_tol, save if args.json else None)
             failures += not ok
             report["sweep"] = rows
+            report["sweep_complete"] = True
             if args.plot:
                 title = (f"kdtree demo --sweep: {model_name}, {args.dtype}; {args.steps} tokens/sequence, SYNTHETIC "
                          f"drafter a={args.agreement:g}, depth {args.depth}; {machine_line(machine_info(device))}")

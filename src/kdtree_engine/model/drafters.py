@@ -213,6 +213,10 @@ class SyntheticDrafter:
             tokens.copy_(self._tokens)
             lengths.copy_(self._lengths)
 
+    def references(self) -> list[list[int]]:
+        """The references now (host lists)."""
+        return [self._tokens[i, :n].tolist() for i, n in enumerate(self._lengths.tolist())]
+
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = str(device)
         if key not in self._device_copies:  # normal tensors even when first drafted under inference_mode
