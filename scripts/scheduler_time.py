@@ -1,7 +1,8 @@
 """GPU time of the device scheduler (one ``VerifyPlan.plan_on_device``), and its tables checked
-against the host's line schedule.
+against the host's tables of the same schedule.
 
     PYTHONPATH=src python scripts/scheduler_time.py [--modules kdtree_engine.verify.scheduler,...]
+        [--schedule line|parts]
 
 Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
 and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
@@ -10,7 +11,8 @@ program): the module's scheduler launches for a plan of
 ``max_batch`` 64 and ``max_tree_nodes`` 65 (one plan per head count, the device's config and
 grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
 fastest replay per call in us. The tables the last replay wrote are compared with the host's
-line schedule of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. the
+tables of ``--schedule`` (the line schedule, or the KV parts schedule where it applies:
+:func:`~kdtree_engine.testing.device_tables`) of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. the
 two-launch one of branch ``parallel-scheduler`` (with the launch module it imports; a scheduler
 whose constructor takes a ``scratch`` buffer, as that one and main's do, gets one):
 
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="scheduler calls per graph")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--schedule", default="line", choices=("line", "parts"), help="what the scheduler writes")
     a = ap.parse_args()
     cpu = a.device == "cpu"
     if cpu:
@@ -53,14 +56,14 @@ def main() -> None:
     import torch
 
     from kdtree_engine.bench.timing import capture_graph, event_times_ms
-    from kdtree_engine.testing import line_tables
+    from kdtree_engine.testing import device_tables
     from kdtree_engine.verify.plan import CONFIGS, MIN_SPLIT_TILES, VerifyPlan
 
     modules = a.modules.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     plans = {}
     print(f"{torch.cuda.get_device_name() if not cpu else 'cpu (interpreter)'}; us per plan_on_device "
-          f"(CUDA-graph replay, fastest of {a.replays} x {a.calls} calls); tables vs the host's line schedule")
+          f"(CUDA-graph replay, fastest of {a.replays} x {a.calls} calls); tables vs the host's {a.schedule} schedule")
     print("| B x H x nodes x prefix | segments | " + " | ".join(modules) + " |")
     print("|---|---|" + "---|" * len(modules))
     for B, H, n, prefix in shapes:
@@ -71,7 +74,7 @@ def main() -> None:
         kv_host, n_host = np.full(B, prefix + n), np.full(B, n)
         kv = torch.tensor(kv_host, dtype=torch.int32, device=a.device)
         qo = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=a.device)
-        first, seg, grp = line_tables(p, kv_host, n_host)
+        first, seg, grp = device_tables(p, kv_host, n_host, a.schedule)
         S, G = seg.shape[1], grp.shape[1]
         cells = []
         for spec in modules:
@@ -83,7 +86,7 @@ def main() -> None:
             sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=MAX_BATCH,
                         max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES,
                         **(dict(block_s=int(block_s)) if block_s else {}))
-            launch = sched.prepare(kv, qo)
+            launch = sched.prepare(kv, qo, **(dict(parts=True) if a.schedule == "parts" else {}))
             ptrs = (kv.data_ptr(), qo.data_ptr())
             p.tables.segments.fill_(-9)
             p.tables.groups.fill_(-9)

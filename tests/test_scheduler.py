@@ -12,8 +12,8 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, line_tables, random_tree
-from kdtree_engine.verify.plan import MIN_SPLIT_TILES, FlashConfig, VerifyPlan
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables, random_tree
+from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -29,17 +29,17 @@ def random_batches(seed: int, count: int):
         yield kv, n, int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2, B + int(rng.integers(0, 9))
 
 
-def check_device_plan(p: VerifyPlan, kv: np.ndarray, qo: np.ndarray, what: str):
+def check_device_plan(p: VerifyPlan, kv: np.ndarray, qo: np.ndarray, what: str, schedule: str = "line"):
     """Plan ``kv [B]`` / ``qo [B + 1]`` on the device from strided tensors (every other element of a
-    bigger buffer): the lengths copied, the tables the host's line schedule of the clamped lengths
-    (trees of 1..max_tree_nodes nodes, KV of at least one tile; a segment ending at most at the KV
-    length as given)."""
+    bigger buffer): the lengths copied, the tables the host's tables of ``schedule`` (where it
+    applies, else the line schedule) of the clamped lengths (trees of 1..max_tree_nodes nodes, KV of
+    at least one tile; a segment ending at most at the KV length as given)."""
     kv_dev = torch.zeros(2 * len(kv), dtype=torch.int32, device=DEVICE)
     kv_dev[::2] = torch.tensor(kv)
     qo_dev = torch.zeros(2 * len(qo), dtype=torch.int32, device=DEVICE)
     qo_dev[::2] = torch.tensor(qo)
-    p.plan_on_device(kv_dev[::2], qo_dev[::2])
-    first, seg, grp = line_tables(p, np.maximum(kv, 1), np.clip(qo[1:] - qo[:-1], 1, p.max_tree_nodes))
+    p.plan_on_device(kv_dev[::2], qo_dev[::2], schedule=schedule)
+    first, seg, grp = device_tables(p, np.maximum(kv, 1), np.clip(qo[1:] - qo[:-1], 1, p.max_tree_nodes), schedule)
     seg[3] = np.minimum(seg[3], kv[seg[0]])
     t = p.tables
     S, G = seg.shape[1], grp.shape[1]
@@ -58,6 +58,50 @@ def test_device_tables_equal_the_host_line_schedule(seed):
         p = VerifyPlan(max_batch, int(n.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(n)]), f"kv={kv.tolist()} n={n.tolist()} H={H} P={P} "
                           f"{CONFIGS[c]}")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_tables_equal_the_host_parts_schedule(seed):
+    """The KV parts schedule: equal trees (the engine's step) over ragged KV, from one to 40
+    sequences, 1-300 programs, parts of 1 to many sequences, cuts snapped to a sequence's edge or
+    not; ragged trees and too few programs fall back to the line schedule, as the host's
+    ``device_tables`` says."""
+    rng = np.random.default_rng(100 + seed)
+    for i in range(24):
+        B = int(rng.integers(1, 40))
+        n = int(rng.integers(1, 70))
+        kv = n + rng.integers(0, int(rng.choice([10, 1000, 20000])), B)
+        trees = np.full(B, n) if i % 6 else rng.integers(1, 70, B)  # every 6th: ragged (line)
+        H, P, c = int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2
+        p = VerifyPlan(B + int(rng.integers(0, 9)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
+        check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
+                          f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", "parts")
+
+
+def test_parts_schedule_splits_and_snaps():
+    """Hand-made parts schedules: a long sequence cut by several parts beside short ones (split row
+    blocks with several partials each), boundaries close to a sequence's edge (snapped), one
+    sequence, and B = max_batch after B = 1 on the same plan."""
+    p = VerifyPlan(6, 9, 16, DEVICE, config=CONFIGS[0], num_programs=40)  # 16 x 9 / 32: L = 5, 8 parts
+    for kv in ([3000, 17, 900, 16, 40, 700], [16 * 37, 16 * 38, 16 * 39, 16 * 37, 16 * 40, 16 * 36], [5000]):
+        kv = np.array(kv)
+        check_device_plan(p, kv, np.arange(len(kv) + 1) * 9, f"kv={kv.tolist()}", "parts")
+    kv = np.array([3000, 17, 900, 16, 40, 700])
+    first, seg, grp = device_tables(p, kv, np.full(6, 9), "parts")
+    assert grp.shape[1] > 0 and (grp[3] > 2).any()  # a row block split into three parts or more
+    assert not np.array_equal(seg, device_tables(p, kv, np.full(6, 9), "line")[1])  # not the line schedule
+    assert p.device_schedule_for([3000, 17, 900, 16, 40, 700], np.arange(7) * 9) in ("line", "parts")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        p.plan_on_device(torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), schedule="whole")
+
+
+def test_device_schedule_for_prefers_parts_where_the_line_is_hbm_bound():
+    """The cost model's pick on the host: KV parts at batch 4 with few row blocks per sequence over
+    a long prefix (the line schedule re-reads the KV: HBM-bound), the line schedule for one
+    sequence, and always the line for ragged trees."""
+    p = VerifyPlan(4, 9, 64, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    assert p.device_schedule_for(np.full(4, 131072 + 9), np.arange(5) * 9) == "parts"
+    assert p.device_schedule_for(np.array([131072 + 9, 40, 4000, 9]), np.array([0, 9, 10, 19, 20])) == "line"
 
 
 def test_device_tables_at_the_edges():
@@ -89,16 +133,18 @@ def test_device_tables_at_64_pieces_per_program():
 
 
 def test_run_on_a_device_plan_matches_the_reference():
-    """A host plan, then a device plan (the same workspace), then a host plan again: each run right."""
+    """A host plan, then a device plan (the same workspace), then a host plan again, then a device
+    plan of the KV parts schedule (equal trees): each run right."""
     g = torch.Generator().manual_seed(3)
     attn = VerifyAttention(3, 24, 2, DEVICE, num_programs=6)
     specs = [CaseSpec("h", 2, [60, 5], [random_tree(7, g), random_tree(24, g)], page_size=1, seed=3),
              CaseSpec("d", 2, [90, 33, 0], [chain_tree(12), random_tree(2, g), [-1]], page_size=16, seed=5),
-             CaseSpec("h2", 2, [61, 6], [random_tree(7, g), random_tree(24, g)], page_size=1, seed=3)]
+             CaseSpec("h2", 2, [61, 6], [random_tree(7, g), random_tree(24, g)], page_size=1, seed=3),
+             CaseSpec("p", 2, [900, 40, 300], [random_tree(20, g) for _ in range(3)], page_size=16, seed=7)]
     for i, spec in enumerate(specs):
         c = build_case(spec, DEVICE)
-        if i == 1:
-            attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"])
+        if i in (1, 3):
+            attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"], schedule="parts" if i == 3 else "line")
         else:
             attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
         T, H = c["q"].shape[:2]

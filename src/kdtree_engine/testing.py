@@ -27,7 +27,7 @@ __all__ = [
     "CompareResult",
     "compare",
     "TOLERANCES",
-    "line_tables",
+    "device_tables",
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -170,13 +170,17 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
 
-def line_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray):
-    """What the host writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`) for the
-    line schedule of these lengths (``[B]`` each), the schedule the device scheduler takes:
-    ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
+def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_kind: str = "line"):
+    """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
+    for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
+    schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
+    programs with work), else the line schedule. ``prog_first_seg [P + 1]``, segments ``[5, S]``
+    and groups ``[4, G]`` (int32 numpy)."""
     bm, bn = plan.config.block_m, plan.config.block_n
     R, T = -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
-    first, seg, tile_end, grp, _ = plan._tables_of(schedule(R, T, plan.num_programs, only="line"), R)
+    pe = max(1, min(plan.num_programs, int((R * T).sum())))
+    parts = schedule_kind == "parts" and int(R.min()) == int(R.max()) and 2 * int(R.max()) <= pe
+    first, seg, tile_end, grp, _ = plan._tables_of(schedule(R, T, plan.num_programs, only="parts" if parts else "line"), R)
     seg = seg.copy()
     seg[3] = np.minimum(tile_end, kv_lens[seg[0]])
     return first, seg, grp

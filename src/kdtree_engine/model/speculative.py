@@ -253,9 +253,10 @@ class _Bucket:
     reservation, :meth:`~kdtree_engine.kvpool.KVPool.book_tree`, stays outside, before the step.
     """
 
-    def __init__(self, eng: SpeculativeEngine, B: int, spec: bool, mode: str, attn):
+    def __init__(self, eng: SpeculativeEngine, ids: tuple[int, ...], spec: bool, mode: str, attn):
         r, pool = eng.runner, eng.pool
         dev = r.device
+        B = len(ids)
         self.ids: tuple[int, ...] | None = None  # the sequences bound now (see bind)
         self.rows = torch.zeros(B, dtype=torch.int64, device=dev)  # their rows; a graph keeps this address
         self.L = eng.depth if spec else 0
@@ -268,6 +269,12 @@ class _Bucket:
         self._draft_h = torch.zeros(self.draft.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
         # the tree's node count is fixed by (B, L, V, budget): probe it once
         self.n = build_ddtree(self.draft, self.budget, torch.zeros(B, dtype=torch.int64, device=dev)).width
+        # the device scheduler's schedule for steps of this shape, priced once on the host from the
+        # first sequences' lengths (a request's lengths grow by its new tokens only)
+        self.device_schedule = "line"
+        if attn is not None and dev.type == "cuda":
+            self.device_schedule = attn.device_schedule_for([pool.seq_len(s) + self.n for s in ids],
+                                                            [self.n * b for b in range(B + 1)])
         self.st = ForwardState()
         self.attn = attn
         self.greedy_ws = greedy_workspace(B, dev)  # acceptance's counter, left zero by each step
@@ -299,7 +306,7 @@ class _Bucket:
         self.tree = build_ddtree(draft, self.budget, roots)
         self.st.step = step = pool.step_inputs(self.ids, self.tree, rows=rows)
         if self.attn is not None:  # device lengths: the scheduler kernel (the CPU reads them: a host plan)
-            self.attn.plan(step.kv_lens, step.qo_indptr)
+            self.attn.plan(step.kv_lens, step.qo_indptr, device_schedule=self.device_schedule)
 
     def _accept(self, pool) -> None:
         logits, step = self.st.logits, self.st.step
@@ -623,7 +630,7 @@ class SpeculativeEngine:
                _drafter_key(self.drafter) if spec else None)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self, len(ids), spec, mode, attn)
+            bucket = self._buckets[key] = _Bucket(self, ids, spec, mode, attn)
         return bucket
 
     def _mode(self) -> str:

@@ -101,6 +101,7 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
+DEVICE_SCHEDULES = ("line", "parts")  # what the device scheduler writes (VerifyPlan.plan_on_device)
 SCHEDULE_CACHE = 64
 PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this many the table starts over)
 
@@ -472,10 +473,11 @@ class VerifyPlan:
     def num_groups(self) -> int:
         return self.tables.num_groups
 
-    def plan(self, kv_lens, qo_indptr) -> VerifyPlan:
+    def plan(self, kv_lens, qo_indptr, *, device_schedule: str = "line") -> VerifyPlan:
         """Schedule a step: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``.
 
-        Both CUDA tensors: :meth:`plan_on_device` (one launch, no sync, no length checks).
+        Both CUDA tensors: :meth:`plan_on_device` (one launch, no sync, no length checks) writing
+        ``device_schedule`` (see there).
         Otherwise host data (lists, numpy arrays, CPU tensors; a CUDA tensor beside host data is
         copied, one sync): checks the lengths (``ValueError`` naming the argument, incl.
         B > max_batch or a tree > max_tree_nodes), computes the cheapest schedule on the host and
@@ -485,7 +487,7 @@ class VerifyPlan:
         """
         if (isinstance(kv_lens, torch.Tensor) and isinstance(qo_indptr, torch.Tensor) and kv_lens.is_cuda
                 and qo_indptr.is_cuda):
-            return self.plan_on_device(kv_lens, qo_indptr)
+            return self.plan_on_device(kv_lens, qo_indptr, schedule=device_schedule)
         kv, qo = check_lengths(kv_lens, qo_indptr)
         B = kv.shape[0]
         if B > self.max_batch:
@@ -533,11 +535,16 @@ class VerifyPlan:
         return self
 
     def plan_on_device(self, kv_lens: torch.Tensor, qo_indptr: torch.Tensor, *, signature=None,
-                       ptrs: tuple[int, int] | None = None) -> VerifyPlan:
+                       ptrs: tuple[int, int] | None = None, schedule: str = "line") -> VerifyPlan:
         """Schedule a step from device lengths: ``kv_lens`` ``[B]`` and ``qo_indptr`` ``[B+1]``
         int32 on the plan's device (any strides), one launch of the scheduler kernel
-        (:mod:`.scheduler`: the line schedule) on the current stream, no sync, nothing allocated:
-        capturable in a CUDA graph with the kernels that read the plan.
+        (:mod:`.scheduler`) on the current stream, no sync, nothing allocated: capturable in a CUDA
+        graph with the kernels that read the plan.
+
+        ``schedule``: ``"line"`` (any lengths) or ``"parts"``: the KV parts schedule when every tree
+        has the same row blocks L and the programs with work are at least 2L (where the host
+        offers it), else the line schedule; the device cannot price them (:meth:`device_schedule_for`
+        does, from host lengths of the same shape, e.g. when a step graph is captured).
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
@@ -552,23 +559,26 @@ class VerifyPlan:
         reading; they are checked when first seen either way. ``ptrs``: with ``signature``, the
         lengths' data pointers when the caller has read them. Returns self.
         """
-        self.launch_on_device(kv_lens, qo_indptr, signature, ptrs)
+        self.launch_on_device(kv_lens, qo_indptr, signature, ptrs, schedule)
         return self
 
-    def launch_on_device(self, kv_lens, qo_indptr, signature, ptrs) -> tuple[int, int] | None:
+    def launch_on_device(self, kv_lens, qo_indptr, signature, ptrs, schedule: str = "line") -> tuple[int, int] | None:
         """:meth:`plan_on_device`, returning where the scheduler launched, ``(device, stream)``, for
         the launches that read the plan right after it (None: they read it themselves; see
         :class:`~kdtree_engine.verify.launch.Launch`)."""
+        if schedule not in DEVICE_SCHEDULES:
+            raise ValueError(f"schedule must be one of {DEVICE_SCHEDULES}, got {schedule!r}")
         try:
             if ptrs is None:
                 ptrs = (kv_lens.data_ptr(), qo_indptr.data_ptr())
-            key = signature or (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
-                                qo_indptr.device, qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15)
+            key = (signature or (kv_lens.dtype, kv_lens.device, kv_lens.shape, kv_lens.stride(), qo_indptr.dtype,
+                                 qo_indptr.device, qo_indptr.shape, qo_indptr.stride(), ptrs[0] & 15, ptrs[1] & 15),
+                   schedule)
             kept = self._device_launches.get(key)
         except (AttributeError, TypeError):  # not tensors: named below
             key = kept = None
         if kept is None:
-            kept = self._device_launch(key, kv_lens, qo_indptr)
+            kept = self._device_launch(key, kv_lens, qo_indptr, schedule == "parts")
         launch, B = kept
         site = launch((kv_lens, qo_indptr), ptrs)
         if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
@@ -582,7 +592,7 @@ class VerifyPlan:
         self._staged = None  # on the CPU the device buffer is the staging buffer
         return site
 
-    def _device_launch(self, key, kv_lens, qo_indptr) -> tuple:
+    def _device_launch(self, key, kv_lens, qo_indptr, parts: bool) -> tuple:
         """``(launch, B)``: the scheduler's launch for device lengths of this signature and their
         sequence count (kept by ``key``), after checking their shapes, dtypes and device
         (``TypeError`` / ``ValueError`` naming the argument)."""
@@ -604,7 +614,23 @@ class VerifyPlan:
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
-        return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr), B))
+        return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, parts), B))
+
+    def device_schedule_for(self, kv_lens, qo_indptr) -> str:
+        """The cheaper of the device scheduler's schedules (``"line"``, ``"parts"``) for these host
+        lengths by the plan's cost model (:func:`schedule_cost` under :attr:`costs`): what a caller
+        that knows a step's shape ahead (an engine capturing a step graph) passes to
+        :meth:`plan_on_device` for the device lengths of steps like it."""
+        kv, qo = check_lengths(kv_lens, qo_indptr)
+        bm, bn = self.config.block_m, self.config.block_n
+        R = -(-np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes) * self.num_heads // bm)
+        T = -(-kv // bn)
+        P = max(1, min(self.num_programs, int((R * T).sum())))
+        if int(R.min()) != int(R.max()) or 2 * int(R.max()) > P:
+            return "line"
+        line = schedule_cost(schedule(R, T, self.num_programs, only="line"), self.costs)
+        parts = schedule_cost(schedule(R, T, self.num_programs, only="parts"), self.costs)
+        return "parts" if parts < line else "line"
 
     @staticmethod
     def keep(table: dict, key, value):

@@ -6,8 +6,13 @@ into the plan's length buffers and writes the line schedule of :mod:`.plan`
 snapping) as the tables the kernels read: ``prog_first_seg``, the segments with their partial
 slots, the split groups and their count, exactly as the host writes them for that schedule
 (:meth:`~kdtree_engine.verify.plan.VerifyPlan.plan`). The host picks the cheapest of several
-schedules; the device always takes the line schedule, whose table sizes stay within the plan's
-capacities for any lengths (at most ``row blocks + 2P`` segments, ``4P`` partials, ``2P`` groups).
+schedules; the device takes the line schedule, whose table sizes stay within the plan's
+capacities for any lengths (at most ``row blocks + 2P`` segments, ``4P`` partials, ``2P`` groups),
+or, in its ``PARTS`` variant, the KV parts schedule
+(:func:`~kdtree_engine.verify.plan._parts_schedule`, :func:`_parts_pieces`) when every sequence has
+the same row blocks L and ``2 L`` at most the programs with work (the case where the host offers
+it; at most ``row blocks + P`` segments, ``2P`` partials, ``P`` groups), else the line schedule.
+The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for``).
 
 :func:`_schedule_kernel` runs ``ceil(segment capacity / BLOCK_S)`` programs of ``BLOCK_S`` pieces
 (32 by default: one per lane). Each computes the whole schedule's shape in registers, redundantly
@@ -126,29 +131,17 @@ def _boundaries(R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, 
 
 
 @triton.jit
-def _schedule_kernel(
-    kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
-    seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
-    H, P, max_nodes, seg_cap, grp_cap,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the line schedule, in program order, each
-    program computing the sequences and boundaries first; program 0 also writes the lengths,
-    ``prog_first_seg`` and the group count (see the module docstring)."""
-    o_b = tl.arange(0, BLOCK_B)
-    m_b = o_b < B
-    kv = tl.load(kv_lens + o_b * stride_kl, mask=m_b, other=0)
-    q0 = tl.load(qo_indptr + o_b * stride_qo, mask=m_b, other=0)
-    q1 = tl.load(qo_indptr + (o_b + 1) * stride_qo, mask=m_b, other=0)
-    R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap = _sequences(
-        kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
-    i0 = tl.program_id(0) * BLOCK_S
+def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
+                 kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
+                 seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the line schedule (program 0: also the lengths, the program
+    boundaries and the group count)."""
     if i0 < tl.sum(R * ncol, 0) + pe - 1:  # past that (the items and the inner cuts): no piece here
         first, ord_lo, cut, key, kcol, sp_rows, spr, spp = _boundaries(
             R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, BLOCK_P)
         o_k = tl.arange(0, BLOCK_P)
-        if tl.program_id(0) == 0:
+        if i0 == 0:
             tl.store(kv_out + o_b, kv, mask=m_b)
             tl.store(qo_out + o_b + 1, q1, mask=m_b)
             tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
@@ -203,11 +196,126 @@ def _schedule_kernel(
             tl.store(grp_count + g, n_pieces, mask=m_g)
 
 
+@triton.jit
+def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+                  seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
+                  P, seg_cap, grp_cap,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the KV parts schedule of ``L`` row blocks per sequence
+    (:func:`~kdtree_engine.verify.plan._parts_schedule`; program 0: also the lengths, the program
+    boundaries and the group count). The KV tiles of all sequences end to end are cut into
+    ``G = pe // L`` parts at ``k * total // G`` (snapped to a sequence's edge closer than ``snap``);
+    program ``g L + r`` runs row block r of every sequence against its KV in part g, in line order.
+    A sequence crossing ``m`` distinct inner cuts has ``m + 1`` pieces per row block (split)."""
+    t_end = tl.cumsum(T, 0)
+    t_begin = t_end - T
+    total = tl.sum(T, 0)
+    G = pe // L
+    o_k = tl.arange(0, BLOCK_P)
+    valid = (o_k >= 1) & (o_k < G)
+    bnd = tl.where(valid, o_k.to(tl.int64) * total // G, 0)
+    # the sequence holding each boundary: the sequences ending at or before it (none past B: T = 0
+    # there, so their end is the total)
+    kb = tl.sum(((t_end[:, None] <= bnd[None, :]) & m_b[:, None]).to(tl.int32), 0)
+    ks = tl.gather(t_begin, kb, 0)
+    ke = tl.gather(t_end, kb, 0)
+    cut = tl.where(bnd - ks < snap, ks, tl.where(ke - bnd < snap, ke, bnd))
+    cut = tl.where(o_k == 0, 0, tl.where(valid, cut, total))  # part g runs [cut[g], cut[g + 1])
+    nxt = tl.gather(cut, tl.minimum(o_k + 1, BLOCK_P - 1), 0)
+    # per part: its spans (one per sequence it meets) and its first sequence
+    starts_in = (t_begin[:, None] > cut[None, :]) & (t_begin[:, None] < nxt[None, :]) & m_b[:, None]
+    n_sp = tl.where((o_k < G) & (nxt > cut), 1 + tl.sum(starts_in.to(tl.int32), 0), 0)
+    b0 = tl.sum(((t_end[:, None] <= cut[None, :]) & m_b[:, None]).to(tl.int32), 0)
+    sp_before = tl.cumsum(n_sp, 0) - n_sp
+    pieces = L * tl.sum(n_sp, 0)
+    # program k = g L + r starts after the pieces of the parts before g and rows before r of part g
+    pg = tl.minimum(o_k // L, BLOCK_P - 1)
+    first = tl.where(o_k // L < G, L * tl.gather(sp_before, pg, 0) + (o_k % L) * tl.gather(n_sp, pg, 0), pieces)
+    # the distinct cuts strictly inside a sequence split it: m_b of them give m_b + 1 pieces per row block
+    prev = tl.gather(cut, tl.maximum(o_k - 1, 0), 0)
+    inner = valid & (cut > prev) & (cut > ks) & (cut < ke)
+    crosses = inner[None, :] & (t_begin[:, None] < cut[None, :]) & (cut[None, :] < t_end[:, None])
+    m_seq = 1 + tl.sum(crosses.to(tl.int32), 1)  # [BLOCK_B] pieces per row block
+    split_seq = (m_seq > 1) & m_b
+    slots = tl.where(split_seq, L * m_seq, 0)
+    slot_base = tl.cumsum(slots, 0) - slots
+    grp_base = L * (tl.cumsum(split_seq.to(tl.int32), 0) - split_seq.to(tl.int32))
+    if i0 == 0:
+        tl.store(kv_out + o_b, kv, mask=m_b)
+        tl.store(qo_out + o_b + 1, q1, mask=m_b)
+        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
+        tl.store(prog_first_seg + o_k, first.to(tl.int32), mask=o_k <= P)
+        tl.store(group_count, (L * tl.sum(split_seq.to(tl.int32), 0)).to(tl.int32))
+    if i0 < pieces:
+        i = i0 + tl.arange(0, BLOCK_S)
+        m_i = (i < pieces) & (i < seg_cap)
+        p = tl.sum(((o_k[:, None] >= 1) & (first[:, None] <= i[None, :])).to(tl.int32), 0)
+        p = tl.minimum(p, BLOCK_P - 2)  # lanes past the pieces
+        g = p // L
+        r = p % L
+        j = i - tl.gather(first, p, 0)
+        b = tl.where(m_i, tl.gather(b0, g, 0) + j, 0)  # lanes past the pieces take sequence 0
+        tb = tl.gather(t_begin, b, 0)
+        te = tl.gather(t_end, b, 0)
+        x = tl.maximum(tl.gather(cut, g, 0), tb)
+        y = tl.minimum(tl.gather(cut, g + 1, 0), te)
+        m_p = tl.gather(m_seq, b, 0)
+        # this piece's place among its row block's: the sequence's inner cuts at or before its start
+        q = tl.sum((inner[:, None] & (cut[:, None] > tb[None, :]) & (cut[:, None] <= x[None, :])).to(tl.int32), 0)
+        base = tl.gather(slot_base, b, 0) + r * m_p
+        split = m_p > 1
+        tl.store(seg_seq + i, b, mask=m_i)
+        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
+        tl.store(seg_kv_start + i, ((x - tb) * BLOCK_N).to(tl.int32), mask=m_i)
+        tl.store(seg_kv_end + i, tl.minimum((y - tb) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), mask=m_i)
+        tl.store(seg_partial + i, tl.where(split, base + q, -1).to(tl.int32), mask=m_i)
+        gi = tl.gather(grp_base, b, 0) + r
+        m_g = m_i & split & (q == 0) & (gi < grp_cap)
+        tl.store(grp_seq + gi, b, mask=m_g)
+        tl.store(grp_row0 + gi, r * BLOCK_M, mask=m_g)
+        tl.store(grp_first + gi, base.to(tl.int32), mask=m_g)
+        tl.store(grp_count + gi, m_p.to(tl.int32), mask=m_g)
+
+
+@triton.jit
+def _schedule_kernel(
+    kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
+    seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
+    H, P, max_nodes, seg_cap, grp_cap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, PARTS: tl.constexpr,
+):
+    """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
+    computing the sequences and boundaries first: with ``PARTS``, the KV parts schedule when every
+    sequence has the same row blocks L and ``2 L <= pe`` (where the host offers it), else (and
+    without ``PARTS``: a kernel of the line schedule alone, 101-106 registers on sm_90a against 255
+    with both) the line schedule; program 0 also writes the lengths, ``prog_first_seg`` and the
+    group count (see the module docstring)."""
+    o_b = tl.arange(0, BLOCK_B)
+    m_b = o_b < B
+    kv = tl.load(kv_lens + o_b * stride_kl, mask=m_b, other=0)
+    q0 = tl.load(qo_indptr + o_b * stride_qo, mask=m_b, other=0)
+    q1 = tl.load(qo_indptr + (o_b + 1) * stride_qo, mask=m_b, other=0)
+    R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap = _sequences(
+        kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
+    i0 = tl.program_id(0) * BLOCK_S
+    L = tl.max(R, 0)
+    if PARTS and (tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe):
+        _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+                      seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
+                      grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_S)
+    else:
+        _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
+                     kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
+                     seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
+                     BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_S)
+
+
 _SCHEDULE = Launcher(_schedule_kernel)
 
 
 class DeviceScheduler:
-    """The scheduler launch of one plan: write the line schedule of device lengths into
+    """The scheduler launch of one plan: write the line (or KV parts) schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
     :class:`~kdtree_engine.verify.plan.FlashTables`), ``block_s`` pieces per program (a power of
     two, at least 32). Everything but the lengths is fixed at construction (a launch costs only its
@@ -225,11 +333,12 @@ class DeviceScheduler:
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, *tables.segment_rows,
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
 
-    def prepare(self, kv_lens, qo_indptr) -> Launch:
+    def prepare(self, kv_lens, qo_indptr, parts: bool = False) -> Launch:
         """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the
         plan's device, any strides, ``B <= max_batch``), and any lengths of their signature (dtype,
         16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
-        on the current stream, no sync."""
+        on the current stream, no sync. ``parts``: the KV parts schedule where it applies (every
+        tree of the same row blocks L, ``2 L`` at most the programs with work), else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
-        return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key), self._grid, (), (0, 1),
-                      (*ints, *self._outputs), self._const)
+        return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, bool(parts)), self._grid, (),
+                      (0, 1), (*ints, *self._outputs), self._const | {"PARTS": bool(parts)})
