@@ -2,7 +2,7 @@
 against the host's tables of the same schedule.
 
     PYTHONPATH=src python scripts/scheduler_time.py [--modules kdtree_engine.verify.scheduler,...]
-        [--schedule line|parts]
+        [--schedule line|parts|auto]
 
 Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
 and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="scheduler calls per graph")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--schedule", default="line", choices=("line", "parts"), help="what the scheduler writes")
+    ap.add_argument("--schedule", default="line", choices=("line", "parts", "auto"), help="what the scheduler writes")
     a = ap.parse_args()
     cpu = a.device == "cpu"
     if cpu:
@@ -86,7 +86,7 @@ def main() -> None:
             sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=MAX_BATCH,
                         max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES,
                         **(dict(block_s=int(block_s)) if block_s else {}))
-            launch = sched.prepare(kv, qo, **(dict(parts=True) if a.schedule == "parts" else {}))
+            launch = sched.prepare(kv, qo, **(dict(schedule=a.schedule) if a.schedule != "line" else {}))
             ptrs = (kv.data_ptr(), qo.data_ptr())
             p.tables.segments.fill_(-9)
             p.tables.groups.fill_(-9)

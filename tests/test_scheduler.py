@@ -60,12 +60,12 @@ def test_device_tables_equal_the_host_line_schedule(seed):
                           f"{CONFIGS[c]}")
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_device_tables_equal_the_host_parts_schedule(seed):
+@pytest.mark.parametrize("seed,kind", [(0, "parts"), (1, "parts"), (2, "auto")])
+def test_device_tables_equal_the_host_parts_schedule(seed, kind):
     """The KV parts schedule: equal trees (the engine's step) over ragged KV, from one to 40
     sequences, 1-300 programs, parts of 1 to many sequences, cuts snapped to a sequence's edge or
     not; ragged trees and too few programs fall back to the line schedule, as the host's
-    ``device_tables`` says."""
+    ``device_tables`` says ("auto": also parts that leave more than a tenth of the programs idle)."""
     rng = np.random.default_rng(100 + seed)
     for i in range(24):
         B = int(rng.integers(1, 40))
@@ -75,7 +75,7 @@ def test_device_tables_equal_the_host_parts_schedule(seed):
         H, P, c = int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2
         p = VerifyPlan(B + int(rng.integers(0, 9)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
-                          f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", "parts")
+                          f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
 
 
 def test_parts_schedule_splits_and_snaps():

@@ -206,7 +206,7 @@ def verify_attention(
             device = q.device
             plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
                                         torch._C._cuda_getCurrentRawStream(device.index))
-            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5])
+            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
         else:  # host lengths (the CPU): checked and scheduled on the host
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)

@@ -101,7 +101,7 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
-DEVICE_SCHEDULES = ("line", "parts")  # what the device scheduler writes (VerifyPlan.plan_on_device)
+DEVICE_SCHEDULES = ("line", "parts", "auto")  # what the device scheduler writes (VerifyPlan.plan_on_device)
 SCHEDULE_CACHE = 64
 PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this many the table starts over)
 
@@ -544,7 +544,10 @@ class VerifyPlan:
         ``schedule``: ``"line"`` (any lengths) or ``"parts"``: the KV parts schedule when every tree
         has the same row blocks L and the programs with work are at least 2L (where the host
         offers it), else the line schedule; the device cannot price them (:meth:`device_schedule_for`
-        does, from host lengths of the same shape, e.g. when a step graph is captured).
+        does, from host lengths of the same shape, e.g. when a step graph is captured). ``"auto"``
+        (what an unplanned call takes): parts where it also keeps nine tenths of the programs
+        busy, a rule checked against the cost model
+        (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`).
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
@@ -578,7 +581,7 @@ class VerifyPlan:
         except (AttributeError, TypeError):  # not tensors: named below
             key = kept = None
         if kept is None:
-            kept = self._device_launch(key, kv_lens, qo_indptr, schedule == "parts")
+            kept = self._device_launch(key, kv_lens, qo_indptr, schedule)
         launch, B = kept
         site = launch((kv_lens, qo_indptr), ptrs)
         if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
@@ -592,7 +595,7 @@ class VerifyPlan:
         self._staged = None  # on the CPU the device buffer is the staging buffer
         return site
 
-    def _device_launch(self, key, kv_lens, qo_indptr, parts: bool) -> tuple:
+    def _device_launch(self, key, kv_lens, qo_indptr, schedule: str) -> tuple:
         """``(launch, B)``: the scheduler's launch for device lengths of this signature and their
         sequence count (kept by ``key``), after checking their shapes, dtypes and device
         (``TypeError`` / ``ValueError`` naming the argument)."""
@@ -614,7 +617,7 @@ class VerifyPlan:
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
-        return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, parts), B))
+        return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:
         """The cheaper of the device scheduler's schedules (``"line"``, ``"parts"``) for these host
