@@ -10,6 +10,7 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
+from kdtree_engine.verify.plan import CONFIGS, HOPPER_COSTS, TRITON_COSTS, VerifyPlan
 
 G = torch.Generator().manual_seed(77)
 CASES = {
@@ -103,6 +104,23 @@ def test_bad_construction_is_refused(args, match):
     kw = dict(max_batch=2, max_tree_nodes=8, num_heads=2, device=DEVICE) | args
     with pytest.raises(ValueError, match=match):
         VerifyAttention(**kw)
+
+
+@pytest.mark.parametrize("kernel, costs", [("flash", TRITON_COSTS), ("hopper", HOPPER_COSTS)])
+def test_a_named_kernel_plans_with_its_own_cost_model(kernel, costs):
+    """4 x 9 nodes x 64 heads at 131072 on 132 programs: the two kernels' cost models pick different
+    schedules (the Hopper kernel's HBM term takes the KV parts schedule), whatever the device."""
+    lens, indptr = [131081] * 4, [0, 9, 18, 27, 36]
+    attn = VerifyAttention(4, 9, 64, DEVICE, kernel=kernel, config=CONFIGS[1], num_programs=132)
+    attn.plan(lens, indptr)
+    tables = {}
+    for name, model in (("triton", TRITON_COSTS), ("hopper", HOPPER_COSTS)):
+        p = VerifyPlan(4, 9, 64, DEVICE, config=CONFIGS[1], num_programs=132, costs=model).plan(lens, indptr)
+        tables[name] = (p.num_segments, p.tables.segments.cpu().clone())
+    assert tables["triton"][0] != tables["hopper"][0]
+    own = tables["triton" if costs is TRITON_COSTS else "hopper"]
+    assert attn.workspace.num_segments == own[0]
+    assert torch.equal(attn.workspace.tables.segments.cpu(), own[1])
 
 
 def test_run_checks_shapes_against_the_plan():

@@ -25,12 +25,15 @@ from ..backend import interpreting
 from ..masks import MAX_TREE_NODES
 from .contract import D_QK, D_V, InputCheck, Signature, VerifyInputs, check_content, check_inputs, check_lengths
 from .op import KERNELS, launch, preparer, resolve, verify_attention_op
-from .plan import FlashConfig, VerifyPlan
+from .plan import HOPPER_COSTS, TRITON_COSTS, FlashConfig, VerifyPlan
 
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
 _KERNEL_NAMES = ("auto",) + KERNELS
+# the host schedule's cost model of a kernel named at construction ("auto" and "naive": the one
+# of the kernel "auto" runs on the device, plan.default_costs)
+_KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS}
 _DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
 
 
@@ -248,7 +251,8 @@ class VerifyAttention:
         num_heads: H of every layer, 1..128.
         device: where the kernels run.
         kernel: ``"auto"`` (hopper where it runs, else flash, decided per call), ``"flash"``,
-            ``"hopper"`` or ``"naive"`` (the oracle: ignores the schedule).
+            ``"hopper"`` or ``"naive"`` (the oracle: ignores the schedule). Host plans are scheduled
+            with the named kernel's cost model (``"auto"``: that of the kernel it runs on the device).
         config: flash tile config (default: the best that fits the device).
         num_programs: the flash grid (tuning / tests); default: the programs the device runs at once.
 
@@ -264,7 +268,7 @@ class VerifyAttention:
                  *, kernel: str = "auto", config: FlashConfig | None = None, num_programs: int | None = None):
         self.kernel = _kernel_name(kernel)
         self.workspace = VerifyPlan(max_batch, max_tree_nodes, num_heads, device, config=config,
-                                    num_programs=num_programs)
+                                    num_programs=num_programs, costs=_KERNEL_COSTS.get(self.kernel))
         self.device = self.workspace.device
         self.num_heads = num_heads
         _check_backend(self.device)
