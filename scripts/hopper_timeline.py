@@ -131,8 +131,8 @@ def stamped_source(max_steps: int, src: str | None = None) -> str:
     not found as often as expected: the kernel changed, update ``EDITS``)."""
     if src is None:
         src = Path(hopper.__file__).read_text()
-    edits = EDITS + [("    _NUM_BARS = gl.constexpr(19)\n", f"    _NUM_BARS = gl.constexpr(19)\n    MAX_STEPS = "
-                      f"gl.constexpr({max_steps})\n    NPOINTS = gl.constexpr({NPOINTS})\n", 1)]
+    edits = EDITS + [("    _NUM_BARS = gl.constexpr(", f"    MAX_STEPS = gl.constexpr({max_steps})\n"
+                      f"    NPOINTS = gl.constexpr({NPOINTS})\n    _NUM_BARS = gl.constexpr(", 1)]
     for anchor, new, count in edits:
         found = src.count(anchor)
         if found != count:
