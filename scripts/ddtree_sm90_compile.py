@@ -22,24 +22,31 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 from kdtree_engine.ddtree import kernels as K
 from kdtree_engine.ddtree.tree import _pair_table
 
 
-def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool = True) -> str:
+BAR_SYNC = re.compile(r"\bbar\.sync\b")  # partition barriers in the PTX (docs/hopper.md)
+WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*wgmma[^\n]*serialized")  # ptxas gave up pipelining the wgmmas
+
+
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool | frozenset = True) -> str:
     """ptxas's figures for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``.
 
     Every pointer is taken as 16-byte aligned, and (``divisible_ints``) every int argument the
     kernel does not exclude from specialisation (``vocab``, the logits' row stride) as divisible by
-    16, as at V = 163840."""
+    16, as at V = 163840; or only the int arguments named (a set)."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
     aligned = [n for n in names if n not in consts and n not in fixed and types[n] != "fp32"
-               and (divisible_ints or types[n].startswith("*"))]
-    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+               and (divisible_ints is True or types[n].startswith("*")
+                    or (divisible_ints is not False and n in divisible_ints))]
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -51,7 +58,8 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
     stack = re.search(r"(\d+) bytes stack frame", r.stderr)
     return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'} B, "
             f"spill loads {spill.group(2) if spill else '?'} B, stack {stack.group(1) if stack else '?'} B, "
-            f"shared {ck.metadata.shared} B")
+            f"shared {ck.metadata.shared} B, bar.sync {len(re.findall(BAR_SYNC, ck.asm['ptx']))}"
+            + "".join(f", WGMMAS SERIALIZED (ptxas info {code})" for code in re.findall(WGMMA_SERIALIZED, r.stderr)))
 
 
 WALK_TYPES = dict(
