@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh [STAGE ...]     stages: machine tests ddtree-tests refs bench ddtree kvpool demo sanitize
 #                                        tune timeline ab
 #                                        (default: all but tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
+#                                        DDTREE_SHARDS: processes of ddtree-tests, DDTREE_TESTS: its test files;
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -23,13 +24,21 @@ for stage in "${stages[@]}"; do
         git rev-parse HEAD 2>/dev/null || echo "commit ${KDTREE_GIT_COMMIT:-unknown}"; } | tee "$OUT/machine.txt" ;;
     tests)  # all but the DDTree tests (stage ddtree-tests)
       python3 -m pytest -q -p no:cacheprovider tests --ignore-glob='tests/test_ddtree_*' 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
-    ddtree-tests)  # each parametrised case compiles its kernels (> 4 minutes in one process): one process per file
+    ddtree-tests)  # each parametrised case compiles its kernels (test_ddtree_tree.py alone > 170 s in one
+      # process): the cases dealt round-robin to DDTREE_SHARDS processes (default 8), which compile side by side
+      shards=$(mktemp -d)
+      python3 -m pytest -q --collect-only -p no:cacheprovider ${DDTREE_TESTS:-tests/test_ddtree_*.py} \
+        | grep '::' > "$shards/ids" || status=1
+      split -n r/${DDTREE_SHARDS:-8} -d "$shards/ids" "$shards/shard_"
       pids=()
-      for f in tests/test_ddtree_*.py; do
-        python3 -m pytest -q -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1 & pids+=($!)
+      for f in "$shards"/shard_*; do
+        [ -s "$f" ] || continue  # (no ids: pytest would run the whole suite)
+        mapfile -t ids < "$f"
+        python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1 & pids+=($!)
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-      tail -n 3 "$OUT"/test_ddtree_*.log | tee -a "$OUT/log.txt" ;;
+      echo "$(wc -l < "$shards/ids") cases in ${#pids[@]} processes" | tee -a "$OUT/log.txt"
+      for f in "$shards"/shard_*.log; do grep -E "^(FAILED|ERROR)|passed|failed|error" "$f"; done | tee -a "$OUT/log.txt" ;;
     refs)
       refs=$(mktemp -d)
       python3 -m kdtree_engine.cli refs generate "$refs" --device cuda > /dev/null &&
