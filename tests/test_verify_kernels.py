@@ -255,17 +255,25 @@ def test_flash_long_prefix_many_heads_gpu():
 
 
 @requires_cuda
-def test_flash_no_recompile_when_page_table_width_or_mask_words_change():
-    """Page-table width and mask words change step to step in a decode loop: one compiled kernel."""
-    cache = triton_flash._verify_flash_kernel.device_caches[torch.cuda.current_device()][0]
-    for width, nodes in ((40, 5), (48, 5), (64, 40), (65, 33)):
-        spec = CaseSpec("widths", 4, [300], [random_tree(nodes, G)], page_size=16)
+@pytest.mark.parametrize("kernel", ["flash", "hopper"])
+def test_no_recompile_as_a_decode_loop_changes_its_shapes(kernel):
+    """Page-table width, mask words, tree sizes, prefixes and the batch change step to step in a
+    decode loop: one compiled kernel (issue 11: no rebuild or recompile during a decode)."""
+    if kernel not in available_kernels("cuda"):
+        pytest.skip(f"{kernel} does not run on this GPU")
+    from kdtree_engine.verify import hopper
+
+    fn = hopper._hopper_verify_kernel if kernel == "hopper" else triton_flash._verify_flash_kernel
+    cache = fn.device_caches[torch.cuda.current_device()][0]
+    for step, (width, prefixes, trees) in enumerate(((40, [300], [5]), (48, [300, 17], [5, 9]),
+                                                     (64, [700, 3, 250], [40, 3, 17]), (65, [64], [33]))):
+        spec = CaseSpec("widths", 4, prefixes, [random_tree(n, G) for n in trees], page_size=16)
         c = build_case(spec, "cuda")
-        pt = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+        pt = torch.zeros(len(trees), width, dtype=torch.int32, device="cuda")
         pt[:, : c["page_table"].shape[1]] = c["page_table"]
         c["page_table"] = pt
-        run_checked(c, "flash", "bf16")
-        if width == 40:
+        run_checked(c, kernel, "bf16")
+        if step == 0:
             compiled = len(cache)
     assert len(cache) == compiled
 
