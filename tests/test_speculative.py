@@ -148,6 +148,36 @@ def test_reset_and_eos(model, prompts, hf_greedy):
         assert o == hf[0, len(p):].tolist()[: len(o)] and (o[-1] == eos or len(o) == NEW)
 
 
+class HostNGram:
+    """NGramDrafter's drafts from the host contexts (no ``draft_tensor``): the loop's host-drafter path."""
+
+    name, synthetic, vocab_size = "host-ngram", False, V
+
+    def __init__(self):
+        self.inner = NGramDrafter(V)
+
+    def draft(self, contexts, num_positions):
+        return self.inner.draft(contexts, num_positions)
+
+
+def test_host_drafter_stops_a_sequence_at_eos(model, prompts, hf_greedy):
+    """A host drafter sees a step's tokens before the next step: a sequence that emitted the EOS
+    takes no further step (it decoded to max_new_tokens before, its EOS overwritten), and its
+    output ends at the EOS like the device drafter's."""
+    refs = [r for r, _ in hf_greedy]
+    eos = refs[1][7]
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    eng = SpeculativeEngine(runner, HostNGram(), budget=6, depth=3, page_size=8)
+    eng.prefill(prompts, NEW)
+    res = eng.decode(eos_token_id=eos)
+    for s, o, r in zip(eng.seqs, res.tokens, refs):
+        expect = r[: r.index(eos) + 1] if eos in r else r
+        assert o == expect
+        # the step that emitted the EOS may overshoot it by the rest of its accepted path, no more
+        assert s.length - s.prompt_len <= len(expect) + 3 + 1
+    assert res.kept < len(prompts) * NEW
+
+
 def test_request_too_large_fails_before_any_work(model, prompts, monkeypatch):
     runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
     eng = SpeculativeEngine(runner, NGramDrafter(V), budget=8, depth=4, page_size=16, max_pool_bytes=64 << 10)

@@ -26,8 +26,10 @@ target's own greedy choice given the tokens before it, so the output equals plai
 of the target (lossless), up to floating-point numerics (see :func:`check_lossless`).
 
 Plain decoding is the same loop with one-node trees (the root): both are measured by the same
-code on the same kernel. A step shape ("bucket") is (active sequences, tree size, drafter
-positions, a device drafter's settings, kernel): a sequence that finishes changes the shape, and the next step captures anew.
+code on the same kernel. A step shape ("bucket") is (batch size, tree size, drafter positions, a
+device drafter's settings, kernel): the active sequences are a device input of the step (their
+rows), so a sequence that finishes moves the batch to the shape of one sequence fewer, captured
+once per request (:meth:`SpeculativeEngine.warm_up` captures them all before timing).
 """
 
 from __future__ import annotations
@@ -264,7 +266,6 @@ class _Bucket:
         self.history, self.hist_len = eng._history, eng._hist_len
         # a device drafter runs inside the step; a host drafter's logits are staged into `draft`
         self.drafter = eng.drafter if spec and hasattr(eng.drafter, "draft_tensor") else None
-        self.host_draft = spec and self.drafter is None
         self.draft = torch.zeros(B, self.L, r.vocab_size if spec else 1, dtype=torch.float32, device=dev)
         self._draft_h = torch.zeros(self.draft.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
         # the tree's node count is fixed by (B, L, V, budget): probe it once
@@ -553,13 +554,17 @@ class SpeculativeEngine:
         for s in self.seqs:
             s.done = self._finished(s, max_new, eos_token_id)
         pending = None  # the last launched step, its tokens not taken yet
+        host_draft = spec and not hasattr(self.drafter, "draft_tensor")  # drafts from the host contexts
         t0 = _now(r.device)
         while (max_steps is None or res.steps < max_steps) and (active := [s for s in self.seqs if not s.done]):
+            if host_draft and pending is not None:  # the last step's tokens first (an EOS among them ends
+                self._take(pending, eos_token_id, progress)  # its sequence before this step)
+                pending = None
+                if not (active := [s for s in active if not s.done]):
+                    break
             ids = tuple(s.sid for s in active)
             bucket = self._bucket(ids, spec)
-            if bucket.host_draft:  # the drafter reads the host contexts: the last step's tokens first
-                self._take(pending, eos_token_id, progress)
-                pending = None
+            if host_draft:
                 t1 = time.perf_counter()
                 bucket.stage(self._draft(active))
                 res.draft_s += time.perf_counter() - t1
