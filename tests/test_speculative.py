@@ -8,7 +8,9 @@ kernel. Sequences of different lengths decode in one batch; the output must equa
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -176,6 +178,30 @@ def test_host_drafter_stops_a_sequence_at_eos(model, prompts, hf_greedy):
         # the step that emitted the EOS may overshoot it by the rest of its accepted path, no more
         assert s.length - s.prompt_len <= len(expect) + 3 + 1
     assert res.kept < len(prompts) * NEW
+
+
+def test_close_frees_the_pool_without_the_collector(model, prompts):
+    """close() (also the next prefill's first act) frees the request's pool at once: the step
+    graphs' phases hold their bucket and the pool in a cycle, which the collector freed only late
+    (a request's buckets live long enough to reach its oldest generation), while the next
+    request's pool was being sized and allocated."""
+    runner = MLARunner(model, kernel="reference", cache_dtype=torch.float16)
+    eng = SpeculativeEngine(runner, NGramDrafter(V), budget=4, depth=2, page_size=8)
+    eng.prefill(prompts, 6)
+    eng.decode()
+    pool = weakref.ref(eng.pool)
+    gc.collect()
+    gc.disable()
+    try:
+        eng.prefill(prompts, 6)
+        assert pool() is None
+        pool = weakref.ref(eng.pool)
+        eng.close()
+        assert pool() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="prefill"):
+        eng.reset()
 
 
 def test_request_too_large_fails_before_any_work(model, prompts, monkeypatch):

@@ -486,36 +486,40 @@ def _sweep(runner, args, kernels, bars, tie_tol: float, save=None) -> tuple[list
             prompts = _prompts(_prompt_lens(ctx, batch, ragged=False), runner.vocab_size, args.seed + ctx)
             eng = SpeculativeEngine(runner, None, budget=budgets[-1], depth=args.depth, page_size=args.page_size,
                                     graphs=_graph_mode(runner, args))
-            adv = bars.task(f"prefill {batch} x {ctx}", batch * ctx)
-            _, prefill_s = eng.prefill(prompts, args.steps, progress=adv)
-            for kernel in kernels:
-                runner.kernel = kernel
-                c0 = eng.capture_s
-                _warm_up(eng, (None,), (eng.graphs,))
-                plain, _ = _measure(eng, None, split=False)
-                base = dict(batch=batch, context=ctx, kernel=kernel, prefill_s=prefill_s, graphs=eng.graphs)
-                rows.append(base | _sweep_fields(plain, None, eng.capture_s - c0, 0, "plain"))
-                print(_sweep_line(rows[-1]), flush=True)
-                if save:
-                    save(rows)
-                drafter = SyntheticDrafter([p + t for p, t in zip(prompts, plain.tokens)], runner.vocab_size,
-                                           agreement=args.agreement, seed=args.seed)
-                for budget in budgets:
-                    eng.budget = budget
+            try:
+                adv = bars.task(f"prefill {batch} x {ctx}", batch * ctx)
+                _, prefill_s = eng.prefill(prompts, args.steps, progress=adv)
+                for kernel in kernels:
+                    runner.kernel = kernel
                     c0 = eng.capture_s
-                    passes = _sync_references(eng, drafter, prompts, plain.tokens, (eng.graphs,))
-                    spec, _ = _measure(eng, drafter, split=False)
-                    synced = [t[len(p):] for p, t in zip(prompts, drafter.references())] == spec.tokens
-                    same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
-                    ok &= same.ok
-                    rows.append(base | _sweep_fields(spec, plain, eng.capture_s - c0, budget, f"SYNTHETIC a={args.agreement:g}")
-                                | dict(lossless_vs_plain=same.line(), ok=same.ok, sync_passes=passes, in_sync=synced))
+                    _warm_up(eng, (None,), (eng.graphs,))
+                    plain, _ = _measure(eng, None, split=False)
+                    base = dict(batch=batch, context=ctx, kernel=kernel, prefill_s=prefill_s, graphs=eng.graphs)
+                    rows.append(base | _sweep_fields(plain, None, eng.capture_s - c0, 0, "plain"))
                     print(_sweep_line(rows[-1]), flush=True)
                     if save:
                         save(rows)
-            eng.close()
-            if runner.device.type == "cuda":
-                torch.cuda.empty_cache()
+                    drafter = SyntheticDrafter([p + t for p, t in zip(prompts, plain.tokens)], runner.vocab_size,
+                                               agreement=args.agreement, seed=args.seed)
+                    for budget in budgets:
+                        eng.budget = budget
+                        c0 = eng.capture_s
+                        passes = _sync_references(eng, drafter, prompts, plain.tokens, (eng.graphs,))
+                        spec, _ = _measure(eng, drafter, split=False)
+                        synced = [t[len(p):] for p, t in zip(prompts, drafter.references())] == spec.tokens
+                        same = check_lossless(spec.tokens, plain.tokens, plain.top2, tie_tol)
+                        ok &= same.ok
+                        what = f"SYNTHETIC a={args.agreement:g}"
+                        rows.append(base | _sweep_fields(spec, plain, eng.capture_s - c0, budget, what)
+                                    | dict(lossless_vs_plain=same.line(), ok=same.ok, sync_passes=passes,
+                                           in_sync=synced))
+                        print(_sweep_line(rows[-1]), flush=True)
+                        if save:
+                            save(rows)
+            finally:  # the request's graphs and pool freed, also when a row fails
+                eng.close()
+                if runner.device.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows, ok
 
 

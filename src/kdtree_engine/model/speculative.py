@@ -443,9 +443,9 @@ class SpeculativeEngine:
             raise ValueError("need at least one prompt, each of at least one token")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        self.close()  # a previous request's graphs and pool: freed first, so the plan counts their memory free
         plan = self.plan([p.numel() for p in prompts], max_new_tokens)
         plan.check(self.max_pool_bytes)
-        self.close()  # graphs of a previous request hold its pool's addresses
         self.pool = KVPool(plan.num_pages, self.page_size, num_layers=r.num_layers, dtype=r.cache_dtype,
                            device=r.device, max_seqs=len(prompts),
                            max_seq_len=max(plan.pages_per_seq) * self.page_size)
@@ -480,10 +480,12 @@ class SpeculativeEngine:
 
     def close(self) -> None:
         """Free the request's captured graphs and KV pool now. A bucket's phases refer to the
-        bucket, so dropped buckets otherwise wait for Python's cyclic collector, which may run at
-        any time in any thread (see :meth:`~kdtree_engine.model.graphs.StepGraph._capture`)."""
+        bucket and the pool: dropped buckets otherwise wait, with the pool, for Python's cyclic
+        collector, which may run late (a long-lived bucket is in its oldest generation) and in
+        any thread (see :meth:`~kdtree_engine.model.graphs.StepGraph._capture`)."""
         for b in self._buckets.values():
             b.graph.release()
+            b.graph = None  # the cycle bucket -> graph -> phases -> bucket, pool broken here
         self._buckets.clear()
         self._attn.clear()
         self.pool = None
@@ -495,6 +497,8 @@ class SpeculativeEngine:
     def reset(self) -> None:
         """Back to the state right after prefill: generated tokens dropped, prompt KV kept
         (captured step graphs are kept too)."""
+        if self.pool is None:
+            raise RuntimeError("call prefill() first")
         for s in self.seqs:
             self.pool.truncate(s.sid, s.prompt_len)
             s.length = s.prompt_len + 1
