@@ -54,6 +54,12 @@ def test_bad_options(case):
         call(case, sm_scale=-1.0)
     with pytest.raises(ValueError, match="sm_scale"):
         call(case, sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(case, sm_scale=10**400)  # past float's range (it raised OverflowError)
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(case, sm_scale=1e39)  # a float64 past float32's: the kernels' scale was inf
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(case, sm_scale=True)
     with pytest.raises(ValueError, match="out must have shape"):
         call(case, out=torch.empty(5, 3, 512, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(TypeError, match="out must be torch.bfloat16"):
@@ -138,3 +144,37 @@ def test_input_check_cache_keeps_the_per_call_checks(case):
     assert other is not sig and other.info == sig.info
     with pytest.raises(TypeError, match="tree_mask must be a torch.Tensor"):
         check(*inputs[:5], inputs[5].tolist(), out, lse)
+
+
+def test_plan_of_other_lengths_or_type_is_refused(case):
+    """A plan made for other lengths is refused wherever the call's lengths are read anyway (CPU
+    tensors; validate=True): it ran the kernel on the plan's segments with the call's lengths
+    (wrong values, unwritten rows, or reads past a page table sized for the call's lengths); a plan
+    that is no VerifyPlan is a TypeError, not an AttributeError."""
+    from kdtree_engine import VerifyAttention, plan_verify
+
+    validate = None if DEVICE == "cpu" else True
+    other = plan_verify([6, 2], [0, 3, 5], 2, DEVICE)
+    with pytest.raises(ValueError, match="not the lengths the plan was made for"):
+        verify_attention(**case, kernel="flash", plan=other, validate=validate)
+    same = plan_verify(case["kv_lens"].cpu(), case["qo_indptr"].cpu(), 2, DEVICE)
+    verify_attention(**case, kernel="flash", plan=same, validate=validate)
+    attn = VerifyAttention(2, 3, 2, DEVICE)
+    with pytest.raises(TypeError, match="plan must be a VerifyPlan.*call its run"):
+        verify_attention(**case, plan=attn)
+    with pytest.raises(TypeError, match="plan must be a VerifyPlan"):
+        verify_attention(**case, plan="x")
+
+
+@pytest.mark.parametrize("kv_lens, qo_indptr, exc, match", [
+    ([8.5, 2], [0, 3, 5], TypeError, "kv_lens must hold integers"),
+    ([8, 2], [0.0, 3, 5], TypeError, "qo_indptr must hold integers"),
+    ([2**32 + 8, 2], [0, 3, 5], ValueError, "past the kernels' int32 positions"),
+])
+def test_host_lengths_must_be_int32_integers(kv_lens, qo_indptr, exc, match):
+    """Host lengths that are not integers, or past int32, were truncated or wrapped into the
+    plan's int32 buffers (2**32 + 8 planned as 8)."""
+    from kdtree_engine import VerifyAttention
+
+    with pytest.raises(exc, match=match):
+        VerifyAttention(2, 3, 2, DEVICE).plan(kv_lens, qo_indptr)

@@ -4,6 +4,7 @@ torch.compile, and (GPU) replayed from a CUDA graph after new plans."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,8 @@ def test_plan_beyond_the_maxima_or_malformed_is_refused(kv_lens, qo_indptr, matc
     (dict(max_tree_nodes=1025), "max_tree_nodes must be an int in 1..1024"),
     (dict(num_heads=129), "num_heads must be an int in 1..128"),
     (dict(kernel="fast"), "kernel must be one of"),
+    (dict(max_batch=True), "max_batch must be an int in 1"),
+    (dict(device="meta"), "the kernels run on a CUDA GPU"),
 ])
 def test_bad_construction_is_refused(args, match):
     kw = dict(max_batch=2, max_tree_nodes=8, num_heads=2, device=DEVICE) | args
@@ -121,6 +124,15 @@ def test_a_named_kernel_plans_with_its_own_cost_model(kernel, costs):
     own = tables["triton" if costs is TRITON_COSTS else "hopper"]
     assert attn.workspace.num_segments == own[0]
     assert torch.equal(attn.workspace.tables.segments.cpu(), own[1])
+
+
+def test_run_before_plan_and_bad_device_schedule_are_refused():
+    attn = VerifyAttention(np.int64(2), 8, 2, DEVICE)  # numpy integers are ints
+    c = build_case(CASES["ragged-page16"], DEVICE)
+    with pytest.raises(RuntimeError, match="before plan"):
+        attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    with pytest.raises(ValueError, match="device_schedule must be one of"):
+        attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), device_schedule="whole")
 
 
 def test_run_checks_shapes_against_the_plan():

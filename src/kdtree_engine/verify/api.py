@@ -18,12 +18,15 @@ See :func:`verify_attention` for shapes.
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from ..backend import interpreting
 from ..masks import MAX_TREE_NODES
-from .contract import D_QK, D_V, InputCheck, Signature, VerifyInputs, check_content, check_inputs, check_lengths
+from .contract import (D_QK, D_V, InputCheck, Signature, VerifyInputs, check_content, check_inputs, check_lengths,
+                       host_lengths)
 from .op import KERNELS, launch, preparer, resolve, verify_attention_op
 from .plan import HOPPER_COSTS, TRITON_COSTS, FlashConfig, VerifyPlan
 
@@ -35,6 +38,7 @@ _KERNEL_NAMES = ("auto",) + KERNELS
 # of the kernel "auto" runs on the device, plan.default_costs)
 _KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS}
 _DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _kernel_name(kernel) -> str:
@@ -46,15 +50,21 @@ def _kernel_name(kernel) -> str:
 def _scale(sm_scale) -> float:
     if sm_scale is None:
         return _DEFAULT_SCALE
-    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    return float(sm_scale)
+    try:
+        scale = float(sm_scale) if isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool) else math.nan
+    except OverflowError:  # an int past float's range
+        scale = math.inf
+    if not 0 < scale * math.log2(math.e) < _FLOAT32_MAX:  # the kernels scale by it in float32 (log2 units)
+        raise ValueError(f"sm_scale must be a positive number within float32's range, got {sm_scale!r}")
+    return scale
 
 
-def _check_backend(device: torch.device) -> None:
+def _check_backend(device: torch.device, name: str = "q is") -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} on {device}: the kernels run on a CUDA GPU, or on the CPU under Triton's interpreter")
     if device.type == "cpu" and not interpreting():
         raise ValueError(
-            "q is on the CPU: the Triton kernels run there only under the interpreter; "
+            f"{name} on the CPU: the Triton kernels run there only under the interpreter; "
             "set TRITON_INTERPRET=1 before importing triton (or use kdtree_engine.reference)"
         )
 
@@ -78,6 +88,16 @@ def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.d
 
 
 _CHECK = InputCheck()  # verify_attention's checks by signature
+
+
+def _check_plan_lengths(plan: VerifyPlan, kv_lens, qo_indptr) -> None:
+    """The call's lengths equal the plan's (reads both on the host: a sync for device tensors)."""
+    kv, qo = host_lengths(kv_lens, qo_indptr)
+    planned = ((plan.kv_lens_host, plan.qo_indptr_host) if plan.kv_lens_host is not None
+               else host_lengths(plan.kv_lens, plan.qo_indptr))
+    if not (np.array_equal(kv, planned[0]) and np.array_equal(qo, planned[1])):
+        raise ValueError(f"kv_lens / qo_indptr {kv.tolist()} / {qo.tolist()} are not the lengths the plan was made "
+                         f"for ({planned[0].tolist()} / {planned[1].tolist()})")
 
 
 def _check_plan(plan: VerifyPlan, info: VerifyInputs, device: torch.device) -> None:
@@ -177,7 +197,10 @@ def verify_attention(
             be captured in a CUDA graph. Without it one is made here, into a workspace kept per
             (device, heads, stream): on a GPU by the device scheduler from the device lengths (one
             launch, no sync, no length checks: see ``validate``), on the CPU from the host
-            lengths, checked. The fast path is :class:`VerifyAttention`.
+            lengths, checked. The fast path is :class:`VerifyAttention`. The plan must be made
+            from the call's lengths: where they are validated (CPU tensors, ``validate=True``) a
+            mismatch is a ``ValueError``; unvalidated, the kernels would run the plan's schedule
+            on the call's lengths.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
             tensors, the length checks (incl. mask width) when a given plan has host lengths.
@@ -203,6 +226,9 @@ def verify_attention(
     if not cuda:
         _check_backend(q.device)
     given = plan is not None
+    if given and not isinstance(plan, VerifyPlan):
+        hint = " (a VerifyAttention: call its run(), or pass its .workspace)" if isinstance(plan, VerifyAttention) else ""
+        raise TypeError(f"plan must be a VerifyPlan from plan_verify, got {type(plan).__name__}{hint}")
     site = None  # where the launches go, when the scheduler's launch has read it
     if kernel != "naive" and not given:
         if cuda:  # device lengths: the device scheduler, no sync; the launches go where it went
@@ -219,6 +245,9 @@ def verify_attention(
         validate = not cuda
     if validate:
         check_content(page_table, kv_lens, qo_indptr, tree_mask, info)
+        if given:  # the sizes first (the clearer message), then the lengths themselves
+            _check_plan(plan, info, q.device)
+            _check_plan_lengths(plan, kv_lens, qo_indptr)
     if compiling or plan is None:  # traced, or the naive kernel without a plan: one-off launches
         if plan is not None:
             _check_plan(plan, info, q.device)
@@ -267,11 +296,11 @@ class VerifyAttention:
     def __init__(self, max_batch: int, max_tree_nodes: int, num_heads: int, device: str | torch.device = "cuda",
                  *, kernel: str = "auto", config: FlashConfig | None = None, num_programs: int | None = None):
         self.kernel = _kernel_name(kernel)
+        _check_backend(torch.device(device), "device is")
         self.workspace = VerifyPlan(max_batch, max_tree_nodes, num_heads, device, config=config,
                                     num_programs=num_programs, costs=_KERNEL_COSTS.get(self.kernel))
         self.device = self.workspace.device
         self.num_heads = num_heads
-        _check_backend(self.device)
         self._check = InputCheck((self.workspace.kv_lens_buf, self.workspace.qo_indptr_buf))
 
     def plan(self, kv_lens, qo_indptr, *, device_schedule: str = "line") -> None:
@@ -324,6 +353,8 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
+        if ws.num_seqs == 0:
+            raise RuntimeError("VerifyAttention.run() before plan(): plan the step's lengths first")
         scale = _DEFAULT_SCALE if sm_scale is None else _scale(sm_scale)
         if torch.compiler.is_compiling():  # dynamo traces the plain checks and the op, not the caches
             info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)

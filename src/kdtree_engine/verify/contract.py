@@ -19,8 +19,9 @@ D_QK = 576  # 512 latent (c_kv) + 64 rope (k_pe)
 D_V = 512  # V is the latent part of the same cache row
 D_ROPE = D_QK - D_V
 MAX_HEADS = 128
+MAX_KV_LEN = 1 << 30  # positions, tile ends and lengths are int32 in the kernels (and the plan's tables)
 
-__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "VerifyInputs", "Signature", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
+__all__ = ["D_QK", "D_V", "D_ROPE", "MAX_HEADS", "MAX_KV_LEN", "VerifyInputs", "Signature", "InputCheck", "check_inputs", "kernel_ints", "check_lengths", "check_content", "host_lengths"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ def _check_own_memory(name, t):
     for st, n in dims:
         if st < reach:
             raise ValueError(
-                f"{name} has overlapping strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
-                f"an output must give every element its own memory"
+                f"{name} has overlapping strides {tuple(t.stride())} for shape {tuple(t.shape)}: an output "
+                f"must give every element its own memory (each stride past the span of the smaller ones)"
             )
         reach = st * (n - 1) + reach
 
@@ -87,7 +88,8 @@ def _check_outputs_apart(ptrs, extents):
             hi = lo + n
             for j in range(i):
                 if extents[j] and lo < ptrs[j] + extents[j] and ptrs[j] < hi:
-                    raise ValueError(f"{_NAMES[i]} overlaps {_NAMES[j]} in memory; pass a separate buffer")
+                    raise ValueError(f"{_NAMES[i]} overlaps {_NAMES[j]} in memory (the byte ranges they span meet: "
+                                     f"interleaved buffers are refused too); pass a separate buffer")
 
 
 def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=None, lse=None):
@@ -238,13 +240,15 @@ def host_lengths(kv_lens, qo_indptr) -> tuple[np.ndarray, np.ndarray]:
         kv_lens = kv_lens.cpu().numpy()
     if isinstance(qo_indptr, torch.Tensor):
         qo_indptr = qo_indptr.cpu().numpy()
-    kv = np.asarray(kv_lens, dtype=np.int64)
-    qo = np.asarray(qo_indptr, dtype=np.int64)
+    kv, qo = np.asarray(kv_lens), np.asarray(qo_indptr)
     if kv.ndim != 1 or kv.shape[0] < 1:
         raise ValueError(f"kv_lens must be 1-D with at least one sequence, got shape {kv.shape}")
     if qo.shape != (kv.shape[0] + 1,):
         raise ValueError(f"qo_indptr must have {kv.shape[0] + 1} entries, got shape {qo.shape}")
-    return kv, qo
+    for name, x in (("kv_lens", kv), ("qo_indptr", qo)):
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got {x.dtype}")
+    return kv.astype(np.int64), qo.astype(np.int64)
 
 
 def check_lengths(kv_lens_host, qo_indptr_host, info: VerifyInputs | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -264,6 +268,9 @@ def check_lengths(kv_lens_host, qo_indptr_host, info: VerifyInputs | None = None
     n_max = int(n.max())
     if n_max > MAX_TREE_NODES:
         raise ValueError(f"a tree has {n_max} nodes; at most {MAX_TREE_NODES} are supported")
+    if kv.max() > MAX_KV_LEN:
+        b = int(kv.argmax())
+        raise ValueError(f"kv_lens[{b}]={int(kv[b])} is past the kernels' int32 positions (at most {MAX_KV_LEN})")
     short = kv < n
     if short.any():
         b = int(short.argmax())

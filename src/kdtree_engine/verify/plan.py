@@ -21,6 +21,7 @@ device, so a CUDA graph captured around a launch (and around a device plan) stay
 from __future__ import annotations
 
 import heapq
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -398,9 +399,13 @@ class VerifyPlan:
     ):
         for name, v, hi in (("max_batch", max_batch, 1 << 20), ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
                             ("num_heads", num_heads, MAX_HEADS), ("num_programs", num_programs or 1, 1 << 20)):
-            if not isinstance(v, int) or not 1 <= v <= hi:
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not 1 <= v <= hi:
                 raise ValueError(f"{name} must be an int in 1..{hi}, got {v!r}")
+        max_batch, max_tree_nodes, num_heads = int(max_batch), int(max_tree_nodes), int(num_heads)
+        num_programs = None if num_programs is None else int(num_programs)
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device is {device}, but this torch sees no CUDA GPU")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         cfg = config or pick_config(device)
@@ -485,6 +490,8 @@ class VerifyPlan:
         current stream (kernels queued before it finish reading the old plan first). Allocates
         nothing on the device either way. Returns self.
         """
+        if device_schedule not in DEVICE_SCHEDULES:
+            raise ValueError(f"device_schedule must be one of {DEVICE_SCHEDULES}, got {device_schedule!r}")
         if (isinstance(kv_lens, torch.Tensor) and isinstance(qo_indptr, torch.Tensor) and kv_lens.is_cuda
                 and qo_indptr.is_cuda):
             return self.plan_on_device(kv_lens, qo_indptr, schedule=device_schedule)
