@@ -368,6 +368,54 @@ def test_misuse_is_rejected():
     assert_consistent(pool, model)
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_refused_calls_change_nothing(use_triton):
+    """Calls refused after their first checks leave the pool exactly as it was: a commit whose
+    num_accepted_host has the wrong length (it ran the commit first: a pending commit stuck), a
+    reserve_step whose tree is narrower than its node counts (it reserved first, and the kernel
+    read past the tree), a defragmentation plan of another pool (applied: the KV moved), counts
+    that overflow int64 (wrapped to a negative length), and host values that are not integers
+    (floats were truncated)."""
+    from kdtree_engine.ddtree import tree_from_parents
+
+    gen = torch.Generator().manual_seed(14)
+    pool = new_pool(32, 4, use_triton=use_triton)
+    model = fill(pool, gen, [6, 9])
+    a, b = sorted(model)
+    pool.reserve_tree([a], [3])
+    snap = snapshot(pool)
+    acc, one = torch.tensor([[0, 2]], device=DEVICE), torch.tensor([2], device=DEVICE)
+    with pytest.raises(ValueError, match="num_accepted_host has 2 entries for 1"):
+        pool.commit([a], acc, one, num_accepted_host=[2, 2])
+    assert_same_state(snap, snapshot(pool))
+    assert not pool.pending_commit
+    pool.truncate(a, 6)  # drops the tree: usable, nothing pending
+    snap = snapshot(pool)
+    tree = tree_from_parents(torch.tensor([[-1, 0, 1, 2]], device=DEVICE), torch.tensor([[5, 6, 7, 8]], device=DEVICE))
+    narrow = type(tree)(tree.tokens[:, :2], tree.parents[:, :2], tree.depths[:, :2], tree.num_nodes, (4,), 3)
+    with pytest.raises(ValueError, match="at most the tree's width 2"):
+        pool.reserve_step([a], narrow)
+    assert_same_state(snap, snapshot(pool))
+    twin = new_pool(32, 4, use_triton=use_triton)
+    fill(twin, torch.Generator().manual_seed(14), [6, 9])
+    with pytest.raises(ValueError, match="another pool"):
+        pool.apply_defragment(twin.plan_defragment(pack=True))
+    assert_same_state(snap, snapshot(pool))
+    for call in (lambda: pool.book_tree([a], 2**63 - 1), lambda: pool.extend([a], [2**63 - 1])):
+        with pytest.raises(SequenceTooLongError):
+            call()
+    for call in (lambda: pool.extend([b], [1.9]), lambda: pool.truncate(a, 2.7), lambda: pool.truncate("1", 1),
+                 lambda: pool.extend([0.6], [1])):
+        with pytest.raises(TypeError, match="must hold integers"):
+            call()
+    with pytest.raises(TypeError, match="slots must be torch.int64"):
+        pool.write(torch.zeros(1, dtype=torch.int32, device=DEVICE), rand_rows(gen, 1), layer=0)
+    with pytest.raises(ValueError, match="layer must be"):
+        pool.write(torch.zeros(1, dtype=torch.int64, device=DEVICE), rand_rows(gen, 1), layer=1)
+    assert_same_state(snap, snapshot(pool))
+    assert_consistent(pool, model)
+
+
 def test_finalize_with_wrong_host_lengths_is_caught_in_debug():
     gen = torch.Generator().manual_seed(5)
     pool = new_pool(32, 1)

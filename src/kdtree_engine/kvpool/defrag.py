@@ -50,6 +50,7 @@ class DefragPlan:
     """Host plan of :meth:`KVPool.apply_defragment` (valid while the pool is unchanged)."""
 
     version: int
+    pool: object  # the token of the pool that made the plan (another pool refuses it)
     seq_ids: list  # sequences that move
     new_start: list  # their first page after the move
     skipped: list  # chosen sequences that found no contiguous room (left as they are)

@@ -55,6 +55,31 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def _host_ints(name: str, x, squeeze: bool = True) -> np.ndarray:
+    """``x`` (an int, a list, a numpy array or a CPU tensor of integers) as int64 numpy, at least
+    1-D (``squeeze=False``: as given); ``TypeError`` naming ``name`` for anything else (floats
+    were truncated, strings parsed)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be host values (a list, numpy array or CPU tensor), got one on {x.device}")
+        x = x.numpy()
+    a = np.asarray(x)
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got {a.dtype}")
+    a = a.astype(np.int64)
+    return np.atleast_1d(a) if squeeze else a
+
+
+def _accepted_counts(counts, num_seqs: int) -> np.ndarray:
+    """``num_accepted_host`` (host or device integers) as ``[num_seqs]`` int64 numpy."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.cpu()
+    a = _host_ints("num_accepted_host", counts).reshape(-1)
+    if a.shape != (num_seqs,):
+        raise ValueError(f"num_accepted_host has {a.size} entries for {num_seqs} sequences")
+    return a
+
+
 # ----------------------------------------------------------------------------------------------
 # The pool
 
@@ -140,6 +165,7 @@ class KVPool:
         self._num_free = n
         self._pending: _Pending | None = None
         self._version = 0
+        self._token = object()  # names this pool in its defragmentation plans
         self._steps = 0  # committed steps (finalize_commit calls), for policies
         self._steps_at_check = 0
         self._rows_cache: OrderedDict = OrderedDict()
@@ -148,6 +174,8 @@ class KVPool:
 
     def kv_cache(self, layer: int = 0) -> torch.Tensor:
         """Layer ``layer``'s cache ``[num_pages, page_size, 576]`` (a view; verify's ``kv_cache``)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return self._store[layer, : self.num_pages]
 
     @property
@@ -191,7 +219,7 @@ class KVPool:
             if seq_ids.device.type != "cpu":
                 raise ValueError("seq_ids must be host values (a list, numpy array or CPU tensor)")
             seq_ids = seq_ids.numpy()
-        ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.int64))
+        ids = _host_ints("seq_ids", seq_ids)
         if ids.ndim != 1:
             raise ValueError("seq_ids must be one-dimensional")
         if ids.size and (ids.min() < 0 or ids.max() >= self.max_seqs):
@@ -306,6 +334,7 @@ class KVPool:
         reserved, ``new_len`` must not exceed the prefix (the tree is dropped)."""
         self._require_idle("truncate")
         ids = self._ids([seq_id])
+        seq_id, new_len = int(ids[0]), int(_host_ints("new_len", new_len)[0])
         old = int(self._len[seq_id])
         if not 0 <= new_len <= old:
             raise ValueError(f"new_len must be in [0, {old}], got {new_len}")
@@ -401,18 +430,22 @@ class KVPool:
     def _grow(self, seq_ids, counts, tree: bool, device: bool = True) -> torch.Tensor | None:
         self._require_idle("reserve_tree" if tree else "extend")
         ids = self._ids(seq_ids)
-        counts = np.broadcast_to(np.asarray(counts, np.int64), ids.shape).copy()
+        name = "tree_sizes" if tree else "num_tokens"
+        try:
+            counts = np.broadcast_to(_host_ints(name, counts, squeeze=False), ids.shape).copy()
+        except ValueError as e:
+            raise ValueError(f"{name} must be one count or one per sequence ({len(ids)}): {e}") from None
         if (counts < (1 if tree else 0)).any():
             raise ValueError(f"{'tree sizes must be >= 1' if tree else 'num_tokens must be >= 0'}, got {counts.tolist()}")
         if self._tree[ids].any():
             s = int(ids[self._tree[ids] > 0][0])
             raise ValueError(f"sequence {s} has a tree reserved: commit it (or truncate) first")
         old = self._len[ids]
+        if (counts > self.max_seq_len - old).any():  # (compared before adding: no int64 overflow)
+            i = int(np.argmax(counts > self.max_seq_len - old))
+            raise SequenceTooLongError(f"sequence {int(ids[i])} would hold {int(old[i])} + {int(counts[i])} tokens; "
+                                       f"max_seq_len is {self.max_seq_len}")
         new = old + counts
-        if (new > self.max_seq_len).any():
-            i = int(np.argmax(new > self.max_seq_len))
-            raise SequenceTooLongError(
-                f"sequence {int(ids[i])} would hold {int(new[i])} tokens; max_seq_len is {self.max_seq_len}")
         k = self._pages_of(new) - self._pages_of(old)
         total = int(k.sum())
         if total > self._num_free:
@@ -448,6 +481,11 @@ class KVPool:
             raise TypeError(f"rows must be {self.dtype}, got {rows.dtype}")
         if slots.dim() != 1:
             raise ValueError("slots must be 1-D")
+        if slots.dtype != torch.int64:
+            raise TypeError(f"slots must be torch.int64, got {slots.dtype}")
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                                  or not 0 <= layer < self.num_layers):
+            raise ValueError(f"layer must be None or an int in [0, {self.num_layers}), got {layer!r}")
         t = slots.shape[0]
         flat = self._store.view(self.num_layers, -1, D)
         if layer is None:
@@ -497,12 +535,22 @@ class KVPool:
         (:meth:`reserve_tree`). Returns the :class:`VerifyStep` of :meth:`step_inputs`. No sync;
         raises like :meth:`reserve_tree` before changing anything."""
         ids = self._ids(seq_ids)
+        self.reserve_tree(ids, self._tree_sizes(ids, tree))  # (checked before anything changes)
+        return self.step_inputs(ids, tree)
+
+    def _tree_sizes(self, ids: np.ndarray, tree) -> np.ndarray:
+        """``tree``'s host node counts ``[B]``, after checking it holds one tree per sequence of
+        ``ids``, on the pool's device, each within its width."""
         if not isinstance(tree, DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
         if tree.batch_size != len(ids):
             raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
-        self.reserve_tree(ids, np.asarray(tree.num_nodes_host, np.int64))
-        return self.step_inputs(ids, tree)
+        self._check_device("tree", tree.tokens)
+        sizes = np.asarray(tree.num_nodes_host, np.int64)
+        if sizes.shape != ids.shape or (sizes > tree.width).any():
+            raise ValueError(f"tree.num_nodes_host {sizes.tolist()} must be one count per tree, each at most "
+                             f"the tree's width {tree.width}")
+        return sizes
 
     def step_inputs(self, seq_ids, tree: DraftTree, *, rows: torch.Tensor | None = None) -> VerifyStep:
         """The :class:`VerifyStep` of trees already reserved with :meth:`reserve_tree` (sizes
@@ -517,12 +565,7 @@ class KVPool:
         :meth:`device_rows`); a CUDA graph captured with a buffer here serves any B sequences whose
         rows are copied into that buffer before each replay."""
         ids = self._ids(seq_ids)
-        if not isinstance(tree, DraftTree):
-            raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
-        if tree.batch_size != len(ids):
-            raise ValueError(f"tree holds {tree.batch_size} trees for {len(ids)} sequences")
-        self._check_device("tree", tree.tokens)
-        sizes = np.asarray(tree.num_nodes_host, np.int64)
+        sizes = self._tree_sizes(ids, tree)
         if not np.array_equal(self._tree[ids], sizes):
             raise ValueError(f"tree sizes {sizes.tolist()} are not the reserved ones {self._tree[ids].tolist()}: "
                              f"call reserve_tree(seq_ids, tree.num_nodes_host) first")
@@ -603,6 +646,8 @@ class KVPool:
         if accepted.stride(1) != 1:
             accepted = accepted.contiguous()
         num_accepted = num_accepted.contiguous()
+        if num_accepted_host is not None:  # checked before the commit runs: a refused call changes nothing
+            num_accepted_host = _accepted_counts(num_accepted_host, B)
         if self.debug:
             self._check_accepted(ids, accepted, num_accepted)
         rows = self._rows_of(ids, rows)
@@ -643,13 +688,7 @@ class KVPool:
         p = self._pending
         if p is None:
             raise RuntimeError("no commit is pending")
-        if num_accepted_host is None:
-            num_accepted_host = p.num_accepted.cpu()
-        if isinstance(num_accepted_host, torch.Tensor):
-            num_accepted_host = num_accepted_host.cpu().numpy()
-        a = np.asarray(num_accepted_host, np.int64).reshape(-1)
-        if a.shape != p.ids.shape:
-            raise ValueError(f"num_accepted_host has {a.size} entries for {len(p.ids)} sequences")
+        a = _accepted_counts(p.num_accepted.cpu() if num_accepted_host is None else num_accepted_host, len(p.ids))
         a = np.clip(a, 1, np.minimum(p.tree, p.max_acc))
         old = self._len[p.ids]
         new = old - p.tree + a
@@ -893,6 +932,7 @@ class KVPool:
         moved = np.array([all_ids[i] for i in mv], np.int64)
         return DefragPlan(
             version=self._version,
+            pool=self._token,
             seq_ids=[int(s) for s in moved],
             new_start=[int(placed[i]) for i in mv],
             skipped=skipped,
@@ -990,6 +1030,8 @@ class KVPool:
         """Run a plan: the page moves (scratch gather, one launch per level, scratch scatter),
         then the rewrite of the moved tables and the free stack, all on the device. No sync."""
         self._require_idle("apply_defragment")
+        if plan.pool is not self._token:
+            raise ValueError("plan was made by another pool: plan with this pool's plan_defragment()")
         if plan.version != self._version:
             raise StalePlanError("the pool changed since this plan was made; plan again")
         s = plan.schedule
