@@ -20,6 +20,7 @@ from kdtree_engine.ddtree import (
     greedy_workspace,
     tree_links,
     sample_from_probs,
+    target_tokens_sampled,
     tree_from_parents,
 )
 
@@ -387,6 +388,45 @@ def test_filter_probs_bad_inputs(device):
         filter_probs(x.long())
     with pytest.raises(TypeError, match="temperature"):
         filter_probs(x, "hot")
+    for t in (math.nan, math.inf):  # a host scalar: checked (the paths disagreed, or sampled token 0)
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            filter_probs(x, t)
+
+
+def test_per_row_parameters_out_of_range_are_greedy_or_argmax(device):
+    """Per-row tensors are not read on the host: a temperature not above 0 (NaN too) is greedy,
+    a top-p not above 0 (NaN too) keeps the most probable token, on both sampling paths. The
+    fused path sampled token 0, whose logit is -inf, for a top-p of 0 or below."""
+    row = torch.tensor([-math.inf, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 2.0], device=device)
+    tree = tree_from_parents([[-1]] * 32, [[3]] * 32)
+    tree = type(tree)(*(getattr(tree, f).to(device) if isinstance(getattr(tree, f), torch.Tensor) else getattr(tree, f)
+                        for f in ("tokens", "parents", "depths", "num_nodes", "num_nodes_host", "max_depth")))
+    logits = row.expand(32, 8)
+    bad = torch.tensor([0.0, -0.5, math.nan, 0.0] * 8, device=device)
+    for kw in (dict(top_p=bad), dict(top_p=bad, top_k=5), dict(temperature=bad), dict(temperature=bad, top_k=5),
+               dict(temperature=bad, top_p=0.9)):
+        probs = filter_probs(logits, **{"temperature": 1.0, **kw})
+        assert torch.equal(probs[:, 7].cpu(), torch.ones(32)), kw
+        g = torch.Generator(device=device).manual_seed(3)
+        bonus = accept_sampling(tree, logits, generator=g, **kw).bonus.cpu()
+        assert (bonus == 7).all(), (kw, bonus.tolist())
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7, top_p=0.8), dict(top_p=0.8), dict(top_k="rows")])
+def test_sampling_does_not_depend_on_the_logits_layout(kw, device):
+    """The same values in another layout (row-strided, transposed) give bit for bit the same
+    samples: the filtered copy kept the input's strides, so the random draws landed on other cells."""
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(12, 13, generator=g).to(device)
+    if kw.get("top_k") == "rows":
+        kw = dict(top_k=torch.tensor([3, 0, 5, 13] * 3, device=device))
+    wide = torch.zeros(12, 26, device=device)
+    wide[:, ::2] = base
+    results = []
+    for logits in (base, wide[:, ::2], base.t().contiguous().t()):
+        gen = torch.Generator(device=device).manual_seed(5)
+        results.append(target_tokens_sampled(logits, generator=gen, **kw).cpu())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ target token at the parent), an AND along the path evaluated by pointer jumping 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ import torch
 from ..backend import interpreting
 from .kernels import MAX_FUSED_TOP_K, greedy_walk, sample_walk, walk
 from .tree import DraftTree, _jump_iters
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 __all__ = [
     "AcceptResult",
@@ -103,6 +106,10 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
     R, V = logits.shape
     dev = logits.device
     temperature = _check_param("temperature", temperature, R, dev)
+    if isinstance(temperature, torch.Tensor):  # a row not above 0 (NaN too) is greedy; inf: float32's largest
+        temperature = torch.where(temperature > 0, temperature.float().clamp(max=_FLOAT32_MAX), 0.0)
+    elif temperature is not None and not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number, got {temperature!r}")
     k_static = k_rows = None
     if isinstance(top_k, int) and not isinstance(top_k, bool):
         if top_k < 0:
@@ -113,7 +120,10 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
     if top_p is not None and not isinstance(top_p, torch.Tensor):
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    return temperature, k_static, k_rows, _check_param("top_p", top_p, R, dev)
+    top_p = _check_param("top_p", top_p, R, dev)
+    if isinstance(top_p, torch.Tensor):  # a row not above 0 (NaN too) keeps its most probable token alone
+        top_p = torch.where(top_p > 0, top_p.float(), torch.finfo(torch.float32).tiny)
+    return temperature, k_static, k_rows, top_p
 
 
 def _rows(value, rows: int, device, dtype, default):
@@ -140,13 +150,14 @@ def filter_logits(
 
     Args:
         logits: ``[R, V]`` float (any float dtype; computed in float32 on a copy).
-        temperature: scalar or ``[R]``; a row with temperature <= 0 is greedy: only its argmax
-            (the first index among ties) survives.
+        temperature: scalar (finite) or ``[R]``; a row with temperature <= 0 (in a tensor: or
+            NaN) is greedy: only its argmax (the first index among ties) survives.
         top_k: int or ``[R]`` int tensor; keep the tokens whose logit is >= the k-th largest (ties
             at the boundary are kept). None, 0 or >= V: off for that row.
         top_p: float or ``[R]`` tensor in (0, 1]; on the top-k-renormalised distribution, keep the
             smallest set of most probable tokens whose mass reaches top_p, plus every token tied
-            with the least probable one kept. None or >= 1: off.
+            with the least probable one kept. None or >= 1: off. A tensor entry <= 0 or NaN keeps
+            the most probable token(s) alone (the limit top_p -> 0).
 
     An int ``top_k`` uses ``torch.topk(top_k)``; a tensor ``top_k`` or a top-p without top-k sorts
     the whole row (costly at V = 163840; prefer an int top_k alongside top_p). No host sync.
@@ -162,7 +173,7 @@ def filter_logits(
     if p_row is not None:  # top_p >= 1 is off (cumsum rounding must not drop the tail)
         p_row = torch.where(p_row >= 1, float("inf"), p_row)
 
-    x = logits.to(torch.float32, copy=True)
+    x = torch.empty(logits.shape, dtype=torch.float32, device=dev).copy_(logits)  # contiguous whatever logits' layout
     greedy = None
     if temp is not None:
         greedy = temp <= 0  # [R, 1]
@@ -213,7 +224,7 @@ def sample_from_logits(x: torch.Tensor, generator: torch.Generator | None = None
     The same exponential race in log space, ``argmax(x - log E)`` (Gumbel-max), without the
     softmax; ``x`` is overwritten.
     """
-    e = torch.empty_like(x).exponential_(generator=generator)
+    e = torch.empty(x.shape, dtype=x.dtype, device=x.device).exponential_(generator=generator)  # x's layout aside
     return x.sub_(e.clamp_(min=torch.finfo(torch.float32).tiny).log_()).argmax(dim=1)
 
 
