@@ -80,6 +80,39 @@ def test_wrong_file_is_refused(tmp_path):
         load_bundle(tmp_path / "v9.kdtr")
 
 
+def _rewrite(src, dst, **meta_edits):
+    """``src`` saved as ``dst`` with metadata fields replaced (JSON values)."""
+    from safetensors import safe_open
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = dict(f.metadata())
+    meta.update({k: json.dumps(v) for k, v in meta_edits.items()})
+    save_file(load_file(str(src)), str(dst), metadata=meta)
+    return dst
+
+
+def test_tampered_metadata_is_refused(tmp_path):
+    """The checker takes no tolerance looser than this build's (a bundle with garbage expected
+    values and tolerances of 1e9 printed PASS), and the tensors must match the spec its PASS line
+    reports (a spec of other trees or dtype passed); malformed tolerances are a BundleError, not a
+    KeyError or AttributeError traceback."""
+    src = REFS / "verify_attn_h8_p0_b8.kdtr"
+    spec = json.loads(json.dumps(load_bundle(src).spec.to_dict()))
+    for name, edits, match in (
+        ("loose", dict(tolerances={"out": [1e9, 0], "lse": [1e9, 0]}), "not within this build's"),
+        ("inf", dict(tolerances={"out": [math.inf, 0], "lse": [0, 0]}), "not within this build's"),
+        ("no-out", dict(tolerances={"lse": [0, 0]}), "KeyError"),
+        ("list", dict(tolerances=[[0, 0], [0, 0]]), "TypeError|AttributeError"),
+        ("trees", dict(spec=spec | {"trees": [[-1]], "prefix_lens": [999999]}), "its spec says"),
+        ("dtype", dict(spec=spec | {"dtype": "fp16"}, tolerances={"out": [1e-3, 1e-3], "lse": [1e-3, 1e-4]}),
+         "its spec says fp16"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            load_bundle(_rewrite(src, tmp_path / f"{name}.kdtr", **edits))
+    tight = load_bundle(_rewrite(src, tmp_path / "tight.kdtr", tolerances={"out": [5e-3, 1e-2], "lse": [1e-3, 0]}))
+    assert tight.tolerances == {"out": (5e-3, 1e-2), "lse": (1e-3, 0.0)}  # tighter ones are kept
+
+
 def test_cli_check_fails_on_a_corrupted_expectation(tmp_path, capsys):
     bundle = load_bundle(REFS / "verify_attn_h8_p0_b8.kdtr")
     good = save_bundle(bundle, tmp_path / "good.kdtr")

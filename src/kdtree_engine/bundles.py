@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from .testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
 from .verify import reference, verify_attention
+from .verify.contract import D_QK, D_V
 
 FORMAT = "kdtree-verify-bundle"
 VERSION = 1
@@ -152,10 +153,11 @@ def load_bundle(path: str | Path) -> Bundle:
         if missing:
             raise BundleError(f"{path} lacks tensors {missing}")
         spec = CaseSpec(**json.loads(meta["spec"]))
-        tol = {k: tuple(v) for k, v in json.loads(meta["tolerances"]).items()}
+        tol = _tolerances(json.loads(meta["tolerances"]), spec.dtype, path)
+        _check_against_spec(spec, tensors, path)
     except BundleError:
         raise
-    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as e:
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError, AttributeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise BundleError(f"{path}: {type(e).__name__}: {reason}") from e
     return Bundle(
@@ -165,6 +167,40 @@ def load_bundle(path: str | Path) -> Bundle:
         expected_lse=tensors["expected_lse"],
         tolerances=tol,
     )
+
+
+def _tolerances(stored, dtype: str, path) -> dict:
+    """A bundle's ``{"out": (atol, rtol), "lse": (atol, rtol)}``: finite, non-negative and no looser
+    than this build's :data:`~kdtree_engine.testing.TOLERANCES` for its dtype (a bundle may ask for
+    tighter ones; looser ones would let a wrong result PASS)."""
+    if dtype not in TOLERANCES:
+        raise BundleError(f"{path}: dtype {dtype!r} is not one of {sorted(TOLERANCES)}")
+    tol = {}
+    for key, limit in TOLERANCES[dtype].items():
+        pair = tuple(float(x) for x in stored[key])
+        if len(pair) != 2 or not all(math.isfinite(x) and 0 <= x <= lim for x, lim in zip(pair, limit)):
+            raise BundleError(f"{path}: {key} tolerances {list(stored[key])} are not within this build's "
+                              f"{list(limit)} for {dtype}")
+        tol[key] = pair
+    return tol
+
+
+def _check_against_spec(spec: CaseSpec, tensors: dict, path) -> None:
+    """The tensors have the sizes and dtype the bundle's spec says (its PASS line reports the spec)."""
+    T, B = sum(len(t) for t in spec.trees), len(spec.trees)
+    H = spec.num_heads
+    want = {"q": (T, H, D_QK), "kv_lens": (B,), "qo_indptr": (B + 1,), "expected_out": (T, H, D_V),
+            "expected_lse": (T, H)}
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise BundleError(f"{path}: {name} has shape {tuple(tensors[name].shape)}; its spec says {shape}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    if tensors["q"].dtype != dtype or tensors["kv_cache"].dtype != dtype:
+        raise BundleError(f"{path}: q / kv_cache are {tensors['q'].dtype} / {tensors['kv_cache'].dtype}; "
+                          f"its spec says {spec.dtype}")
+    if tensors["kv_lens"].tolist() != spec.kv_lens or tensors["kv_cache"].shape[1] != spec.page_size:
+        raise BundleError(f"{path}: kv_lens {tensors['kv_lens'].tolist()} / page size {tensors['kv_cache'].shape[1]} "
+                          f"differ from its spec's {spec.kv_lens} / {spec.page_size}")
 
 
 @dataclass
