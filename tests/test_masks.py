@@ -83,6 +83,29 @@ def test_pack_errors():
         pack_tree_mask(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="too narrow"):
         pack_tree_mask(torch.zeros(40, 40, dtype=torch.bool), words=1)
+    with pytest.raises(TypeError, match="words must be an int"):
+        pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool), words=2.0)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0.5, 1.9], [-1.5, 0], torch.tensor([-1.0, 0.0]), [-1, float("nan")]])
+def test_parents_must_be_integers(parents):
+    """Float parents were truncated into a valid-looking tree ([-1, 0.5, 1.9] masked as [-1, 0, 1])."""
+    with pytest.raises(TypeError, match="parents must hold integers"):
+        tree_mask_from_parents(parents)
+
+
+def test_mask_arguments_are_checked():
+    m = tree_mask_from_parents([-1, 0])
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        unpack_tree_mask(m, -1)
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
+        unpack_tree_mask([[1]], 1)
+    with pytest.raises(TypeError, match=r"masks\[0\] must be a torch.Tensor"):
+        concat_tree_masks([[1]])
+    with pytest.raises(ValueError, match=r"masks\[1\] must be int32"):
+        concat_tree_masks([m, m.long()])  # (an int64 batch mask was returned)
+    with pytest.raises(ValueError, match=r"masks\[0\] must be int32 \[R, W\]"):
+        concat_tree_masks([m[0]])
 
 
 def test_concat_pads_to_widest():

@@ -46,6 +46,8 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     n = visible.shape[0]
     need = mask_words(n)
     words = need if words is None else words
+    if isinstance(words, bool) or not isinstance(words, int):
+        raise TypeError(f"words must be an int, got {words!r}")
     if words < need:
         raise ValueError(f"words={words} is too narrow for a tree of {n} nodes (needs {need})")
     bits = torch.zeros(n, words * 32, dtype=torch.int64, device=visible.device)
@@ -59,10 +61,18 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     return packed.to(torch.int32)
 
 
+def _check_mask(name: str, mask) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dim() != 2 or mask.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32 [R, W], got {mask.dtype} {tuple(mask.shape)}")
+
+
 def unpack_tree_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_tree_mask`: int32 ``[R, W]`` -> bool ``[R, n]`` (the first ``n`` bits)."""
-    if mask.dim() != 2 or mask.dtype != torch.int32:
-        raise ValueError(f"mask must be int32 [R, W], got {mask.dtype} {tuple(mask.shape)}")
+    _check_mask("mask", mask)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
     if n > mask.shape[1] * 32:
         raise ValueError(f"n={n} exceeds the {mask.shape[1] * 32} bits of the mask")
     j = torch.arange(n, device=mask.device)
@@ -76,7 +86,10 @@ def ancestor_matrix(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
     ``parents[i]`` is the index of node ``i``'s parent, ``-1`` for the root. Exactly one root;
     any node order; cycles and out-of-range parents raise ``ValueError``.
     """
-    par = torch.as_tensor(parents, dtype=torch.int64).cpu()
+    par = torch.as_tensor(parents).cpu()
+    if par.numel() and (par.is_floating_point() or par.is_complex() or par.dtype == torch.bool):
+        raise TypeError(f"parents must hold integers, got {par.dtype}")  # (floats were truncated)
+    par = par.to(torch.int64)
     if par.dim() != 1 or par.numel() == 0:
         raise ValueError(f"parents must be a non-empty 1-D sequence, got shape {tuple(par.shape)}")
     n = par.numel()
@@ -112,6 +125,8 @@ def concat_tree_masks(masks: Sequence[torch.Tensor], words: int | None = None) -
     """
     if len(masks) == 0:
         raise ValueError("masks must hold at least one tree")
+    for b, m in enumerate(masks):
+        _check_mask(f"masks[{b}]", m)
     width = max(m.shape[1] for m in masks) if words is None else words
     rows = []
     for m in masks:
