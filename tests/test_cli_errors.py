@@ -102,6 +102,7 @@ BAD = {
     "demo-kernel": (["demo", "--kernel", "fast"], ["--kernel", "fast"]),
     "demo-kernel-twice": (["demo", "--kernel", "naive,naive"], ["--kernel", "naive,naive"]),
     "demo-model-dir": (["demo", "--model-dir", "UNDER_FILE"], ["--model-dir", "no such directory"]),
+    "demo-model-dir-empty": (["demo", "--model-dir", "DIR", "--no-hf-check"], ["--model-dir", "a_dir", "model.safetensors"]),
     "demo-json-is-dir": (["demo", "--json", "DIR"], ["--json", "is a directory"]),
     "demo-refs-dir-is-file": (["demo", "--refs-dir", "FILE"], ["--refs-dir", "not a directory"]),
 }

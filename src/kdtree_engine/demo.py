@@ -108,7 +108,10 @@ def _build_model(args, device: str):
     dtype = _DT[args.dtype]
     attn = "sdpa" if device == "cuda" else "eager"
     if args.model_dir:
-        return load_model(args.model_dir, dtype=dtype, device=device, attn_implementation=attn), "checkpoint"
+        try:
+            return load_model(args.model_dir, dtype=dtype, device=device, attn_implementation=attn), "checkpoint"
+        except (OSError, ValueError) as e:  # no checkpoint there, or not a DeepseekV3 MLA one
+            raise UsageError(f"argument --model-dir: {args.model_dir}: {str(e).splitlines()[0]}") from None
     if device == "cuda":
         cfg = kimi_k2_attention_config(num_layers=args.layers)
         name = f"Kimi-K2 attention (64 heads, latent 512 + rope 64), {args.layers} dense layers, random weights"
