@@ -297,6 +297,10 @@ def test_accept_bad_inputs(device):
         accept_tokens(tree, torch.zeros(7, dtype=torch.long, device=device))
     with pytest.raises(TypeError, match="target_tokens"):
         accept_tokens(tree, torch.zeros(12, device=device))
+    with pytest.raises(TypeError, match="target_tokens must be a torch.Tensor"):
+        accept_tokens(tree, [0] * 12)  # (an AttributeError on the kernel path)
+    with pytest.raises(TypeError, match="top_k must be an int or an integer"):
+        accept_sampling(tree, torch.zeros(12, 4, device=device), top_k=2.0)
     with pytest.raises(TypeError, match="tree"):
         accept_tokens(None, torch.zeros(12, dtype=torch.long, device=device))
     with pytest.raises(TypeError, match="prefix_lens"):

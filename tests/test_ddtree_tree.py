@@ -415,6 +415,24 @@ def shuffled_tree(n: int, gen: torch.Generator) -> list[int]:
     return new
 
 
+def test_tree_from_parents_checks_host_input():
+    """Host lists are checked at no cost: integers only (floats were truncated), num_nodes too,
+    and a max_depth at least the trees' depth (one below it gave wrong depths, and greedy
+    acceptance stopped short); a max_depth must be an int >= 0 for tensors too."""
+    with pytest.raises(TypeError, match="must hold integers"):
+        tree_from_parents([[-1, 0.5]], [[1, 2]])
+    with pytest.raises(TypeError, match="must hold integers"):
+        tree_from_parents([[-1, 0]], [[1, 2.5]])
+    with pytest.raises(TypeError, match="num_nodes must hold integers"):
+        tree_from_parents([[-1, 0]], [[1, 2]], num_nodes=[1.5])
+    with pytest.raises(ValueError, match=r"deeper \(3\) than max_depth=1"):
+        tree_from_parents([[-1, 0, 1, 2]], [[1, 2, 3, 4]], max_depth=1)
+    for bad in (-1, 2.5, "a"):
+        with pytest.raises(ValueError, match="max_depth must be an int >= 0"):
+            tree_from_parents(torch.tensor([[-1, 0]]), torch.tensor([[1, 2]]), max_depth=bad)
+    assert tree_from_parents([[-1, 0, 1, 2]], [[1, 2, 3, 4]], max_depth=5).max_depth == 5  # a looser bound is fine
+
+
 def test_tree_from_parents_depths_and_links(device):
     g = torch.Generator().manual_seed(11)
     sizes = [1, 2, 33, 70, 5]
@@ -451,10 +469,11 @@ def test_check_tree_rejects():
         check_tree(tree_from_parents([[-1, 0, 0]], [[1, 5, 5]]))
     with pytest.raises(ValueError, match="only root"):
         check_tree(tree_from_parents([[-1, -1, 0]], [[1, 2, 3]]))
-    with pytest.raises(ValueError, match="cycle"):
-        check_tree(tree_from_parents([[-1, 2, 1]], [[1, 2, 3]], max_depth=2))
-    with pytest.raises(ValueError, match="deeper"):
-        check_tree(tree_from_parents([[-1, 0, 1, 2]], [[1, 2, 3, 4]], max_depth=2))
+    for make in (lambda x: x, torch.tensor):  # host lists: refused when built; tensors: by check_tree
+        with pytest.raises(ValueError, match="cycle"):
+            check_tree(tree_from_parents(make([[-1, 2, 1]]), make([[1, 2, 3]]), max_depth=2))
+        with pytest.raises(ValueError, match="deeper"):
+            check_tree(tree_from_parents(make([[-1, 0, 1, 2]]), make([[1, 2, 3, 4]]), max_depth=2))
     with pytest.raises(ValueError, match="num_nodes"):
         tree_from_parents([[-1, 0]], [[1, 2]], [3])
     with pytest.raises(ValueError, match="outside"):

@@ -115,8 +115,10 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
         k_static = top_k if 0 < top_k < V else None
-    elif top_k is not None:
+    elif isinstance(top_k, torch.Tensor) and not (top_k.is_floating_point() or top_k.is_complex()):
         k_rows = _check_param("top_k", top_k, R, dev)
+    elif top_k is not None:
+        raise TypeError(f"top_k must be an int or an integer [R] tensor, got {top_k!r}")
     if top_p is not None and not isinstance(top_p, torch.Tensor):
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
@@ -297,10 +299,11 @@ def accept_tokens(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResult:
     """
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+    flat = _check_targets(tree, target_tokens)  # (before reading it: a list raised AttributeError)
     if tree.device.type == "cuda" or interpreting():
         tgt = target_tokens.to(torch.int64)
         starts = None
-        if not _check_targets(tree, target_tokens):
+        if not flat:
             tgt = tgt.contiguous() if tgt.stride(1) != 1 else tgt
         elif tree.uniform:
             tgt = tgt.contiguous().view(tree.batch_size, tree.width)

@@ -30,6 +30,7 @@ Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
 from __future__ import annotations
 
 import heapq
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -563,7 +564,9 @@ def tree_from_parents(
             raise ValueError("parents[b] and tokens[b] must have the same length")
         if min(sizes) < 1:
             raise ValueError("every tree needs at least its root")
-        for b, p in enumerate(parents):
+        for b, (p, t) in enumerate(zip(parents, tokens)):
+            if any(not _is_int(x) for x in (*p, *t)):
+                raise TypeError(f"parents[{b}] and tokens[{b}] must hold integers")  # (floats were truncated)
             if any(not -1 <= int(x) < len(p) for x in p):
                 raise ValueError(f"parents[{b}] holds an index outside [-1, {len(p)})")
         n = max(sizes)
@@ -588,7 +591,10 @@ def tree_from_parents(
     if num_nodes is None:
         sizes = [n] * B
     else:
-        sizes = [int(x) for x in (num_nodes.tolist() if isinstance(num_nodes, torch.Tensor) else num_nodes)]
+        given = num_nodes.tolist() if isinstance(num_nodes, torch.Tensor) else list(num_nodes)
+        if not all(_is_int(x) for x in given):
+            raise TypeError(f"num_nodes must hold integers, got {given}")
+        sizes = [int(x) for x in given]
         if len(sizes) != B or min(sizes) < 1 or max(sizes) > n:
             raise ValueError(f"num_nodes must hold {B} sizes in [1, {n}], got {sizes}")
     dev = par.device
@@ -596,8 +602,13 @@ def tree_from_parents(
     valid = torch.arange(n, device=dev)[None, :] < nn[:, None]
     par = torch.where(valid, par, -1)
     tok = torch.where(valid, tok, -1)
-    if max_depth is None:
-        max_depth = _host_max_depth(par.cpu(), sizes)
+    if max_depth is not None and (not _is_int(max_depth) or max_depth < 0):
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    if max_depth is None or not isinstance(parents, torch.Tensor):  # host parents: the true depth costs nothing
+        deepest = _host_max_depth(par.cpu(), sizes)
+        if max_depth is not None and max_depth < deepest:
+            raise ValueError(f"the trees are deeper ({deepest}) than max_depth={max_depth}")
+        max_depth = deepest if max_depth is None else max_depth
     depths = _depths(par, valid, max_depth)
     return DraftTree(
         tokens=tok,
@@ -609,8 +620,16 @@ def tree_from_parents(
     )
 
 
+def _is_int(x) -> bool:
+    """An integer that is not a bool (Python, numpy or a 0-d integer tensor)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
-    """Deepest node over the batch, walking parents on the host (bounded, so cycles end)."""
+    """Deepest node over the batch, walking parents on the host (``ValueError`` on a cycle: a walk
+    as long as its tree)."""
     best = 0
     for b, size in enumerate(sizes):
         p = par_cpu[b, :size].tolist()
@@ -618,6 +637,8 @@ def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
             j, steps = i, 0
             while 0 <= j < size and p[j] >= 0 and steps < size:
                 j, steps = p[j], steps + 1
+            if steps == size:
+                raise ValueError(f"parents[{b}] contains a cycle")
             best = max(best, steps)
     return best
 
@@ -678,6 +699,8 @@ def ancestor_words(tree: DraftTree, words: int | None = None) -> torch.Tensor:
     """
     B, n = tree.batch_size, tree.width
     W = mask_words(n) if words is None else words
+    if not _is_int(W):
+        raise TypeError(f"words must be an int, got {W!r}")
     if W < mask_words(n):
         raise ValueError(f"words={W} is too narrow for trees of {n} nodes (needs {mask_words(n)})")
     dev = tree.device
