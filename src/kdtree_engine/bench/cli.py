@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(report.rows_table(rows, cpu=cpu, title=title))
     if ceilings:
         console.print(
-            f"floor = max(FLOPs / {ceilings.matmul_tflops.get('bf16', 0):.0f} TFLOP/s, bytes / "
+            f"floor = max(FLOPs / {' or '.join(f'{v:.0f} ({k})' for k, v in ceilings.matmul_tflops.items())} TFLOP/s, bytes / "
             f"{ceilings.copy_tbps:.2f} TB/s); % floor = floor / median. 'L2' = inputs rotated still fit "
             f"2x L2 (warm-cache figure)."
         )
