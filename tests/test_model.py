@@ -144,6 +144,11 @@ def test_config_checks():
         build_random_model(tiny_config(kv_lora_rank=256))
     with pytest.raises(ValueError, match="qk_rope_head_dim=64"):
         build_random_model(tiny_config(qk_rope_head_dim=32))
+    # frequencies rescaled by a forward's longest position: one sequence's tree logits moved by 0.17
+    # when batched beside a longer sequence (max_position_embeddings 8, prefixes 3 and 20)
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        build_random_model(tiny_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0},
+                                       max_position_embeddings=8))
     model = build_random_model(tiny_config(), dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         MLARunner(model, kernel="naive", cache_dtype=torch.float32)

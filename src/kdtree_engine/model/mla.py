@@ -59,6 +59,12 @@ KERNEL_CHOICES = (*KERNELS, "auto", "reference")
 # configs and model construction
 
 
+# RoPE whose frequencies depend on the forward's longest position (HF's dynamic_rope_update): one
+# verify forward over a batch rotates a sequence's tree by the longest sequence's frequencies,
+# while its cached keys were rotated by its own
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 def check_mla_config(config) -> None:
     """Raise ``ValueError`` unless the config's attention is what ``verify_attention`` supports."""
     if getattr(config, "model_type", None) != "deepseek_v3":
@@ -71,6 +77,11 @@ def check_mla_config(config) -> None:
         )
     if config.num_attention_heads > 128:
         raise ValueError(f"at most 128 heads per GPU are supported, config has {config.num_attention_heads}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"rope_type {rope.get('rope_type', rope.get('type'))!r} rescales its frequencies with the "
+                         f"longest position of a forward: the cache's keys and a batch's trees would disagree "
+                         f"(supported: default, linear, yarn, llama3)")
 
 
 def tiny_config(**overrides):
