@@ -214,11 +214,46 @@ def test_compiles_fullgraph_and_matches_eager(backend):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert_matches_reference(c, attn.run(*args)[0], got[1])
     # new lengths, same row count: the same graph, the plan's new content
-    c2 = build_case(CaseSpec("g2", 2, [7, 50], [random_tree(4, G), random_tree(5, G)], page_size=1, seed=10),
+    c2 = build_case(CaseSpec("g2", 2, [17, 50], [random_tree(4, G), random_tree(5, G)], page_size=1, seed=10),
                     DEVICE)
     attn.plan(c2["kv_lens"].cpu(), c2["qo_indptr"].cpu())
     got2 = compiled(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])
     assert_matches_reference(c2, attn.run(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])[0], got2[1])
+    # a decode loop: the lengths grow step by step over the same tensors (their pages hold the longest
+    # step's positions); the run read the plan's host state while traced, a guard on it recompiled
+    # every step and fullgraph failed at the recompile limit (8)
+    full = c2["kv_lens"].clone()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # (c2's pool recompiled: another shape)
+    for k in range(10, -1, -1):
+        c2["kv_lens"] = full - k
+        attn.plan(c2["kv_lens"].cpu(), c2["qo_indptr"].cpu())
+        got2 = compiled(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])
+        assert_matches_reference(c2, attn.run(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])[0], got2[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # the page table's capacity is still checked, by the op when it runs (it would read past the table)
+    attn.plan((full + c2["page_table"].shape[1]).cpu(), c2["qo_indptr"].cpu())
+    with pytest.raises(ValueError, match="fewer than the planned kv_len"):
+        compiled(c2["q"], c2["kv_cache"], c2["page_table"], c2["tree_mask"])
+
+
+def test_compiled_run_with_symbolic_rows_and_given_outputs():
+    """dynamic=True (T and B symbolic): plans of other T and B run in the compiled function (its
+    check compared a symbolic T with `not in`, which Dynamo answered wrongly: "built for T=7; got
+    T=7"), and given out / lse buffers are written (their address check ran on traced tensors)."""
+    torch._dynamo.reset()
+    attn = VerifyAttention(3, 8, 2, DEVICE, num_programs=4)
+
+    def step(q, kv_cache, page_table, tree_mask, out, lse):
+        return attn.run(q, kv_cache, page_table, tree_mask, out=out, lse=lse)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    for i, (prefixes, sizes) in enumerate((([30, 4], [6, 3]), ([9], [5]), ([3, 12, 40], [2, 7, 4]))):
+        c = build_case(CaseSpec(f"d{i}", 2, prefixes, [random_tree(n, G) for n in sizes], page_size=1, seed=i), DEVICE)
+        attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+        out, lse = nan_outputs(c)
+        got = compiled(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out, lse)
+        assert got[0] is out and got[1] is lse
+        assert_matches_reference(c, out, lse)
 
 
 @requires_cuda

@@ -103,7 +103,8 @@ def _check_plan_lengths(plan: VerifyPlan, kv_lens, qo_indptr) -> None:
 def _check_plan(plan: VerifyPlan, info: VerifyInputs, device: torch.device) -> None:
     """The call's sizes against the plan's (T only when the plan knows it: a device plan does not)."""
     H, T, B = info.num_heads, info.num_rows, info.num_seqs
-    if (plan.num_heads, plan.num_seqs) != (H, B) or plan.num_rows not in (None, T) or plan.device != device:
+    if ((plan.num_heads, plan.num_seqs) != (H, B) or (plan.num_rows is not None and plan.num_rows != T)
+            or plan.device != device):  # (not `not in (None, T)`: Dynamo gets that wrong for a symbolic T)
         raise ValueError(
             f"plan was built for H={plan.num_heads}, T={plan.num_rows}, B={plan.num_seqs} on {plan.device}; "
             f"got H={H}, T={T}, B={B} on {device}"
@@ -353,22 +354,26 @@ class VerifyAttention:
         Returns ``(out, lse)``.
         """
         ws = self.workspace
-        if ws.num_seqs == 0:
-            raise RuntimeError("VerifyAttention.run() before plan(): plan the step's lengths first")
         scale = _DEFAULT_SCALE if sm_scale is None else _scale(sm_scale)
         if torch.compiler.is_compiling():  # dynamo traces the plain checks and the op, not the caches
-            info = check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
-            self._check_plan(info, q.device)
+            # the inputs' shapes here; the plan's host state (T, lengths) changes at every step, and
+            # reading it here would make guards on it, a recompile per plan (fullgraph: an error): the
+            # op checks the call against it when it runs (plan_serial)
+            check_inputs(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask, out, lse)
+            if q.shape[1] != self.num_heads:
+                raise ValueError(f"q has {q.shape[1]} heads; this VerifyAttention was made for {self.num_heads}")
             t, cfg = ws.tables, ws.tables.config  # the op resolves "auto" when it runs (it reads data pointers)
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
                                        t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
                                        t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
-                                       cfg.num_stages)
+                                       cfg.num_stages, ws.serial)
             if out is None and lse is None:
                 return o, s
             out = o if out is None else out.copy_(o)
             lse = s if lse is None else lse.copy_(s)
             return out, lse
+        if ws.num_seqs == 0:
+            raise RuntimeError("VerifyAttention.run() before plan(): plan the step's lengths first")
         kv_lens, qo_indptr = ws.kv_lens, ws.qo_indptr
         sig, ptrs = self._check(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
         if out is None or lse is None:
@@ -386,9 +391,4 @@ class VerifyAttention:
         lengths the mask's width and the page table's capacity (``ValueError``)."""
         ws = self.workspace
         _check_plan(ws, info, device)
-        if ws.max_nodes is not None and 32 * info.mask_words < ws.max_nodes:  # a host plan: host lengths
-            raise ValueError(f"tree_mask has {info.mask_words} words per row, too narrow for a tree of "
-                             f"{ws.max_nodes} nodes")
-        if ws.max_kv_len is not None and info.max_pages * info.page_size < ws.max_kv_len:
-            raise ValueError(f"page_table holds {info.max_pages} pages x {info.page_size} positions, "
-                             f"fewer than the planned kv_len {ws.max_kv_len}")
+        ws.check_fits(info.num_rows, info.mask_words, info.max_pages * info.page_size)

@@ -131,13 +131,15 @@ def check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out=Non
         _check_tensor("out", out, dim=3, dtype=q.dtype, device=dev, last=D_V)
         if tuple(out.shape[:2]) != (T, H):
             raise ValueError(f"out must have shape {(T, H, D_V)}, got {tuple(out.shape)}")
-        _check_own_memory("out", out)
+        if not torch.compiler.is_compiling():  # (traced strides may be symbolic: checked when run eagerly)
+            _check_own_memory("out", out)
     if lse is not None:
         _check_tensor("lse", lse, dim=2, dtype=torch.float32, device=dev)
         if tuple(lse.shape) != (T, H):
             raise ValueError(f"lse must have shape {(T, H)}, got {tuple(lse.shape)}")
-        _check_own_memory("lse", lse)
-    if out is not None or lse is not None:
+        if not torch.compiler.is_compiling():  # (traced strides may be symbolic: checked when run eagerly)
+            _check_own_memory("lse", lse)
+    if (out is not None or lse is not None) and not torch.compiler.is_compiling():  # (traced: no addresses)
         tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
         _check_outputs_apart([0 if t is None else t.data_ptr() for t in tensors],
                              [0 if t is None else _extent(t) for t in tensors])

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .contract import D_V
-from .plan import FlashConfig, FlashTables
+from .plan import FlashConfig, FlashTables, plan_of
 
 __all__ = ["KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
 
@@ -127,12 +127,20 @@ def verify_attention_op(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    plan_serial: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention on checked inputs with a plan's tables (see :class:`FlashTables`;
     the naive kernel ignores them); ``kernel`` may be ``"auto"`` (see :func:`resolve`). Returns
     ``(out [T, H, 512] q.dtype, lse [T, H] float32)``.
+    ``plan_serial``: the :attr:`~kdtree_engine.verify.plan.VerifyPlan.serial` of the plan the
+    tables belong to; the call is checked against its host lengths here, when it runs
+    (:meth:`~kdtree_engine.verify.plan.VerifyPlan.check_fits`: the rows, the mask and the page
+    table wide enough), not where it is traced.
     The combine kernel always runs (the host count of split groups does not cross the op)."""
     T, H, _ = q.shape
+    plan = plan_of(plan_serial)
+    if plan is not None:
+        plan.check_fits(T, tree_mask.shape[1], page_table.shape[1] * kv_cache.shape[1])
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
@@ -145,6 +153,6 @@ def verify_attention_op(
 
 @verify_attention_op.register_fake
 def _(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, prog_first_seg, segments, groups, group_count,
-      partial_out, partial_lse, sm_scale, kernel, block_m, block_n, num_warps, num_stages):
+      partial_out, partial_lse, sm_scale, kernel, block_m, block_n, num_warps, num_stages, plan_serial=-1):
     T, H, _ = q.shape
     return q.new_empty(T, H, D_V), q.new_empty(T, H, dtype=torch.float32)

@@ -21,7 +21,9 @@ device, so a CUDA graph captured around a launch (and around a device plan) stay
 from __future__ import annotations
 
 import heapq
+import itertools
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -370,6 +372,15 @@ def _pad4(n: int) -> int:
     return -(-n // 4) * 4
 
 
+_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # VerifyPlan.serial -> the live plan
+_SERIALS = itertools.count()
+
+
+def plan_of(serial: int) -> VerifyPlan | None:
+    """The live :class:`VerifyPlan` of this :attr:`~VerifyPlan.serial` (None: gone)."""
+    return _PLANS.get(serial)
+
+
 class VerifyPlan:
     """The flash kernels' work list in buffers allocated once, for at most ``max_batch`` sequences
     of at most ``max_tree_nodes`` tree nodes each and ``num_heads`` heads (see :meth:`plan`).
@@ -469,10 +480,26 @@ class VerifyPlan:
         self._cache_size = schedule_cache
         self.costs = costs or default_costs(device)
         self._staged = None  # the key whose tables the staging buffer holds
+        # names this plan for the torch op, which reads its host lengths when it runs (a traced
+        # caller reading them would guard on them: a recompile per plan)
+        self.serial = next(_SERIALS)
+        _PLANS[self.serial] = self
 
     @property
     def num_programs(self) -> int:
         return self._tables.num_programs
+
+    def check_fits(self, num_rows: int, mask_words: int, page_capacity: int) -> None:
+        """A call's rows T, mask words per row and page-table capacity (pages x page size) against
+        this plan, where it knows them (host lengths): ``ValueError`` when the kernels would read
+        past the mask or the page table, or the rows are not the plan's."""
+        if self.num_rows is not None and num_rows != self.num_rows:
+            raise ValueError(f"q has {num_rows} rows; the plan holds {self.num_rows}")
+        if self.max_nodes is not None and 32 * mask_words < self.max_nodes:
+            raise ValueError(f"tree_mask has {mask_words} words per row, too narrow for a tree of {self.max_nodes} nodes")
+        if self.max_kv_len is not None and page_capacity < self.max_kv_len:
+            raise ValueError(f"page_table holds {page_capacity} positions, fewer than the planned kv_len "
+                             f"{self.max_kv_len}")
 
     @property
     def num_groups(self) -> int:
