@@ -158,6 +158,13 @@ def test_verify_input_dict(device):
     ragged = tree_from_parents([[-1, 0], [-1]], [[1, 2], [3]])
     with pytest.raises(ValueError, match="same number of nodes"):
         to_sglang_verify_input(ragged, [0, 0])
+    # host prefix lengths are checked (negative ones gave negative positions, floats were truncated)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        to_sglang_verify_input(tree, [7, -2], TreeMaskMode.QLEN_ONLY)
+    with pytest.raises(TypeError, match="must hold integers"):
+        to_sglang_verify_input(tree, [7, 2.5], TreeMaskMode.QLEN_ONLY)
+    with pytest.raises(ValueError, match="mode must be a TreeMaskMode"):
+        to_sglang_verify_input(tree, [7, 2], True)
 
 
 def simulate_eagle(bs: int, topk: int, steps: int, num_draft: int, gen: torch.Generator):
@@ -218,3 +225,7 @@ def test_accept_to_sglang(device):
     assert pred[0] == [11, 13, 0, 14, 9, 0]  # rows 0, 1, 3, 4 accepted: next tokens, bonus 9
     assert pred[1] == [12, 0, 7, 0, 0, 0]
     assert out["bonus"].tolist() == [9, 7]
+    with pytest.raises(TypeError, match="result must be an AcceptResult"):
+        accept_to_sglang(out, 6)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        accept_to_sglang(res, "6")

@@ -30,6 +30,7 @@ This project's contract mask is ``[B * n, W]`` int32, bit ``j % 32`` of word ``j
 
 from __future__ import annotations
 
+import numbers
 from enum import IntEnum
 
 import torch
@@ -70,9 +71,16 @@ _PACKED_DTYPES = ((8, torch.uint8), (16, torch.uint16), (32, torch.uint32))
 
 def _mode(mode) -> TreeMaskMode:
     try:
+        if isinstance(mode, bool):
+            raise TypeError
         return TreeMaskMode(int(mode))
     except (ValueError, TypeError):
         raise ValueError(f"mode must be a TreeMaskMode (0, 1 or 2), got {mode!r}") from None
+
+
+def _is_count(x) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _packed_dtype(n: int) -> torch.dtype:
@@ -89,6 +97,9 @@ def _host_lens(name: str, lens, batch: int | None) -> list[int]:
         if lens.dim() != 1 or lens.is_floating_point():
             raise TypeError(f"{name} must be a 1-D integer tensor")
         lens = lens.tolist()  # a sync when on a GPU: FULL_MASK sizes depend on it
+    lens = list(lens)
+    if not all(_is_count(x) for x in lens):
+        raise TypeError(f"{name} must hold integers, got {lens}")  # (floats were truncated)
     lens = [int(x) for x in lens]
     if batch is not None and len(lens) != batch:
         raise ValueError(f"{name} has {len(lens)} entries for {batch} sequences")
@@ -198,7 +209,7 @@ def from_sglang_tree_mask(
     """
     mode = _mode(mode)
     n = num_draft_tokens
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not _is_count(n) or n < 1:
         raise ValueError(f"num_draft_tokens must be a positive int, got {n!r}")
     if not isinstance(tree_mask, torch.Tensor):
         raise TypeError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
@@ -289,7 +300,7 @@ def parents_from_sglang_eagle(parent_list: torch.Tensor, selected_index: torch.T
     ``selected_index [B, n-1]`` (score-list index of node j+1), ``parent_list [B, topk*(depth-1)+1]``.
     A node whose parent is not among the selected nodes gets -1 (SGLang drops it with a warning).
     """
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    if not _is_count(topk) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     for name, t in (("parent_list", parent_list), ("selected_index", selected_index)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.is_floating_point():
@@ -328,10 +339,11 @@ def to_sglang_verify_input(tree: DraftTree, prefix_lens, mode=TreeMaskMode.FULL_
         raise ValueError("SGLang needs the same number of nodes in every tree of a batch")
     mode = _mode(mode)
     P = prefix_lens
-    if isinstance(P, (list, tuple)):
-        P = torch.tensor(P, dtype=torch.int64).to(tree.device)
-    if not isinstance(P, torch.Tensor) or P.shape != (tree.batch_size,):
-        raise ValueError(f"prefix_lens must have {tree.batch_size} entries")
+    if isinstance(P, torch.Tensor):  # on the device: its values are not read (no sync)
+        if P.is_floating_point() or P.dtype == torch.bool or P.shape != (tree.batch_size,):
+            raise ValueError(f"prefix_lens must be {tree.batch_size} integers, got {P.dtype} {tuple(P.shape)}")
+    else:  # host values: integers >= 0, checked
+        P = torch.tensor(_host_lens("prefix_lens", P, tree.batch_size), dtype=torch.int64)
     index, nxt, sib = sglang_retrieve_arrays(tree)
     return {
         "draft_token": tree.tokens.reshape(-1).clone(),
@@ -372,7 +384,11 @@ def accept_to_sglang(result: AcceptResult, num_draft_tokens: int) -> dict[str, t
     ``accept_length [B]`` int32 (accepted drafts, root excluded), ``predicts [B*n]`` int32 (the
     target's next token at each accepted row, 0 elsewhere) and ``bonus [B]`` int64.
     """
-    n = num_draft_tokens
+    if not isinstance(result, AcceptResult):
+        raise TypeError(f"result must be an AcceptResult, got {type(result).__name__}")
+    if not _is_count(num_draft_tokens) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be the trees' node count n (a positive int), got {num_draft_tokens!r}")
+    n = int(num_draft_tokens)
     B = result.accepted.shape[0]
     dev = result.accepted.device
     base = torch.arange(B, device=dev)[:, None] * n
