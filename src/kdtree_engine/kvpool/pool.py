@@ -174,9 +174,12 @@ class KVPool:
 
     def kv_cache(self, layer: int = 0) -> torch.Tensor:
         """Layer ``layer``'s cache ``[num_pages, page_size, 576]`` (a view; verify's ``kv_cache``)."""
+        self._check_layer(layer)
+        return self._store[layer, : self.num_pages]
+
+    def _check_layer(self, layer) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        return self._store[layer, : self.num_pages]
 
     @property
     def kv_layers(self) -> torch.Tensor:
@@ -483,9 +486,8 @@ class KVPool:
             raise ValueError("slots must be 1-D")
         if slots.dtype != torch.int64:
             raise TypeError(f"slots must be torch.int64, got {slots.dtype}")
-        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
-                                  or not 0 <= layer < self.num_layers):
-            raise ValueError(f"layer must be None or an int in [0, {self.num_layers}), got {layer!r}")
+        if layer is not None:
+            self._check_layer(layer)
         t = slots.shape[0]
         flat = self._store.view(self.num_layers, -1, D)
         if layer is None:
