@@ -95,6 +95,20 @@ def test_parts_schedule_splits_and_snaps():
         p.plan_on_device(torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), schedule="whole")
 
 
+def test_parts_schedule_falls_back_to_the_line_past_int32_tiles():
+    """The parts schedule runs in int32: 64 sequences of 2**31 - 1 tokens hold 2**31 KV tiles of 64
+    in all, so the device writes the line schedule (int64 positions), as ``device_tables`` says; one
+    sequence fewer stays under it and takes parts (its last pieces end at the KV length, 2**31 - 1,
+    where their tiles end at 2**31)."""
+    p = VerifyPlan(64, 1, 1, DEVICE, config=CONFIGS[1], num_programs=264)
+    for B in (64, 63):
+        kv = np.full(B, 2**31 - 1)
+        check_device_plan(p, kv, np.arange(B + 1), f"B={B}", "parts")
+        first, seg, _ = device_tables(p, kv, np.ones(B, dtype=np.int64), "parts")
+        line = device_tables(p, kv, np.ones(B, dtype=np.int64), "line")[1]
+        assert np.array_equal(seg, line) == (B == 64), B
+
+
 def test_device_schedule_for_prefers_parts_where_the_line_is_hbm_bound():
     """The cost model's pick on the host: KV parts at batch 4 with few row blocks per sequence over
     a long prefix (the line schedule re-reads the KV: HBM-bound), the line schedule for one

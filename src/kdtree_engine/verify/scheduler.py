@@ -11,7 +11,8 @@ capacities for any lengths (at most ``row blocks + 2P`` segments, ``4P`` partial
 or, in its ``PARTS`` variant, the KV parts schedule
 (:func:`~kdtree_engine.verify.plan._parts_schedule`, :func:`_parts_pieces`) when every sequence has
 the same row blocks L and ``2 L`` at most the programs with work (the case where the host offers
-it; at most ``row blocks + P`` segments, ``2P`` partials, ``P`` groups), else the line schedule.
+it; at most ``row blocks + P`` segments, ``2P`` partials, ``P`` groups) and the KV tiles in all
+fewer than :data:`PARTS_MAX_TILES`, else the line schedule.
 The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for``), or asks for
 ``"auto"``, parts only where it keeps nine tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`).
 
@@ -65,6 +66,9 @@ BLOCK_S = 32
 # percentile), dearer in 49 by at most 1.10x; Triton costs, 1.05x median, dearer in 232 by at most
 # 1.11x. Without the rule parts is dearer by up to 1.45x (L near P / 2 leaves programs idle).
 AUTO_MIN_FILL_TENTHS = 9
+# the KV parts schedule runs in int32: taken only where the KV tiles of all sequences number fewer
+# (2**31 tiles of 64 tokens: more than any 64 sequences of int32 lengths hold), else the line
+PARTS_MAX_TILES = tl.constexpr(2**31)
 
 
 @triton.jit
@@ -205,45 +209,75 @@ def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe
 
 
 @triton.jit
+def _count_at_most(sorted_vals, x, N: tl.constexpr):
+    """Per element of ``x``: how many of ``sorted_vals`` (non-decreasing ``[N]``, N a power of two)
+    are ``<= x``, by binary lifting: ``log2(N) + 1`` gathers of ``x``'s shape, where a comparison
+    matrix ``[N, x.numel]`` would cost N registers per element of ``x``."""
+    tl.static_assert(N <= 65536)
+    c = tl.zeros_like(x).to(tl.int32)  # sorted_vals[:c] <= x, found in steps N/2, N/4, ..., 1
+    for j in tl.static_range(1, 17):
+        if (N >> j) >= 1:
+            c = tl.where(tl.gather(sorted_vals, c + ((N >> j) - 1), 0) <= x, c + (N >> j), c)
+    return c + (tl.gather(sorted_vals, c, 0) <= x).to(tl.int32)
+
+
+@triton.jit
+def _count_before(counts, n):
+    """``counts[:n].sum()`` per element of ``n`` (``0 <= n <= N``), given ``counts``' inclusive
+    cumulative sum ``counts``: ``[N]``."""
+    return tl.where(n > 0, tl.gather(counts, tl.maximum(n - 1, 0), 0), 0)
+
+
+@triton.jit
 def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
                   seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
                   P, seg_cap, grp_cap,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
     """Pieces ``[i0, i0 + BLOCK_S)`` of the KV parts schedule of ``L`` row blocks per sequence
     (:func:`~kdtree_engine.verify.plan._parts_schedule`; program 0: also the lengths, the program
     boundaries and the group count). The KV tiles of all sequences end to end are cut into
     ``G = pe // L`` parts at ``k * total // G`` (snapped to a sequence's edge closer than ``snap``);
     program ``g L + r`` runs row block r of every sequence against its KV in part g, in line order.
-    A sequence crossing ``m`` distinct inner cuts has ``m + 1`` pieces per row block (split)."""
-    t_end = tl.cumsum(T, 0)
+    A sequence crossing ``m`` distinct inner cuts has ``m + 1`` pieces per row block (split).
+
+    In int32 (the caller takes this schedule only where the tiles in all fit): the sequences' tile
+    ranges, the cuts and the programs' first pieces never decrease (a cut snaps to the nearer edge
+    of its sequence, the lower one first), so every "which sequence / program / cut" question is a
+    binary search of a sorted vector (:func:`_count_at_most`), none a comparison matrix."""
+    T = T.to(tl.int32)
+    L = L.to(tl.int32)
+    t_end = tl.cumsum(T, 0)  # past B: T = 0, so t_end = total there and t_begin too
     t_begin = t_end - T
     total = tl.sum(T, 0)
-    G = pe // L
+    G = (pe // L).to(tl.int32)
+    snap = snap.to(tl.int32)
     o_k = tl.arange(0, BLOCK_P)
     valid = (o_k >= 1) & (o_k < G)
-    bnd = tl.where(valid, o_k.to(tl.int64) * total // G, 0)
-    # the sequence holding each boundary: the sequences ending at or before it (none past B: T = 0
-    # there, so their end is the total)
-    kb = tl.sum(((t_end[:, None] <= bnd[None, :]) & m_b[:, None]).to(tl.int32), 0)
+    bnd = tl.where(valid, (o_k.to(tl.int64) * total // G).to(tl.int32), 0)
+    # the sequence holding each boundary: those ending at or before it (never one past B: bnd < total)
+    kb = tl.minimum(_count_at_most(t_end, bnd, BLOCK_B), BLOCK_B - 1)
     ks = tl.gather(t_begin, kb, 0)
     ke = tl.gather(t_end, kb, 0)
     cut = tl.where(bnd - ks < snap, ks, tl.where(ke - bnd < snap, ke, bnd))
     cut = tl.where(o_k == 0, 0, tl.where(valid, cut, total))  # part g runs [cut[g], cut[g + 1])
     nxt = tl.gather(cut, tl.minimum(o_k + 1, BLOCK_P - 1), 0)
-    # per part: its spans (one per sequence it meets) and its first sequence
-    starts_in = (t_begin[:, None] > cut[None, :]) & (t_begin[:, None] < nxt[None, :]) & m_b[:, None]
-    n_sp = tl.where((o_k < G) & (nxt > cut), 1 + tl.sum(starts_in.to(tl.int32), 0), 0)
-    b0 = tl.sum(((t_end[:, None] <= cut[None, :]) & m_b[:, None]).to(tl.int32), 0)
+    # per part: its spans (one per sequence it meets: its first, then those starting strictly inside
+    # it) and its first sequence
+    starts_in = _count_at_most(t_begin, nxt - 1, BLOCK_B) - _count_at_most(t_begin, cut, BLOCK_B)
+    n_sp = tl.where((o_k < G) & (nxt > cut), 1 + starts_in, 0)
+    b0 = tl.minimum(_count_at_most(t_end, cut, BLOCK_B), BLOCK_B - 1)
     sp_before = tl.cumsum(n_sp, 0) - n_sp
     pieces = L * tl.sum(n_sp, 0)
     # program k = g L + r starts after the pieces of the parts before g and rows before r of part g
     pg = tl.minimum(o_k // L, BLOCK_P - 1)
     first = tl.where(o_k // L < G, L * tl.gather(sp_before, pg, 0) + (o_k % L) * tl.gather(n_sp, pg, 0), pieces)
-    # the distinct cuts strictly inside a sequence split it: m_b of them give m_b + 1 pieces per row block
+    # the distinct cuts strictly inside a sequence split it: m of them give m + 1 pieces per row block
     prev = tl.gather(cut, tl.maximum(o_k - 1, 0), 0)
     inner = valid & (cut > prev) & (cut > ks) & (cut < ke)
-    crosses = inner[None, :] & (t_begin[:, None] < cut[None, :]) & (cut[None, :] < t_end[:, None])
-    m_seq = 1 + tl.sum(crosses.to(tl.int32), 1)  # [BLOCK_B] pieces per row block
+    n_inner = tl.cumsum(inner.to(tl.int32), 0)  # inner cuts among k <= this one
+    m_seq = 1 + (_count_before(n_inner, _count_at_most(cut, t_end - 1, BLOCK_P))
+                 - _count_before(n_inner, _count_at_most(cut, t_begin, BLOCK_P)))  # [BLOCK_B]
     split_seq = (m_seq > 1) & m_b
     slots = tl.where(split_seq, L * m_seq, 0)
     slot_base = tl.cumsum(slots, 0) - slots
@@ -252,13 +286,12 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
         tl.store(kv_out + o_b, kv, mask=m_b)
         tl.store(qo_out + o_b + 1, q1, mask=m_b)
         tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
-        tl.store(prog_first_seg + o_k, first.to(tl.int32), mask=o_k <= P)
-        tl.store(group_count, (L * tl.sum(split_seq.to(tl.int32), 0)).to(tl.int32))
+        tl.store(prog_first_seg + o_k, first, mask=o_k <= P)
+        tl.store(group_count, L * tl.sum(split_seq.to(tl.int32), 0))
     if i0 < pieces:
         i = i0 + tl.arange(0, BLOCK_S)
         m_i = (i < pieces) & (i < seg_cap)
-        p = tl.sum(((o_k[:, None] >= 1) & (first[:, None] <= i[None, :])).to(tl.int32), 0)
-        p = tl.minimum(p, BLOCK_P - 2)  # lanes past the pieces
+        p = tl.minimum(_count_at_most(first, i, BLOCK_P) - 1, BLOCK_P - 2)  # first[0] = 0 <= i
         g = p // L
         r = p % L
         j = i - tl.gather(first, p, 0)
@@ -268,21 +301,23 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
         x = tl.maximum(tl.gather(cut, g, 0), tb)
         y = tl.minimum(tl.gather(cut, g + 1, 0), te)
         m_p = tl.gather(m_seq, b, 0)
-        # this piece's place among its row block's: the sequence's inner cuts at or before its start
-        q = tl.sum((inner[:, None] & (cut[:, None] > tb[None, :]) & (cut[:, None] <= x[None, :])).to(tl.int32), 0)
+        # this piece's place among its row block's: the sequence's inner cuts in (tb, x]
+        q = _count_before(n_inner, _count_at_most(cut, x, BLOCK_P)) - _count_before(
+            n_inner, _count_at_most(cut, tb, BLOCK_P))
         base = tl.gather(slot_base, b, 0) + r * m_p
         split = m_p > 1
         tl.store(seg_seq + i, b, mask=m_i)
         tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
-        tl.store(seg_kv_start + i, ((x - tb) * BLOCK_N).to(tl.int32), mask=m_i)
-        tl.store(seg_kv_end + i, tl.minimum((y - tb) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), mask=m_i)
-        tl.store(seg_partial + i, tl.where(split, base + q, -1).to(tl.int32), mask=m_i)
+        tl.store(seg_kv_start + i, (x - tb) * BLOCK_N, mask=m_i)  # < the KV length: int32
+        tl.store(seg_kv_end + i, tl.minimum((y - tb).to(tl.int64) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32),
+                 mask=m_i)
+        tl.store(seg_partial + i, tl.where(split, base + q, -1), mask=m_i)
         gi = tl.gather(grp_base, b, 0) + r
         m_g = m_i & split & (q == 0) & (gi < grp_cap)
         tl.store(grp_seq + gi, b, mask=m_g)
         tl.store(grp_row0 + gi, r * BLOCK_M, mask=m_g)
-        tl.store(grp_first + gi, base.to(tl.int32), mask=m_g)
-        tl.store(grp_count + gi, m_p.to(tl.int32), mask=m_g)
+        tl.store(grp_first + gi, base, mask=m_g)
+        tl.store(grp_count + gi, m_p, mask=m_g)
 
 
 @triton.jit
@@ -295,11 +330,14 @@ def _schedule_kernel(
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
     computing the sequences and boundaries first: with ``PARTS``, the KV parts schedule when every
-    sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it) and the parts keep
+    sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
+    are fewer than :data:`PARTS_MAX_TILES` and the parts keep
     ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else (and
-    without ``PARTS``: a kernel of the line schedule alone, 101-106 registers on sm_90a against 255
-    with both) the line schedule; program 0 also writes the lengths, ``prog_first_seg`` and the
-    group count (see the module docstring)."""
+    without ``PARTS``) the line schedule; program 0 also writes the lengths, ``prog_first_seg`` and
+    the group count (see the module docstring). On sm_90a both variants take 99-108 registers and
+    spill nothing at max_batch 1-64 (``scripts/scheduler_sm90_compile.py``); the parts schedule's
+    comparison matrices, before :func:`_count_at_most`, took 255 registers, spilled up to 1.2 KB and
+    ran 27-68 us on the H200 against the line's 7-11."""
     o_b = tl.arange(0, BLOCK_B)
     m_b = o_b < B
     kv = tl.load(kv_lens + o_b * stride_kl, mask=m_b, other=0)
@@ -309,10 +347,11 @@ def _schedule_kernel(
         kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
     i0 = tl.program_id(0) * BLOCK_S
     L = tl.max(R, 0)
-    if PARTS and (tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe):
+    if PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
+                  & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
         _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
                       seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
-                      grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_S)
+                      grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     else:
         _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
                      kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
