@@ -24,6 +24,9 @@ from .timing import Ceilings, Timing, back_to_back_us, host_us_per_call, n_sampl
 
 __all__ = ["OursImpl", "detect_ours", "SweepOptions", "Row", "run_sweep", "estimate", "crossovers"]
 
+# the host figures' calls per round, in kernel time (OursImpl.host_figures)
+HOST_FIGURE_BUDGET_US = 250_000.0
+
 
 # ----------------------------------------------------------------------------------------------
 # Our kernels, through the public entry points
@@ -69,12 +72,15 @@ class OursImpl(Impl):
 
         return Prepared(run=run, note="plan", keep=[attn])
 
-    def host_figures(self, case: BenchCase, prepared: Prepared, n_sets: int) -> dict[str, float]:
+    def host_figures(self, case: BenchCase, prepared: Prepared, n_sets: int, kernel_us: float) -> dict[str, float]:
         """``eager_us``: one planned call timed back to back, without a head start (the larger of
         host and GPU time per call); ``host_us``: host wall time per planned call, 1000 calls in
         bursts of 16 without a sync (:func:`~.timing.host_us_per_call`); ``unplanned_us``:
         :func:`verify_attention` without a plan (the device scheduler's launch, then the kernels),
-        back to back. CUDA only."""
+        back to back. CUDA only. Each figure's calls are capped at :data:`HOST_FIGURE_BUDGET_US` of
+        the kernel's time ``kernel_us`` (at least 16): at a 36 ms call (1,024 nodes at 128k) the
+        default counts would take 80 s a row, where the host's share is nil anyway."""
+        calls = max(16, int(HOST_FIGURE_BUDGET_US / max(kernel_us, 1.0)))
 
         def unplanned(i: int) -> None:
             s = case.sets[i]
@@ -82,9 +88,9 @@ class OursImpl(Impl):
                              case.sm_scale, kernel=self.kernel, out=s.out, lse=s.lse, validate=False)
 
         return {
-            "eager_us": back_to_back_us(prepared.run, n_sets),
-            "host_us": host_us_per_call(prepared.run, n_sets, calls=1000),
-            "unplanned_us": back_to_back_us(unplanned, n_sets),
+            "eager_us": back_to_back_us(prepared.run, n_sets, calls=min(200, calls)),
+            "host_us": host_us_per_call(prepared.run, n_sets, calls=min(1000, calls)),
+            "unplanned_us": back_to_back_us(unplanned, n_sets, calls=min(200, calls)),
         }
 
 
@@ -355,7 +361,7 @@ def measure_one(impl: Impl, case: BenchCase, sample: Sample, opts: SweepOptions,
         if cuda and isinstance(impl, OursImpl) and impl.kernel != "naive":
             if row.timing.method == "graph":
                 row.graph_us = row.timing.median_us
-            figures = impl.host_figures(case, prepared, n_sets)
+            figures = impl.host_figures(case, prepared, n_sets, row.timing.median_us)
             row.eager_us, row.host_us, row.unplanned_us = figures["eager_us"], figures["host_us"], figures["unplanned_us"]
         if opts.post_check:
             prepared.collect(0)
