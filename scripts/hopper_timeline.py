@@ -21,7 +21,9 @@ s of both consumers is the same tile pair):
   8 consumer 1's P received, 9 step end (other PV done);
 - consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's max m0 received,
   4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
-  PVs retired, 9 step end.
+  PVs retired, 9 step end;
+- both, inside the QK: 10 its rope chunk landed, 11 its second latent half landed (the QK waits for
+  each K chunk just before that chunk's wgmma: 1 -> 10 -> 11 -> 2 says which chunk it waited on).
 
 Printed per shape and consumer: the median over programs and steps of each interval (cycles),
 the step's median, and the stamped kernel's time against the unstamped kernel's (CUDA-graph
@@ -53,7 +55,8 @@ from kdtree_engine.verify import hopper  # noqa: E402
 from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
-NPOINTS = 10
+NPOINTS = 12
+CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
 LOG2E = 1.4426950408889634
 
 STAMP_FN = '''
@@ -86,6 +89,14 @@ EDITS = [
      "                    mbarrier.wait(bars[_FULL + 3 * WG + _LEFT + WG], own_uses & 1)\n"
      "                    _stamp(trace, steps, 1, WG)\n", 1),
     ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
+    # inside the QK: its rope chunk and its second latent half landed
+    ("    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr,",
+     "    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, trace, steps, WG: gl.constexpr,", 1),
+    ("s_k_rope.index(WG + zero), bars, own_uses & 1, WG,", "s_k_rope.index(WG + zero), bars, own_uses & 1, trace, steps, WG,", 1),
+    ("        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)\n",
+     "        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)\n        _stamp(trace, steps, 10, WG)\n", 1),
+    ("        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n",
+     "        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n        _stamp(trace, steps, 11, WG)\n", 1),
     # consumer 0
     ("                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
      "                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n                    _stamp(trace, steps, 3, WG)\n",
@@ -173,21 +184,26 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
 
 
 def intervals(trace: torch.Tensor) -> dict:
-    """Median cycles of each interval per consumer, and the joint timeline: ``trace [P, 2, steps,
-    NPOINTS]`` (-1: not stamped)."""
+    """Median cycles of each interval per consumer (the chain 0..9, and the QK's chunks: ``rope-1``,
+    ``second-rope``, ``2-second``), and the joint timeline: ``trace [P, 2, steps, NPOINTS]`` (-1:
+    not stamped)."""
     res = {}
-    last = NPOINTS - 1
+    last = CHAIN - 1
+    qk = {"rope-1": (10, 1), "second-rope": (11, 10), "2-second": (2, 11)}
     for wg in range(2):
         t = trace[:, wg]  # [P, S, N]
         full = (t >= 0).all(dim=2)
         nxt = torch.zeros_like(full)
         nxt[:, :-1] = full[:, 1:]
-        rows = {f"{a}-{a - 1}": [] for a in range(1, NPOINTS)}
+        rows = {f"{a}-{a - 1}": [] for a in range(1, CHAIN)}
         rows[f"next0-{last}"], rows["step"] = [], []
+        rows.update({k: [] for k in qk})
         for p, s in (full & nxt).nonzero().tolist():
             v = t[p, s].tolist()
-            for a in range(1, NPOINTS):
+            for a in range(1, CHAIN):
                 rows[f"{a}-{a - 1}"].append(v[a] - v[a - 1])
+            for k, (a, b) in qk.items():
+                rows[k].append(v[a] - v[b])
             rows[f"next0-{last}"].append(t[p, s + 1, 0].item() - v[last])
             rows["step"].append(t[p, s + 1, 0].item() - v[0])
         res[f"consumer{wg}"] = {k: (statistics.median(x) if x else None) for k, x in rows.items()}
