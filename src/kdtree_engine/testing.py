@@ -174,9 +174,9 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
     schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
-    programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts also keep nine tenths of those programs
-    busy, else the line schedule. ``prog_first_seg [P + 1]``, segments ``[5, S]``
-    and groups ``[4, G]`` (int32 numpy)."""
+    programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts
+    also keep nine tenths of those programs busy, else the line schedule. ``prog_first_seg [P + 1]``,
+    segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
     bm, bn = plan.config.block_m, plan.config.block_n
     R, T = -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
     pe = max(1, min(plan.num_programs, int((R * T).sum())))

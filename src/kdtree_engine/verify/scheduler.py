@@ -222,10 +222,11 @@ def _count_at_most(sorted_vals, x, N: tl.constexpr):
 
 
 @triton.jit
-def _count_before(counts, n):
-    """``counts[:n].sum()`` per element of ``n`` (``0 <= n <= N``), given ``counts``' inclusive
-    cumulative sum ``counts``: ``[N]``."""
-    return tl.where(n > 0, tl.gather(counts, tl.maximum(n - 1, 0), 0), 0)
+def _inner_cuts_at_most(n_inner, cut, x, N: tl.constexpr):
+    """Per element of ``x``: how many inner cuts lie at or below it, given the cuts ``cut``
+    (non-decreasing ``[N]``) and ``n_inner`` (``[N]``: the inner cuts among the first k + 1)."""
+    n = _count_at_most(cut, x, N)
+    return tl.where(n > 0, tl.gather(n_inner, tl.maximum(n - 1, 0), 0), 0)
 
 
 @triton.jit
@@ -276,8 +277,8 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
     prev = tl.gather(cut, tl.maximum(o_k - 1, 0), 0)
     inner = valid & (cut > prev) & (cut > ks) & (cut < ke)
     n_inner = tl.cumsum(inner.to(tl.int32), 0)  # inner cuts among k <= this one
-    m_seq = 1 + (_count_before(n_inner, _count_at_most(cut, t_end - 1, BLOCK_P))
-                 - _count_before(n_inner, _count_at_most(cut, t_begin, BLOCK_P)))  # [BLOCK_B]
+    inner_to_begin = _inner_cuts_at_most(n_inner, cut, t_begin, BLOCK_P)  # [BLOCK_B]
+    m_seq = 1 + _inner_cuts_at_most(n_inner, cut, t_end - 1, BLOCK_P) - inner_to_begin
     split_seq = (m_seq > 1) & m_b
     slots = tl.where(split_seq, L * m_seq, 0)
     slot_base = tl.cumsum(slots, 0) - slots
@@ -302,8 +303,7 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
         y = tl.minimum(tl.gather(cut, g + 1, 0), te)
         m_p = tl.gather(m_seq, b, 0)
         # this piece's place among its row block's: the sequence's inner cuts in (tb, x]
-        q = _count_before(n_inner, _count_at_most(cut, x, BLOCK_P)) - _count_before(
-            n_inner, _count_at_most(cut, tb, BLOCK_P))
+        q = _inner_cuts_at_most(n_inner, cut, x, BLOCK_P) - tl.gather(inner_to_begin, b, 0)
         base = tl.gather(slot_base, b, 0) + r * m_p
         split = m_p > 1
         tl.store(seg_seq + i, b, mask=m_i)
