@@ -21,7 +21,9 @@ Python (two: the kernel and the combine), and the rest (the method's own code). 
 unplanned call plans from host lengths; its GPU path (device scheduler, then the planned call) is
 estimated as ``device plan + given plan`` (``verify_attention(..., plan=)``).
 
-On CUDA nothing is stubbed: the device's own config and grid, the plan's host-to-device copy.
+On CUDA nothing is stubbed: the device's own config and grid, the plan's host-to-device copy;
+``run`` is split the same way (burst timing each part), its ``launch`` column the two launches
+through Triton's C launcher (the driver's launch call included): what no Python change removes.
 Each kernel is compiled by the first call of a shape, before its timing; the default shapes use two
 head counts, and each H compiles the scheduler, the kernel and the combine once (the compiles
 dominate the run time: not measured here, expect well under a minute with a warm Triton cache).
@@ -96,8 +98,11 @@ def main() -> None:
     else:
         print(f"{torch.cuda.get_device_name()}: device config and grid; host us per call (burst of {a.burst}, "
               f"fastest of {a.repeats}); b2b / gpu: {a.calls} calls back to back, host / GPU us per call")
-        print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'plan kept':>9} {'device':>6} | {'run':>5} {'b2b':>6} "
-              f"{'gpu':>6} | {'no plan':>7} {'b2b':>6} {'gpu':>6} | {'no plan / run':>13}")
+        print("run: checks + lookup + launches (the kernel's and the combine's, through Triton's C launcher) + rest "
+              "= run")
+        print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'plan kept':>9} {'device':>6} | {'checks':>6} {'lookup':>6} "
+              f"{'launch':>6} {'rest':>5} {'run':>5} {'b2b':>6} {'gpu':>6} | {'no plan':>7} {'b2b':>6} {'gpu':>6} | "
+              f"{'no plan / run':>13}")
     sync = None if cpu else torch.cuda.synchronize
     clock = time.thread_time if cpu else time.perf_counter
     calls = a.calls if cpu else a.burst
@@ -130,20 +135,20 @@ def main() -> None:
             verify_attention(*args, out=out, lse=lse, validate=False)
 
         run_us = best_us(run, calls, a.repeats, clock, sync)
+        ws = attn.workspace
+        tensors = (q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, mask, out, lse)
+        sig, ptrs = attn._check(*tensors)
+        call = _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors)
+        check_us = best_us(lambda: attn._check(*tensors), calls, a.repeats, clock, sync)
+        lookup_us = best_us(lambda: _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors), calls, a.repeats,
+                            clock, sync)
+        launch_us = best_us(lambda: call.run(tensors, ptrs, ws.tables.num_groups), calls, a.repeats, clock, sync)
+        rest = run_us - check_us - lookup_us - launch_us
         if cpu:
             computed = VerifyPlan(64, 64, H, a.device, schedule_cache=0, **kw)
             new_us = best_us(lambda: computed.plan(kv, qo), 10, a.repeats, clock)
-            ws = attn.workspace
-            tensors = (q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, mask, out, lse)
-            sig, ptrs = attn._check(*tensors)
-            call = _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors)
-            check_us = best_us(lambda: attn._check(*tensors), calls, a.repeats, clock)
-            lookup_us = best_us(lambda: _prepared(ws, sig, attn.kernel, _DEFAULT_SCALE, tensors), calls,
-                                a.repeats, clock)
-            launch_us = best_us(lambda: call.run(tensors, ptrs, ws.tables.num_groups), calls, a.repeats, clock)
             given_us = best_us(lambda: verify_attention(*args, out=out, lse=lse, plan=ws, validate=False), calls,
                                a.repeats, clock)
-            rest = run_us - check_us - lookup_us - launch_us
             print(f"{B:>3} {H:>4} {n:>4} {prefix:>7} | {new_us:6.1f} {kept_us:5.1f} {dev_us:6.1f} | {check_us:6.1f} "
                   f"{lookup_us:6.1f} {launch_us:6.1f} {rest:5.1f} {run_us:6.1f} | {given_us:6.1f} "
                   f"{dev_us + given_us:6.1f}", flush=True)
@@ -151,9 +156,9 @@ def main() -> None:
             unplanned_us = best_us(unplanned, calls, a.repeats, clock, sync)
             run_b2b, run_gpu = gpu_us(run, a.calls)
             un_b2b, un_gpu = gpu_us(unplanned, a.calls)
-            print(f"{B:>3} {H:>4} {n:>4} {prefix:>7} | {kept_us:9.1f} {dev_us:6.1f} | {run_us:5.1f} {run_b2b:6.1f} "
-                  f"{run_gpu:6.1f} | {unplanned_us:7.1f} {un_b2b:6.1f} {un_gpu:6.1f} | "
-                  f"{unplanned_us / run_us:13.2f}", flush=True)
+            print(f"{B:>3} {H:>4} {n:>4} {prefix:>7} | {kept_us:9.1f} {dev_us:6.1f} | {check_us:6.1f} {lookup_us:6.1f} "
+                  f"{launch_us:6.1f} {rest:5.1f} {run_us:5.1f} {run_b2b:6.1f} {run_gpu:6.1f} | {unplanned_us:7.1f} "
+                  f"{un_b2b:6.1f} {un_gpu:6.1f} | {unplanned_us / run_us:13.2f}", flush=True)
 
 
 def stub_launches() -> None:
