@@ -10,6 +10,7 @@ Node order inside a tree is free: nothing here assumes that a parent comes befor
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -46,8 +47,9 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     n = visible.shape[0]
     need = mask_words(n)
     words = need if words is None else words
-    if isinstance(words, bool) or not isinstance(words, int):
+    if not is_int(words):
         raise TypeError(f"words must be an int, got {words!r}")
+    words = int(words)
     if words < need:
         raise ValueError(f"words={words} is too narrow for a tree of {n} nodes (needs {need})")
     bits = torch.zeros(n, words * 32, dtype=torch.int64, device=visible.device)
@@ -61,6 +63,14 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     return packed.to(torch.int32)
 
 
+def is_int(x) -> bool:
+    """An integer that is not a bool (Python, numpy or a 0-d integer tensor): the check of every
+    integer argument of the package's public functions."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_mask(name: str, mask) -> None:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
@@ -71,8 +81,9 @@ def _check_mask(name: str, mask) -> None:
 def unpack_tree_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_tree_mask`: int32 ``[R, W]`` -> bool ``[R, n]`` (the first ``n`` bits)."""
     _check_mask("mask", mask)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
+    n = int(n)
     if n > mask.shape[1] * 32:
         raise ValueError(f"n={n} exceeds the {mask.shape[1] * 32} bits of the mask")
     j = torch.arange(n, device=mask.device)

@@ -34,9 +34,9 @@ from enum import IntEnum
 
 import torch
 
-from ..masks import mask_words, unpack_tree_mask
+from ..masks import is_int, mask_words, unpack_tree_mask
 from .accept import AcceptResult
-from .tree import DraftTree, _is_int, ancestor_words, tree_from_parents, tree_links
+from .tree import DraftTree, ancestor_words, tree_from_parents, tree_links
 
 __all__ = [
     "TreeMaskMode",
@@ -92,7 +92,7 @@ def _host_lens(name: str, lens, batch: int | None) -> list[int]:
             raise TypeError(f"{name} must be a 1-D integer tensor")
         lens = lens.tolist()  # a sync when on a GPU: FULL_MASK sizes depend on it
     lens = list(lens)
-    if not all(_is_int(x) for x in lens):
+    if not all(is_int(x) for x in lens):
         raise TypeError(f"{name} must hold integers, got {lens}")  # (floats were truncated)
     lens = [int(x) for x in lens]
     if batch is not None and len(lens) != batch:
@@ -203,7 +203,7 @@ def from_sglang_tree_mask(
     """
     mode = _mode(mode)
     n = num_draft_tokens
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"num_draft_tokens must be a positive int, got {n!r}")
     if not isinstance(tree_mask, torch.Tensor):
         raise TypeError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
@@ -294,7 +294,7 @@ def parents_from_sglang_eagle(parent_list: torch.Tensor, selected_index: torch.T
     ``selected_index [B, n-1]`` (score-list index of node j+1), ``parent_list [B, topk*(depth-1)+1]``.
     A node whose parent is not among the selected nodes gets -1 (SGLang drops it with a warning).
     """
-    if not _is_int(topk) or topk < 1:
+    if not is_int(topk) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     for name, t in (("parent_list", parent_list), ("selected_index", selected_index)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.is_floating_point():
@@ -380,7 +380,7 @@ def accept_to_sglang(result: AcceptResult, num_draft_tokens: int) -> dict[str, t
     """
     if not isinstance(result, AcceptResult):
         raise TypeError(f"result must be an AcceptResult, got {type(result).__name__}")
-    if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
+    if not is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be the trees' node count n (a positive int), got {num_draft_tokens!r}")
     n = int(num_draft_tokens)
     B = result.accepted.shape[0]

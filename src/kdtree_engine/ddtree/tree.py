@@ -30,14 +30,13 @@ Conventions (all functions of :mod:`kdtree_engine.ddtree` share them):
 from __future__ import annotations
 
 import heapq
-import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from ..backend import interpreting
-from ..masks import MAX_TREE_NODES, mask_words
+from ..masks import MAX_TREE_NODES, is_int, mask_words
 from .kernels import _bits, expand, topk_logprobs
 
 __all__ = [
@@ -163,8 +162,9 @@ class VerifyBatch:
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {rng}, got {value}")
@@ -565,7 +565,7 @@ def tree_from_parents(
         if min(sizes) < 1:
             raise ValueError("every tree needs at least its root")
         for b, (p, t) in enumerate(zip(parents, tokens)):
-            if any(not _is_int(x) for x in (*p, *t)):
+            if any(not is_int(x) for x in (*p, *t)):
                 raise TypeError(f"parents[{b}] and tokens[{b}] must hold integers")  # (floats were truncated)
             if any(not -1 <= int(x) < len(p) for x in p):
                 raise ValueError(f"parents[{b}] holds an index outside [-1, {len(p)})")
@@ -592,7 +592,7 @@ def tree_from_parents(
         sizes = [n] * B
     else:
         given = num_nodes.tolist() if isinstance(num_nodes, torch.Tensor) else list(num_nodes)
-        if not all(_is_int(x) for x in given):
+        if not all(is_int(x) for x in given):
             raise TypeError(f"num_nodes must hold integers, got {given}")
         sizes = [int(x) for x in given]
         if len(sizes) != B or min(sizes) < 1 or max(sizes) > n:
@@ -602,7 +602,7 @@ def tree_from_parents(
     valid = torch.arange(n, device=dev)[None, :] < nn[:, None]
     par = torch.where(valid, par, -1)
     tok = torch.where(valid, tok, -1)
-    if max_depth is not None and (not _is_int(max_depth) or max_depth < 0):
+    if max_depth is not None and (not is_int(max_depth) or max_depth < 0):
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     if max_depth is None or not isinstance(parents, torch.Tensor):  # host parents: the true depth costs nothing
         deepest = _host_max_depth(par.cpu(), sizes)
@@ -618,13 +618,6 @@ def tree_from_parents(
         num_nodes_host=tuple(sizes),
         max_depth=int(max_depth),
     )
-
-
-def _is_int(x) -> bool:
-    """An integer that is not a bool (Python, numpy or a 0-d integer tensor)."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
@@ -699,7 +692,7 @@ def ancestor_words(tree: DraftTree, words: int | None = None) -> torch.Tensor:
     """
     B, n = tree.batch_size, tree.width
     W = mask_words(n) if words is None else words
-    if not _is_int(W):
+    if not is_int(W):
         raise TypeError(f"words must be an int, got {W!r}")
     if W < mask_words(n):
         raise ValueError(f"words={W} is too narrow for trees of {n} nodes (needs {mask_words(n)})")

@@ -13,7 +13,7 @@ import torch
 
 from ..backend import interpreting
 from ..ddtree.tree import DraftTree, compile_tree
-from ..masks import mask_words
+from ..masks import is_int, mask_words
 from ..verify.contract import D_QK
 from .defrag import DefragPlan, DefragReport, FragStats, ThresholdPolicy
 from .errors import PoolFullError, PoolInvariantError, SequenceTooLongError, StalePlanError
@@ -178,7 +178,7 @@ class KVPool:
         return self._store[layer, : self.num_pages]
 
     def _check_layer(self, layer) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     @property
@@ -675,9 +675,9 @@ class KVPool:
         n = self._tree[ids]
         if len(ids) == 0 or (n < 1).any():
             raise ValueError("seq_ids must be sequences with a tree reserved")
-        if isinstance(accepted_width, bool) or not isinstance(accepted_width, int) or accepted_width < 1:
+        if not is_int(accepted_width) or accepted_width < 1:
             raise ValueError(f"accepted_width must be a positive int, got {accepted_width!r}")
-        self._pending = _Pending(ids, n.copy(), num_accepted, accepted_width)
+        self._pending = _Pending(ids, n.copy(), num_accepted, int(accepted_width))
         self._version += 1
         if num_accepted_host is not None:
             self.finalize_commit(num_accepted_host)

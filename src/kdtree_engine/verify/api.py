@@ -38,7 +38,7 @@ _KERNEL_NAMES = ("auto",) + KERNELS
 # of the kernel "auto" runs on the device, plan.default_costs)
 _KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS}
 _DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
-_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _kernel_name(kernel) -> str:
@@ -244,13 +244,15 @@ def verify_attention(
     check_host_lengths = validate is None and cuda
     if validate is None:
         validate = not cuda
+    plan_checked = False
     if validate:
         check_content(page_table, kv_lens, qo_indptr, tree_mask, info)
         if given:  # the sizes first (the clearer message), then the lengths themselves
             _check_plan(plan, info, q.device)
             _check_plan_lengths(plan, kv_lens, qo_indptr)
+            plan_checked = True
     if compiling or plan is None:  # traced, or the naive kernel without a plan: one-off launches
-        if plan is not None:
+        if plan is not None and not plan_checked:
             _check_plan(plan, info, q.device)
         out, lse, _ = _outputs(info, q, out, lse, (0,) * 8)
         tables = None if plan is None else plan.tables
@@ -262,7 +264,8 @@ def verify_attention(
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     call = _prepared(plan, sig, kernel, sm_scale, tensors)
     if call.state is not plan.state:
-        _check_plan(plan, info, q.device)
+        if not plan_checked:
+            _check_plan(plan, info, q.device)
         if given and check_host_lengths and plan.kv_lens_host is not None:
             check_lengths(plan.kv_lens_host, plan.qo_indptr_host, info)  # host data: no sync
         call.state = plan.state
