@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,18 @@ def test_pack_errors():
         pack_tree_mask(torch.zeros(40, 40, dtype=torch.bool), words=1)
     with pytest.raises(TypeError, match="words must be an int"):
         pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool), words=2.0)
+    with pytest.raises(TypeError, match="words must be an int"):
+        pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool), words=True)
+
+
+def test_integer_arguments_of_other_integer_types():
+    """numpy integers and 0-d integer tensors are integers (as for the draft-tree functions)."""
+    visible = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    packed = pack_tree_mask(visible, words=2)
+    assert torch.equal(pack_tree_mask(visible, words=np.int64(2)), packed)
+    assert torch.equal(pack_tree_mask(visible, words=torch.tensor(2)), packed)
+    assert torch.equal(unpack_tree_mask(packed, np.int32(5)), visible)
+    assert torch.equal(unpack_tree_mask(packed, torch.tensor(5)), visible)
 
 
 @pytest.mark.parametrize("parents", [[-1, 0.5, 1.9], [-1.5, 0], torch.tensor([-1.0, 0.0]), [-1, float("nan")]])
