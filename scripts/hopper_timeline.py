@@ -23,7 +23,13 @@ s of both consumers is the same tile pair):
   4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
   PVs retired, 9 step end;
 - both, inside the QK: 10 its rope chunk landed, 11 its second latent half landed (the QK waits for
-  each K chunk just before that chunk's wgmma: 1 -> 10 -> 11 -> 2 says which chunk it waited on).
+  each K chunk just before that chunk's wgmma: 1 -> 10 -> 11 -> 2 says which chunk it waited on);
+- the loader, per step (its pair counter, the same numbering): the copy of each of the step's six K
+  chunks issued, i.e. the chunk's last reader of the step before done (``rope0 left0 right0 rope1
+  left1 right1``; stage 0 holds consumer 0's tile): where in the step the copies' shared-memory
+  writes fall, run 29 having found the kernel bound by shared memory. Printed as a joint line,
+  cycles after consumer 0's start of the step the copies feed (negative: issued during the step
+  before).
 
 Printed per shape and consumer: the median over programs and steps of each interval (cycles),
 the step's median, and the stamped kernel's time against the unstamped kernel's (CUDA-graph
@@ -56,16 +62,18 @@ from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 NPOINTS = 12
+# the loader's points (trace index 2): the copy of each chunk of a step's two tiles issued (its last reader done)
+LOADER_POINTS = ("rope0", "left0", "right0", "rope1", "left1", "right1")
 CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
 LOG2E = 1.4426950408889634
 
 STAMP_FN = '''
     @gluon.jit
     def _stamp(trace, steps, POINT: gl.constexpr, WG: gl.constexpr):
-        """%clock64 into trace[program, WG, steps, POINT] for the first MAX_STEPS steps."""
+        """%clock64 into trace[program, WG, steps, POINT] for the first MAX_STEPS steps (WG 2: the loader)."""
         if steps < MAX_STEPS:
             t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-            gl.store(trace + ((gl.program_id(0) * 2 + WG) * MAX_STEPS + steps) * NPOINTS + POINT, t)
+            gl.store(trace + ((gl.program_id(0) * 3 + WG) * MAX_STEPS + steps) * NPOINTS + POINT, t)
 
     @gluon.jit
     def _copy_rows('''
@@ -80,6 +88,18 @@ EDITS = [
      "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                            0, H,", 1),
     ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                            1, H,",
      "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                            1, H,", 1),
+    # the loader: when each K chunk's copy is issued (its last reader done), point 3 * stage + chunk
+    ("seg_kv_end,\n                   s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
+     "seg_kv_end,\n                   s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
+    ("seg_kv_end,\n                          s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
+     "seg_kv_end,\n                          s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
+    ("m_n0, bars, 0,", "m_n0, bars, trace, pairs, 0,", 3),
+    ("m_n1, bars, 1,", "m_n1, bars, trace, pairs, 1,", 3),
+    ("    def _load_chunk(dst, p_row, m_row, bars, STAGE: gl.constexpr,",
+     "    def _load_chunk(dst, p_row, m_row, bars, trace, pairs, STAGE: gl.constexpr,", 1),
+    ("            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)\n",
+     "            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)\n            _stamp(trace, pairs, 3 * STAGE + CHUNK, 2)\n",
+     1),
     # step start; first chunk of the own tile (a second wait on a completed phase returns at once)
     ("                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n",
      "                _stamp(trace, steps, 0, WG)\n"
@@ -185,8 +205,9 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
 
 def intervals(trace: torch.Tensor) -> dict:
     """Median cycles of each interval per consumer (the chain 0..9, and the QK's chunks: ``rope-1``,
-    ``second-rope``, ``2-second``), and the joint timeline: ``trace [P, 2, steps, NPOINTS]`` (-1:
-    not stamped)."""
+    ``second-rope``, ``2-second``), and the joint timeline: ``trace [P, 3, steps, NPOINTS]`` (-1:
+    not stamped; index 2 the loader, whose points 0-5 of step s are the issues of that step's chunk
+    copies, ``LOADER_POINTS``)."""
     res = {}
     last = CHAIN - 1
     qk = {"rope-1": (10, 1), "second-rope": (11, 10), "2-second": (2, 11)}
@@ -208,11 +229,16 @@ def intervals(trace: torch.Tensor) -> dict:
             rows["step"].append(t[p, s + 1, 0].item() - v[0])
         res[f"consumer{wg}"] = {k: (statistics.median(x) if x else None) for k, x in rows.items()}
         res[f"consumer{wg}"]["steps"] = len(rows["step"])
-    both = (trace >= 0).all(dim=3).all(dim=1)  # [P, S]: every point of both consumers stamped
-    stamped = trace.permute(0, 2, 1, 3)[both]  # [K, 2, NPOINTS]
+    both = (trace[:, :2] >= 0).all(dim=3).all(dim=1)  # [P, S]: every point of both consumers stamped
+    stamped = trace.permute(0, 2, 1, 3)[both]  # [K, 3, NPOINTS]
     rel = stamped - stamped[:, 0:1, 0:1]  # each point minus consumer 0's start of the same step
     res["joint"] = {f"consumer{wg}": [float(rel[:, wg, k].median()) if len(rel) else None for k in range(NPOINTS)]
                     for wg in range(2)}
+    loads = {}
+    for k, name in enumerate(LOADER_POINTS):  # stage 1's chunks are not stamped where a segment's last pair has one tile
+        got = stamped[:, 2, k] >= 0
+        loads[name] = float(rel[got, 2, k].median()) if got.any() else None
+    res["joint"]["loader"] = loads
     return res
 
 
@@ -234,7 +260,7 @@ def main() -> None:
         plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-        trace = torch.full((plan.num_programs, 2, a.steps, NPOINTS), -1, dtype=torch.int64, device="cuda")
+        trace = torch.full((plan.num_programs, 3, a.steps, NPOINTS), -1, dtype=torch.int64, device="cuda")
         plain = launcher(base._hopper_verify_kernel, c, plan, out, lse, None, H, ps)
         stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, trace, H, ps)
         plain_us, stamped_us = time_graph(plain) * 1e6, time_graph(stamped) * 1e6
@@ -252,6 +278,8 @@ def main() -> None:
         for wg in range(2):
             print(f"  joint, consumer {wg} (cycles after consumer 0's step start): " + "  ".join(
                 f"{k}:{v:.0f}" for k, v in enumerate(row["joint"][f"consumer{wg}"]) if v is not None))
+        print("  joint, loader (the step's chunk copies issued, cycles after consumer 0's start of that step): "
+              + "  ".join(f"{k}:{v:.0f}" for k, v in row["joint"]["loader"].items() if v is not None))
         del c
         torch.cuda.empty_cache()
     if a.json:
