@@ -1,11 +1,13 @@
 """A/B of variants of the Hopper kernel against this tree's, in one process on the same plans.
 
-    PYTHONPATH=src python scripts/ab_hopper.py VARIANT.py [VARIANT.py ...] [--shapes 64x33x4x131072x64,...]
+    PYTHONPATH=src python scripts/ab_hopper.py VARIANT [VARIANT ...] [--shapes 64x33x4x131072x64,...]
         [--rounds 3] [--json ab.json]
 
-``VARIANT.py``: a whole ``verify/hopper.py`` (e.g. ``git show hopper-pbuf:src/kdtree_engine/verify/hopper.py
+``VARIANT``: a whole ``verify/hopper.py`` (e.g. ``git show hopper-pbuf:src/kdtree_engine/verify/hopper.py
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
-file stem. Per shape, this tree's kernel and every variant are prepared on the same plan and inputs
+file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a
+file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
+applied to this tree's kernel (stops if a hunk does not fit: the kernel changed). Per shape, this tree's kernel and every variant are prepared on the same plan and inputs
 (own outputs) through their own ``prepare`` (kernel + combine), each checked against the float64
 reference on the first sequence (bf16 tolerances), each variant's outputs compared with the base's
 (bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
@@ -36,6 +38,52 @@ SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
+def apply_unified_diff(source: str, diff: str) -> str:
+    """``source`` with the hunks of the unified ``diff`` applied (their context and removed lines
+    checked; ``ValueError`` where one does not match)."""
+    lines = source.splitlines(keepends=True)
+    out, pos, in_hunks = [], 0, False
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("@@"):
+            in_hunks = True
+            old = line.split()[1]  # -start,count
+            start = int(old[1:].split(",")[0])
+            count = int(old.split(",")[1]) if "," in old else 1
+            start = start - 1 if count else start
+            if start < pos:
+                raise ValueError(f"hunk {line.strip()} overlaps the one before")
+            out += lines[pos:start]
+            pos = start
+        elif not in_hunks or line.startswith("\\"):  # the file names; "\ No newline at end of file"
+            continue
+        elif line[:1] in (" ", "-", "\n"):  # context (an empty context line may have lost its space), removed
+            if pos >= len(lines) or lines[pos].rstrip("\n") != line[1:].rstrip("\n"):
+                raise ValueError(f"line {pos + 1} does not match the diff: {line[1:].rstrip()!r}")
+            if line[0] != "-":
+                out.append(lines[pos])
+            pos += 1
+        elif line[:1] == "+":
+            out.append(line[1:])
+    return "".join(out + lines[pos:])
+
+
+def variant_source(spec: str) -> tuple[str, str]:
+    """``(name, source)`` of a ``VARIANT`` argument (see the module docstring)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".diff"):
+        return Path(spec).stem, Path(spec).read_text()
+    section, inside = [], False
+    for line in Path(path).read_text().splitlines(keepends=True):
+        if line.startswith("### "):
+            words = line.split()
+            inside = len(words) > 2 and words[1] in ("variant", "ablation") and words[2].rstrip(",") == name
+        elif inside:
+            section.append(line)
+    if not section:
+        raise SystemExit(f"{path} has no section '### variant {name}'")
+    return name, apply_unified_diff(Path(hopper.__file__).read_text(), "".join(section))
+
+
 def planned_call(module, c, plan, out, lse):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c``."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
@@ -46,14 +94,16 @@ def planned_call(module, c, plan, out, lse):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem)")
+    p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem) or "
+                   "FILE.diff:NAME sections of a variants file")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     a = p.parse_args()
     kernels = {"base": hopper}
-    for path in a.variants:
-        kernels[Path(path).stem] = module_from_source(Path(path).read_text(), f"variant_{Path(path).stem}")
+    for spec in a.variants:
+        name, source = variant_source(spec)
+        kernels[name] = module_from_source(source, f"variant_{name}")
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))

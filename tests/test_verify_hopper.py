@@ -113,3 +113,29 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
     copy = timeline.module_from_source(Path(hopper.__file__).read_text(), "hopper_copy")
     assert copy.prepare.__code__.co_varnames[:10] == hopper.prepare.__code__.co_varnames[:10]
     assert copy.HAVE_GLUON == hopper.HAVE_GLUON
+
+
+def test_ab_script_applies_a_variant_diff(tmp_path):
+    """scripts/ab_hopper.py takes FILE.diff:NAME, that section's unified diff applied to this kernel
+    (context and removed lines checked: a diff made against another kernel stops it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "ab_hopper.py"
+    spec = importlib.util.spec_from_file_location("ab_hopper", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    src = Path(hopper.__file__).read_text()
+    lines = src.splitlines(keepends=True)
+    i = next(k for k, line in enumerate(lines) if line.startswith("BLOCK_M, BLOCK_N = "))
+    variants = tmp_path / "variants.diff"
+    variants.write_text(f"### variant wide\n--- verify/hopper.py\n+++ wide.py\n@@ -{i},2 +{i},3 @@\n {lines[i - 1]}"
+                        f"-{lines[i]}+{lines[i]}+# wide\n"
+                        "### ablation stale\n--- verify/hopper.py\n+++ stale.py\n@@ -1,1 +1,1 @@\n-not this kernel\n+x\n")
+    name, out = ab.variant_source(f"{variants}:wide")
+    assert name == "wide" and out == "".join(lines[:i + 1] + ["# wide\n"] + lines[i + 1:])
+    with pytest.raises(ValueError, match="does not match"):
+        ab.variant_source(f"{variants}:stale")
+    with pytest.raises(SystemExit, match="no section"):
+        ab.variant_source(f"{variants}:absent")
+
