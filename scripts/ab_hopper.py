@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hopper_timeline import module_from_source  # noqa: E402
+from hopper_timeline import module_from_source, variant_source  # noqa: E402
 from tune_flash import make_inputs, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
@@ -36,52 +36,6 @@ from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
-
-
-def apply_unified_diff(source: str, diff: str) -> str:
-    """``source`` with the hunks of the unified ``diff`` applied (their context and removed lines
-    checked; ``ValueError`` where one does not match)."""
-    lines = source.splitlines(keepends=True)
-    out, pos, in_hunks = [], 0, False
-    for line in diff.splitlines(keepends=True):
-        if line.startswith("@@"):
-            in_hunks = True
-            old = line.split()[1]  # -start,count
-            start = int(old[1:].split(",")[0])
-            count = int(old.split(",")[1]) if "," in old else 1
-            start = start - 1 if count else start
-            if start < pos:
-                raise ValueError(f"hunk {line.strip()} overlaps the one before")
-            out += lines[pos:start]
-            pos = start
-        elif not in_hunks or line.startswith("\\"):  # the file names; "\ No newline at end of file"
-            continue
-        elif line[:1] in (" ", "-", "\n"):  # context (an empty context line may have lost its space), removed
-            if pos >= len(lines) or lines[pos].rstrip("\n") != line[1:].rstrip("\n"):
-                raise ValueError(f"line {pos + 1} does not match the diff: {line[1:].rstrip()!r}")
-            if line[0] != "-":
-                out.append(lines[pos])
-            pos += 1
-        elif line[:1] == "+":
-            out.append(line[1:])
-    return "".join(out + lines[pos:])
-
-
-def variant_source(spec: str) -> tuple[str, str]:
-    """``(name, source)`` of a ``VARIANT`` argument (see the module docstring)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".diff"):
-        return Path(spec).stem, Path(spec).read_text()
-    section, inside = [], False
-    for line in Path(path).read_text().splitlines(keepends=True):
-        if line.startswith("### "):
-            words = line.split()
-            inside = len(words) > 2 and words[1] in ("variant", "ablation") and words[2].rstrip(",") == name
-        elif inside:
-            section.append(line)
-    if not section:
-        raise SystemExit(f"{path} has no section '### variant {name}'")
-    return name, apply_unified_diff(Path(hopper.__file__).read_text(), "".join(section))
 
 
 def planned_call(module, c, plan, out, lse):

@@ -1,7 +1,7 @@
 """Where a step of the Hopper kernel spends its cycles: ``%clock64`` stamps per consumer and step.
 
     PYTHONPATH=src python scripts/hopper_timeline.py [--shapes 64x33x4x16384x64,...] [--steps 96] [--json t.json]
-        [--kernel VARIANT.py]
+        [--kernel VARIANT.py | --kernel FILE.diff:NAME]
 
 The kernel is not changed for this: the script copies ``verify/hopper.py``'s source (or a variant's,
 ``--kernel``: a whole ``hopper.py`` of another branch, as ``scripts/ab_hopper.py`` takes; its stamped
@@ -184,6 +184,54 @@ def module_from_source(src: str, name: str):
     return mod
 
 
+def apply_unified_diff(source: str, diff: str) -> str:
+    """``source`` with the hunks of the unified ``diff`` applied (their context and removed lines
+    checked; ``ValueError`` where one does not match)."""
+    lines = source.splitlines(keepends=True)
+    out, pos, in_hunks = [], 0, False
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("@@"):
+            in_hunks = True
+            old = line.split()[1]  # -start,count
+            start = int(old[1:].split(",")[0])
+            count = int(old.split(",")[1]) if "," in old else 1
+            start = start - 1 if count else start
+            if start < pos:
+                raise ValueError(f"hunk {line.strip()} overlaps the one before")
+            out += lines[pos:start]
+            pos = start
+        elif not in_hunks or line.startswith("\\"):  # the file names; "\ No newline at end of file"
+            continue
+        elif line[:1] in (" ", "-", "\n"):  # context (an empty context line may have lost its space), removed
+            if pos >= len(lines) or lines[pos].rstrip("\n") != line[1:].rstrip("\n"):
+                raise ValueError(f"line {pos + 1} does not match the diff: {line[1:].rstrip()!r}")
+            if line[0] != "-":
+                out.append(lines[pos])
+            pos += 1
+        elif line[:1] == "+":
+            out.append(line[1:])
+    return "".join(out + lines[pos:])
+
+
+def variant_source(spec: str) -> tuple[str, str]:
+    """``(name, source)`` of a variant kernel: ``spec`` a whole ``verify/hopper.py`` file (named by its
+    stem), or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a file
+    of unified diffs against ``verify/hopper.py`` applied to this tree's kernel."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".diff"):
+        return Path(spec).stem, Path(spec).read_text()
+    section, inside = [], False
+    for line in Path(path).read_text().splitlines(keepends=True):
+        if line.startswith("### "):
+            words = line.split()
+            inside = len(words) > 2 and words[1] in ("variant", "ablation") and words[2].rstrip(",") == name
+        elif inside:
+            section.append(line)
+    if not section:
+        raise SystemExit(f"{path} has no section '### variant {name}'")
+    return name, apply_unified_diff(Path(hopper.__file__).read_text(), "".join(section))
+
+
 def stamped_module(max_steps: int, src: str | None = None):
     """The stamped copy of ``src`` (default: verify/hopper.py)."""
     return module_from_source(stamped_source(max_steps, src), "hopper_stamped")
@@ -248,9 +296,10 @@ def main() -> None:
                    "64x33x4x16384x1", help="H x nodes x B x prefix x page size")
     p.add_argument("--steps", type=int, default=96, help="steps stamped per consumer and program")
     p.add_argument("--json")
-    p.add_argument("--kernel", help="a variant hopper.py to stamp and time (default: this tree's)")
+    p.add_argument("--kernel", help="a variant hopper.py, or FILE.diff:NAME (see scripts/ab_hopper.py), to stamp "
+                   "and time (default: this tree's)")
     a = p.parse_args()
-    src = Path(a.kernel).read_text() if a.kernel else None
+    src = variant_source(a.kernel)[1] if a.kernel else None
     base = hopper if src is None else module_from_source(src, "hopper_variant")
     mod = stamped_module(a.steps, src)
     results = []

@@ -116,13 +116,14 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):
-    """scripts/ab_hopper.py takes FILE.diff:NAME, that section's unified diff applied to this kernel
-    (context and removed lines checked: a diff made against another kernel stops it)."""
+    """scripts/ab_hopper.py and hopper_timeline.py take FILE.diff:NAME, that section's unified diff
+    applied to this kernel (context and removed lines checked: a diff made against another kernel
+    stops it)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "ab_hopper.py"
-    spec = importlib.util.spec_from_file_location("ab_hopper", path)
+    path = Path(__file__).parents[1] / "scripts" / "hopper_timeline.py"
+    spec = importlib.util.spec_from_file_location("hopper_timeline", path)
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     src = Path(hopper.__file__).read_text()
