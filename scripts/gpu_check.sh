@@ -59,7 +59,7 @@ for stage in "${stages[@]}"; do
       done ;;
     tune)
       python3 scripts/tune_flash.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
-    ab)  # AB_VARIANTS: whole verify/hopper.py files to time against this tree's (scripts/ab_hopper.py)
+    ab)  # AB_VARIANTS: whole verify/hopper.py files or FILE.diff:NAME sections to time against this tree's (scripts/ab_hopper.py)
       python3 scripts/ab_hopper.py ${AB_VARIANTS:?AB_VARIANTS names the variant hopper.py files} ${AB_ARGS:-} \
         --json "$OUT/ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     timeline)
