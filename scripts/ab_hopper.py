@@ -7,9 +7,10 @@
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
 file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
-applied to this tree's kernel (stops if a hunk does not fit: the kernel changed). Per shape, this tree's kernel and every variant are prepared on the same plan and inputs
-(own outputs) through their own ``prepare`` (kernel + combine), each checked against the float64
-reference on the first sequence (bf16 tolerances), each variant's outputs compared with the base's
+applied to this tree's kernel (stops if a hunk does not fit: the kernel changed). Per shape, this
+tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
+their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
+sequence (bf16 tolerances), each variant's outputs compared with the base's
 (bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
 CUDA-graph replay median each, the fastest round per kernel reported, so drift between calls of the
 machine hits all of them. Each kernel compiles once per (heads, page size) of the shapes.

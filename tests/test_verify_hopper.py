@@ -6,7 +6,9 @@ The kernel tests are GPU-only (sm_90 with Triton's Gluon); on the CPU CI the imp
 fail), the layout guard and the dispatch (``auto`` never picks a kernel that cannot run) are checked.
 """
 
+import importlib.util
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,17 +97,20 @@ def test_dispatch_never_picks_what_cannot_run():
 
 
 
-def test_timeline_and_ab_scripts_still_fit_the_kernel():
-    """scripts/hopper_timeline.py stamps a copy of the kernel's source at anchors: each is still
-    there as often as it expects, and the stamped copy is still Python; scripts/ab_hopper.py's way
-    of loading a variant (module_from_source) gives a module with the same prepare."""
-    import importlib.util
-    from pathlib import Path
-
+def _timeline_script():
+    """scripts/hopper_timeline.py as a module (scripts/ab_hopper.py loads variants through it)."""
     path = Path(__file__).parents[1] / "scripts" / "hopper_timeline.py"
     spec = importlib.util.spec_from_file_location("hopper_timeline", path)
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
+    return timeline
+
+
+def test_timeline_and_ab_scripts_still_fit_the_kernel():
+    """scripts/hopper_timeline.py stamps a copy of the kernel's source at anchors: each is still
+    there as often as it expects, and the stamped copy is still Python; scripts/ab_hopper.py's way
+    of loading a variant (module_from_source) gives a module with the same prepare."""
+    timeline = _timeline_script()
     src = timeline.stamped_source(8)
     compile(src, "hopper_stamped.py", "exec")
     assert all(f"_stamp(trace, steps, {point}, WG)" in src for point in range(timeline.NPOINTS))
@@ -119,13 +124,7 @@ def test_ab_script_applies_a_variant_diff(tmp_path):
     """scripts/ab_hopper.py and hopper_timeline.py take FILE.diff:NAME, that section's unified diff
     applied to this kernel (context and removed lines checked: a diff made against another kernel
     stops it)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "scripts" / "hopper_timeline.py"
-    spec = importlib.util.spec_from_file_location("hopper_timeline", path)
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    timeline = _timeline_script()
     src = Path(hopper.__file__).read_text()
     lines = src.splitlines(keepends=True)
     i = next(k for k, line in enumerate(lines) if line.startswith("BLOCK_M, BLOCK_N = "))
@@ -133,10 +132,9 @@ def test_ab_script_applies_a_variant_diff(tmp_path):
     variants.write_text(f"### variant wide\n--- verify/hopper.py\n+++ wide.py\n@@ -{i},2 +{i},3 @@\n {lines[i - 1]}"
                         f"-{lines[i]}+{lines[i]}+# wide\n"
                         "### ablation stale\n--- verify/hopper.py\n+++ stale.py\n@@ -1,1 +1,1 @@\n-not this kernel\n+x\n")
-    name, out = ab.variant_source(f"{variants}:wide")
+    name, out = timeline.variant_source(f"{variants}:wide")
     assert name == "wide" and out == "".join(lines[:i + 1] + ["# wide\n"] + lines[i + 1:])
     with pytest.raises(ValueError, match="does not match"):
-        ab.variant_source(f"{variants}:stale")
+        timeline.variant_source(f"{variants}:stale")
     with pytest.raises(SystemExit, match="no section"):
-        ab.variant_source(f"{variants}:absent")
-
+        timeline.variant_source(f"{variants}:absent")
