@@ -7,7 +7,8 @@
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
 file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
-applied to this tree's kernel (stops if a hunk does not fit: the kernel changed). Per shape, this
+applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``unfused``,
+this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances), each variant's outputs compared with the base's
@@ -32,17 +33,22 @@ from tune_flash import make_inputs, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
-from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify import combine, hopper  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
-def planned_call(module, c, plan, out, lse):
-    """One planned call of ``module``'s kernel (+ combine) on the inputs ``c``."""
+def planned_call(module, c, plan, out, lse, fused: bool = True):
+    """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``fused``: the
+    kernel merges its splits itself where it can, see :mod:`kdtree_engine.verify.combine`)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
-    launch = module.prepare(*tensors[:6], 1.0 / math.sqrt(576), out, lse, plan.tables)
+    combine.FUSED_COMBINE = fused
+    try:
+        launch = module.prepare(*tensors[:6], 1.0 / math.sqrt(576), out, lse, plan.tables)
+    finally:
+        combine.FUSED_COMBINE = True
     ptrs = tuple(t.data_ptr() for t in tensors)
     return lambda: launch(tensors, ptrs, plan.num_groups)
 
@@ -55,10 +61,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     a = p.parse_args()
-    kernels = {"base": hopper}
+    kernels = {"base": (hopper, True)}
     for spec in a.variants:
+        if spec == "unfused":
+            kernels[spec] = (hopper, False)
+            continue
         name, source = variant_source(spec)
-        kernels[name] = module_from_source(source, f"variant_{name}")
+        kernels[name] = (module_from_source(source, f"variant_{name}"), True)
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
@@ -67,10 +76,10 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}
-        for name, module in kernels.items():
+        for name, (module, fused) in kernels.items():
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-            call = planned_call(module, c, plan, out, lse)
+            call = planned_call(module, c, plan, out, lse, fused)
             call()
             torch.cuda.synchronize()
             ok = (compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok

@@ -54,7 +54,7 @@ def main() -> int:
         for page_size in (int(v) for v in a.page_size.split(",")):
             consts = dict(H=a.heads, PAGE_SIZE=page_size, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, D_LAT=mod.D_LAT,
                           D_ROPE=mod.D_ROPE, LOADER_WARPS=mod.LOADER_WARPS, CONSUMER_REGS=mod.CONSUMER_REGS,
-                          LOADER_REGS=mod.LOADER_REGS, num_warps=4)
+                          LOADER_REGS=mod.LOADER_REGS, FUSE_COMBINE=True, BLOCK_S=4, BLOCK_R=4, num_warps=4)
             cases.append((f"{path}{' (stamped)' if a.stamped else ''}, H {a.heads}, page size {page_size}", fn, types,
                           consts, 4))
     return 1 if report(cases, divisible_ints=DIVISIBLE) else 0

@@ -241,12 +241,12 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     """A launch of ``kernel`` (the Hopper kernel or its stamped copy) on the plan's tables."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     t = plan.tables
-    args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *kernel_ints(*tensors),
-            LOG2E / math.sqrt(576))
+    args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *t.group_rows, t.group_count,
+            t.grid_barrier, *kernel_ints(*tensors), LOG2E / math.sqrt(576))
     extra = () if trace is None else (trace,)
     consts = dict(H=H, PAGE_SIZE=page_size, BLOCK_M=hopper.BLOCK_M, BLOCK_N=hopper.BLOCK_N, D_LAT=512, D_ROPE=64,
                   LOADER_WARPS=hopper.LOADER_WARPS, CONSUMER_REGS=hopper.CONSUMER_REGS,
-                  LOADER_REGS=hopper.LOADER_REGS, num_warps=4)
+                  LOADER_REGS=hopper.LOADER_REGS, FUSE_COMBINE=False, BLOCK_S=4, BLOCK_R=4, num_warps=4)
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)
 

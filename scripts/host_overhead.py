@@ -17,12 +17,13 @@ gets a compiled kernel whose ``run`` does nothing), so the figures are all the P
 Triton's launcher (on the GPU ~5-8 us per launch). Thread CPU time, the fastest of the repeats (a
 shared machine's noise only adds). ``run`` is split into its parts: the input checks
 (:class:`~kdtree_engine.verify.contract.InputCheck`), the prepared-launch lookup, the launches'
-Python (two: the kernel and the combine), and the rest (the method's own code). On the CPU the
+Python (on the CPU two: the kernel and the combine; on a GPU the kernel merges its splits itself,
+one launch, unless ``--unfused``), and the rest (the method's own code). On the CPU the
 unplanned call plans from host lengths; its GPU path (device scheduler, then the planned call) is
 estimated as ``device plan + given plan`` (``verify_attention(..., plan=)``).
 
 On CUDA nothing is stubbed: the device's own config and grid, the plan's host-to-device copy;
-``run`` is split the same way (burst timing each part), its ``launch`` column the two launches
+``run`` is split the same way (burst timing each part), its ``launch`` column the launches
 through Triton's C launcher (the driver's launch call included): what no Python change removes.
 Each kernel is compiled by the first call of a shape, before its timing; the default shapes use two
 head counts, and each H compiles the scheduler, the kernel and the combine once (the compiles
@@ -77,14 +78,18 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=1000, help="back-to-back calls (cuda) / calls per repeat (cpu)")
     p.add_argument("--burst", type=int, default=16, help="calls per burst (cuda)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--unfused", action="store_true", help="the separate combine kernel after every kernel "
+                   "(combine.FUSED_COMBINE = False: two launches per call, as before run 30)")
     a = p.parse_args()
     cpu = a.device == "cpu"
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kdtree_engine import VerifyAttention, verify_attention
-    from kdtree_engine.verify import VerifyPlan
+    from kdtree_engine.verify import VerifyPlan, combine
     from kdtree_engine.verify.api import _DEFAULT_SCALE, _prepared
     from kdtree_engine.verify.plan import CONFIGS
+
+    combine.FUSED_COMBINE = not a.unfused
 
     kw = dict(config=CONFIGS[0], num_programs=a.programs) if cpu else {}
     if cpu:
@@ -98,8 +103,8 @@ def main() -> None:
     else:
         print(f"{torch.cuda.get_device_name()}: device config and grid; host us per call (burst of {a.burst}, "
               f"fastest of {a.repeats}); b2b / gpu: {a.calls} calls back to back, host / GPU us per call")
-        print("run: checks + lookup + launches (the kernel's and the combine's, through Triton's C launcher) + rest "
-              "= run")
+        print(f"run: checks + lookup + launches ({'kernel, combine' if a.unfused else 'one'}, through Triton's C "
+              "launcher) + rest = run")
         print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'plan kept':>9} {'device':>6} | {'checks':>6} {'lookup':>6} "
               f"{'launch':>6} {'rest':>5} {'run':>5} {'b2b':>6} {'gpu':>6} | {'no plan':>7} {'b2b':>6} {'gpu':>6} | "
               f"{'no plan / run':>13}")

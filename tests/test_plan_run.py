@@ -163,8 +163,8 @@ def _op_args(attn, c, scale):
     ws = attn.workspace
     t, cfg = ws.tables, ws.tables.config
     return (c["q"], c["kv_cache"], c["page_table"], ws.kv_lens, ws.qo_indptr, c["tree_mask"], t.prog_first_seg,
-            t.segments, t.groups, t.group_count, t.partial_out, t.partial_lse, scale, "flash", cfg.block_m,
-            cfg.block_n, cfg.num_warps, cfg.num_stages)
+            t.segments, t.groups, t.group_count, t.grid_barrier, t.partial_out, t.partial_lse, scale, "flash",
+            cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
 def test_op_fake_tensor_shapes():

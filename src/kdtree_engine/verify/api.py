@@ -367,9 +367,9 @@ class VerifyAttention:
                 raise ValueError(f"q has {q.shape[1]} heads; this VerifyAttention was made for {self.num_heads}")
             t, cfg = ws.tables, ws.tables.config  # the op resolves "auto" when it runs (it reads data pointers)
             o, s = verify_attention_op(q, kv_cache, page_table, ws.kv_lens, ws.qo_indptr, tree_mask,
-                                       t.prog_first_seg, t.segments, t.groups, t.group_count, t.partial_out,
-                                       t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n, cfg.num_warps,
-                                       cfg.num_stages, ws.serial)
+                                       t.prog_first_seg, t.segments, t.groups, t.group_count, t.grid_barrier,
+                                       t.partial_out, t.partial_lse, scale, self.kernel, cfg.block_m, cfg.block_n,
+                                       cfg.num_warps, cfg.num_stages, ws.serial)
             if out is None and lse is None:
                 return o, s
             out = o if out is None else out.copy_(o)

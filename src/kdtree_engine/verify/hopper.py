@@ -44,7 +44,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import PlannedLaunch, prepare_planned
+from .combine import PlannedLaunch, grid_barrier, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
 
@@ -381,12 +381,14 @@ if HAVE_GLUON:
         q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
         prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
         partial_out, partial_lse,
+        group_seq, group_row0, group_first, group_splits, num_groups, barrier_word,
         stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
         stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
         scale_log2,
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        LOADER_REGS: gl.constexpr, FUSE_COMBINE: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
@@ -394,7 +396,9 @@ if HAVE_GLUON:
         (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled for sm_90a: 20 B of spills): Q
         ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
-        max / row sum vectors, the mbarriers.
+        max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
+        partitions joined: the grid barrier and the program's share of the merge of the split row
+        blocks (:func:`_combine_items`), when the plan split any.
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
@@ -442,6 +446,72 @@ if HAVE_GLUON:
                           stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
                           H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LAT, D_ROPE, LOADER_WARPS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+        if FUSE_COMBINE:
+            if gl.load(num_groups) > 0:
+                grid_barrier(barrier_word)
+                _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
+                               group_seq, group_row0, group_first, group_splits, num_groups,
+                               stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, BLOCK_S,
+                               BLOCK_R)
+
+    @gluon.jit
+    def _combine_items(first_item, item_step, partial_out, partial_lse, out, lse, qo_indptr,
+                       group_seq, group_row0, group_first, group_splits, num_groups,
+                       stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
+                       H: gl.constexpr, BLOCK_M: gl.constexpr, D_LAT: gl.constexpr, BLOCK_S: gl.constexpr,
+                       BLOCK_R: gl.constexpr):
+        """:func:`kdtree_engine.verify.combine.combine_items` in Gluon, for the kernel's 4 warps after
+        the partitions joined (Triton's ops need layouts here; same loads, same order of the sums
+        over the splits): a thread holds 4 columns of every (split, row) of a round."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 4], [2, 1, 0])  # [S, R, 512]
+        SR: gl.constexpr = gl.SliceLayout(2, L3)
+        RD: gl.constexpr = gl.SliceLayout(0, L3)
+        ROW_SR: gl.constexpr = gl.SliceLayout(0, SR)
+        ROW_RD: gl.constexpr = gl.SliceLayout(1, RD)
+        o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, RD))
+        o_d3 = gl.expand_dims(gl.expand_dims(o_d, 0), 0)
+        o_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, SR))
+        chunks: gl.constexpr = BLOCK_M // BLOCK_R
+        n_items = gl.load(num_groups) * chunks
+        i_g = first_item // chunks * (first_item < n_items)
+        first, count = gl.load(group_first + i_g), gl.load(group_splits + i_g)
+        i_b, row0 = gl.load(group_seq + i_g), gl.load(group_row0 + i_g)
+        for item in range(first_item, n_items, item_step):
+            o_r = (item % chunks) * BLOCK_R + gl.arange(0, BLOCK_R, layout=ROW_SR)
+            qo_start = gl.load(qo_indptr + i_b * stride_qo)
+            n_rows = (gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start) * H
+            row = row0 + o_r
+            g_next = (item + item_step) // chunks * (item + item_step < n_items)
+            first_next, count_next = gl.load(group_first + g_next), gl.load(group_splits + g_next)
+            i_b_next, row0_next = gl.load(group_seq + g_next), gl.load(group_row0 + g_next)
+            b_m = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=ROW_SR)
+            b_l = gl.zeros([BLOCK_R], gl.float32, layout=ROW_SR)
+            b_acc = gl.zeros([BLOCK_R, D_LAT], gl.float32, layout=RD)
+            for s0 in range(0, count, BLOCK_S):
+                m_s = gl.expand_dims(s0 + o_s < count, 1)  # [S, 1]
+                o_p = gl.expand_dims((first + s0 + o_s).to(gl.int64), 1) * BLOCK_M + gl.expand_dims(o_r, 0)  # [S, R]
+                b_lse2 = gl.load(partial_lse + o_p, mask=m_s, other=float("-inf"), cache_modifier=".cg")
+                b_part = gl.load(partial_out + gl.expand_dims(o_p * D_LAT, 2) + o_d3, mask=gl.expand_dims(m_s, 2),
+                                 other=0.0, cache_modifier=".cg")  # [S, R, D]
+                b_m_new = gl.maximum(b_m, gl.max(b_lse2, axis=0))
+                b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # rows with no key so far
+                b_alpha = gl.exp2(b_m - b_m_use)
+                b_w = gl.exp2(b_lse2 - gl.expand_dims(b_m_use, 0))
+                b_acc = (b_acc * gl.expand_dims(gl.convert_layout(b_alpha, ROW_RD), 1)
+                         + gl.sum(gl.expand_dims(b_w, 2) * b_part, axis=0))
+                b_l = b_l * b_alpha + gl.sum(b_w, axis=0)
+                b_m = b_m_new
+            has_key = b_l > 0
+            b_l_safe = gl.where(has_key, b_l, 1.0)
+            o_t = (qo_start + row // H).to(gl.int64)
+            gl.store(lse + o_t * stride_lt + (row % H) * stride_lh,
+                     gl.where(has_key, (b_m + gl.log2(b_l_safe)) * 0.6931471805599453, float("-inf")), mask=row < n_rows)
+            row_d = gl.convert_layout(row, ROW_RD)
+            o_td = gl.convert_layout(o_t, ROW_RD)
+            p_out = out + gl.expand_dims(o_td * stride_ot + (row_d % H) * stride_oh, 1) + gl.expand_dims(o_d, 0)
+            b_o = b_acc / gl.expand_dims(gl.convert_layout(b_l_safe, ROW_RD), 1)
+            gl.store(p_out, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(row_d < n_rows, 1))
+            first, count, i_b, row0 = first_next, count_next, i_b_next, row0_next
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -470,7 +540,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> PlannedLaunch:
-    """The Hopper kernel on the plan's segments, then the combine kernel, laid out for every call
+    """The Hopper kernel on the plan's segments (and the combine kernel), laid out for every call
     with the signature of these tensors (see :func:`~.combine.prepare_planned`).
 
     Same arguments as :func:`kdtree_engine.verify.triton_flash.prepare` (inputs already checked

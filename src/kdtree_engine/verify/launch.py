@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args)`` binds and specialises every argument on every call before it reaches the
 compiled kernel's C launcher (tens of microseconds on a slow host, for each of a verify call's
-two launches). A :class:`Launcher` makes the first launch of each specialisation that way and
+launches). A :class:`Launcher` makes the first launch of each specialisation that way and
 keeps the compiled kernel it returns; a later launch with the same key calls the compiled
 kernel's launcher directly (on the current device and stream, as Triton does).
 

@@ -107,7 +107,7 @@ def resolve(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, config: FlashC
     return "flash"
 
 
-@torch.library.custom_op("kdtree::verify_attention", mutates_args=("partial_out", "partial_lse"))
+@torch.library.custom_op("kdtree::verify_attention", mutates_args=("grid_barrier", "partial_out", "partial_lse"))
 def verify_attention_op(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -119,6 +119,7 @@ def verify_attention_op(
     segments: torch.Tensor,
     groups: torch.Tensor,
     group_count: torch.Tensor,
+    grid_barrier: torch.Tensor,
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     sm_scale: float,
@@ -136,7 +137,9 @@ def verify_attention_op(
     tables belong to; the call is checked against its host lengths here, when it runs
     (:meth:`~kdtree_engine.verify.plan.VerifyPlan.check_fits`: the rows, the mask and the page
     table wide enough), not where it is traced.
-    The combine kernel always runs (the host count of split groups does not cross the op)."""
+    A separate combine kernel always runs where the kernel does not merge its splits itself (the
+    host count of split groups does not cross the op); ``grid_barrier`` is the word of a fused
+    kernel's grid barrier (see :mod:`.combine`)."""
     T, H, _ = q.shape
     plan = plan_of(plan_serial)
     if plan is not None:
@@ -144,8 +147,8 @@ def verify_attention_op(
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
-                         group_count, partial_out, partial_lse, num_groups=None, segment_rows=segments.unbind(0),
-                         group_rows=groups.unbind(0))
+                         group_count, grid_barrier, partial_out, partial_lse, num_groups=None,
+                         segment_rows=segments.unbind(0), group_rows=groups.unbind(0))
     launch(resolve(kernel, q, kv_cache, tables.config), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
            sm_scale, out, lse, tables)
     return out, lse
@@ -153,6 +156,6 @@ def verify_attention_op(
 
 @verify_attention_op.register_fake
 def _(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, prog_first_seg, segments, groups, group_count,
-      partial_out, partial_lse, sm_scale, kernel, block_m, block_n, num_warps, num_stages, plan_serial=-1):
+      grid_barrier, partial_out, partial_lse, sm_scale, kernel, block_m, block_n, num_warps, num_stages, plan_serial=-1):
     T, H, _ = q.shape
     return q.new_empty(T, H, D_V), q.new_empty(T, H, dtype=torch.float32)

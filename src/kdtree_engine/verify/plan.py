@@ -9,7 +9,8 @@ matrix problem ``[n_b*H, 576] x [576, kv_len_b]``, packed into row blocks of ``B
 KV tiles of ``BLOCK_N`` positions. The kernel is persistent: the plan cuts all (sequence, row
 block, KV tile) work into as many near-equal shares as the GPU runs programs at once (see
 :func:`schedule`); a share is a list of segments, each a row block against a KV range. A row
-block whose KV is cut into several segments writes partials, merged by the combine kernel.
+block whose KV is cut into several segments writes partials, merged by the kernel's own programs
+after a grid barrier or by the combine kernel (see :mod:`.combine`).
 
 A :class:`VerifyPlan` owns every buffer the kernels read besides the caller's tensors, allocated
 once at construction for its maxima; :meth:`VerifyPlan.plan` writes a new step's schedule into
@@ -356,7 +357,8 @@ class FlashTables(NamedTuple):
     prog_first_seg: torch.Tensor  # [P + 1] int32: program p runs segments [first[p], first[p+1]); P = the grid
     segments: torch.Tensor  # [5, S] int32: seq, row0, kv_start, kv_end, partial slot (-1: writes out/lse)
     groups: torch.Tensor  # [4, G] int32: seq, row0, first partial slot, split count
-    group_count: torch.Tensor  # [1] int32: groups in use (the combine kernel's grid is fixed)
+    group_count: torch.Tensor  # [1] int32: groups in use (the merge's grid is fixed)
+    grid_barrier: torch.Tensor  # [1] int32: the word of a kernel's grid barrier before its own combine
     partial_out: torch.Tensor  # [4 * P, BLOCK_M, 512] float32
     partial_lse: torch.Tensor  # [4 * P, BLOCK_M] float32 (log2 units)
     num_groups: int | None  # groups in use, when the host knows it (None: launch the combine anyway)
@@ -388,8 +390,10 @@ class VerifyPlan:
     Device buffers (fixed addresses for the object's life): one int32 block holding the lengths
     (``kv_lens [max_batch]``, ``qo_indptr [max_batch + 1]``) and the schedule tables, and the
     partials ``[4 * P, BLOCK_M, 512]`` + ``[4 * P, BLOCK_M]`` float32 (P = programs of the grid:
-    a schedule has at most 2P more segments than row blocks, so at most 4P partials). Calls that
-    share a plan must run one after another on one stream (they share the partials).
+    a schedule has at most 2P more segments than row blocks, so at most 4P partials), and the word
+    of the kernels' grid barrier (:func:`~kdtree_engine.verify.combine.grid_barrier`; a host plan's
+    copy writes 0 over it, which any finished barrier leaves as good). Calls that share a plan must
+    run one after another on one stream (they share the partials and the barrier).
 
     ``schedule_cache``: schedules kept by (row blocks, KV tiles) per sequence (host memory only;
     0: compute every plan's schedule). ``costs``: the host schedule's cost model (default: that of
@@ -427,7 +431,7 @@ class VerifyPlan:
         seg_cap = _pad4(self.max_row_blocks + 2 * P)
         self._part_cap, grp_cap = 4 * P, _pad4(2 * P)
         sizes = {"kv_lens": max_batch, "qo_indptr": max_batch + 1, "prog_first_seg": P + 1, "group_count": 1,
-                 "segments": 5 * seg_cap, "groups": 4 * grp_cap}
+                 "grid_barrier": 1, "segments": 5 * seg_cap, "groups": 4 * grp_cap}
         offsets, n = {}, 0
         for name, size in sizes.items():
             offsets[name] = n
@@ -457,6 +461,7 @@ class VerifyPlan:
                 segments=segments,
                 groups=groups,
                 group_count=view(self._dev, "group_count", (1,)),
+                grid_barrier=view(self._dev, "grid_barrier", (1,)),
                 partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
                 partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
                 num_groups=0,
@@ -586,7 +591,7 @@ class VerifyPlan:
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
         or the KV lengths (:attr:`num_rows`, :attr:`max_nodes`, :attr:`max_kv_len` are None, and
-        the combine kernel always runs). Malformed lengths are clamped, never written past the
+        the merge of the splits always runs). Malformed lengths are clamped, never written past the
         tables, and give wrong results: check them with
         :func:`~kdtree_engine.verify.contract.check_lengths` (one sync) where that matters.
 

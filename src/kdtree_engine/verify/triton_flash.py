@@ -14,12 +14,14 @@ block of a sequence against a KV range:
 - only tiles that reach the last ``n_b`` positions (the tree) or the end of the split apply a mask;
   prefix tiles run unmasked;
 - a segment that covers its row block's whole KV writes the final ``out``/``lse``; otherwise it
-  writes a normalised partial and its log2-sum-exp, merged by :func:`_combine_kernel`.
+  writes a normalised partial and its log2-sum-exp, merged after a grid barrier by the kernel's
+  own programs, or by the combine kernel (:mod:`.combine` says which).
 
 The work list comes from a :class:`~kdtree_engine.verify.plan.VerifyPlan` (the layer below),
 computed on the host once per model step and reused by every layer; a launch does no host sync,
 both grids are fixed by the plan's buffers (programs without work exit), so a CUDA graph captured
-around it replays correctly after a new plan. No atomics: results are bitwise deterministic.
+around it replays correctly after a new plan. Bitwise deterministic (the only atomics are the
+grid barrier's; every sum has a fixed order).
 
 Imports the contract and the plan; never the API.
 """
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .combine import PlannedLaunch, prepare_planned
+from .combine import PlannedLaunch, combine_items, grid_barrier, prepare_planned
 from .contract import D_QK, D_V
 from .launch import Launcher
 from .plan import FlashTables
@@ -168,6 +170,7 @@ def _verify_flash_kernel(
     q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
     prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
     partial_out, partial_lse,
+    group_seq, group_row0, group_first, group_splits, num_groups, barrier_word,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
     stride_pt, stride_pp,
@@ -183,8 +186,13 @@ def _verify_flash_kernel(
     D_LATENT: tl.constexpr,
     D_ROPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FUSE_COMBINE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``."""
+    """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``,
+    then with ``FUSE_COMBINE`` (a cooperative launch) the grid barrier and its share of the merge
+    of the split row blocks (:mod:`.combine`), when the plan split any."""
     i_p = tl.program_id(0)
     for i_s in range(tl.load(prog_first_seg + i_p), tl.load(prog_first_seg + i_p + 1)):
         _attend_segment(
@@ -195,6 +203,13 @@ def _verify_flash_kernel(
             stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
             H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LATENT, D_ROPE, DOT_FP32,
         )
+    if FUSE_COMBINE:
+        if tl.load(num_groups) > 0:
+            grid_barrier(barrier_word)
+            combine_items(i_p, tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
+                          group_seq, group_row0, group_first, group_splits, num_groups,
+                          stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LATENT, BLOCK_S,
+                          BLOCK_R)
 
 
 _FLASH = Launcher(_verify_flash_kernel)
@@ -203,7 +218,7 @@ _DOT_FP32 = interpreting()  # decided once, before Triton loaded (backend.select
 
 def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse,
             plan: FlashTables) -> PlannedLaunch:
-    """The flash kernel on ``plan.num_programs`` programs, then the combine kernel, laid out for
+    """The flash kernel on ``plan.num_programs`` programs (and the combine kernel), laid out for
     every call with the signature of these tensors (see :func:`~.combine.prepare_planned`).
 
     Inputs already checked against the contract (:func:`~kdtree_engine.verify.contract.check_inputs`)
