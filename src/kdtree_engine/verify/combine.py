@@ -39,20 +39,22 @@ FUSED_COMBINE = True  # merge inside the kernel where it can (False: always the 
 
 
 @triton.jit
-def grid_barrier(word):
-    """Wait until every program of the grid has reached this point; what each wrote before is
-    visible to all after (the launch must be cooperative: a program that never runs would hang the
-    others). Also called from Gluon kernels (scalar code only).
+def grid_barrier(word, me, parties):
+    """Wait until all ``parties`` callers have reached this point (``me``: this one's index in
+    ``0..parties-1``: the program's in a grid, or a warp group's when each program's warp groups
+    arrive apart); what each wrote before is visible to all after. The launch must be cooperative
+    (a program that never runs would hang the others). Also called from Gluon kernels and their
+    partitions (scalar code only).
 
     ``word``: an int32 that only this barrier changes, any value at the start. Sense reversal on its
-    top bit (as CUDA's cooperative groups do): program 0 adds ``2^31 - (P - 1)``, the others 1, so
-    the top bit flips exactly when the last program arrives and the low bits come back to where they
-    were: no reset, no overflow, reusable by the next launch. One release add per program (after a
-    block barrier, so that it publishes every thread's writes), then acquire reads until the flip."""
-    P = tl.num_programs(0)
+    top bit (as CUDA's cooperative groups do): party 0 adds ``2^31 - (parties - 1)``, the others 1,
+    so the top bit flips exactly when the last arrives and the low bits come back to where they
+    were: no reset, no overflow, reusable by the next launch. One release add per party (after a
+    barrier of its threads, so that it publishes all their writes), then acquire reads until the
+    flip."""
     top = -2147483647 - 1
     tl.debug_barrier()
-    seen = tl.atomic_add(word, tl.where(tl.program_id(0) == 0, (1 - P) ^ top, 1), sem="release", scope="gpu")
+    seen = tl.atomic_add(word, tl.where(me == 0, (1 - parties) ^ top, 1), sem="release", scope="gpu")
     now = seen
     while (now ^ seen) >= 0:  # same top bit: not every program has arrived
         now = tl.atomic_add(word, 0, sem="acquire", scope="gpu")

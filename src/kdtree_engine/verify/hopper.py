@@ -448,7 +448,7 @@ if HAVE_GLUON:
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
         if FUSE_COMBINE:
             if gl.load(num_groups) > 0:
-                grid_barrier(barrier_word)
+                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
                 _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                                group_seq, group_row0, group_first, group_splits, num_groups,
                                stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, BLOCK_S,

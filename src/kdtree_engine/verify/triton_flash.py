@@ -205,7 +205,7 @@ def _verify_flash_kernel(
         )
     if FUSE_COMBINE:
         if tl.load(num_groups) > 0:
-            grid_barrier(barrier_word)
+            grid_barrier(barrier_word, i_p, tl.num_programs(0))
             combine_items(i_p, tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                           group_seq, group_row0, group_first, group_splits, num_groups,
                           stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LATENT, BLOCK_S,
