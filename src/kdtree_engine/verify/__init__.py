@@ -6,7 +6,9 @@
   laid out once per call signature (:class:`~.launch.Launch`);
 - :mod:`.scheduler`: the device scheduler (a plan's tables from device lengths, no sync);
 - :mod:`.plan`: tile configs, the persistent schedule, the workspace (:class:`VerifyPlan`);
-- :mod:`.combine`: the kernel that merges a plan's KV splits (shared by the planned kernels);
+- :mod:`.combine`: merging a plan's KV splits (shared by the planned kernels): the grid barrier
+  and merge a kernel runs itself after its segments (one launch per call on a GPU), and the
+  combine kernel where it cannot;
 - :mod:`.triton_naive`, :mod:`.triton_flash`, :mod:`.hopper`: one module per kernel implementation
   (the Triton oracle, the portable Triton flash kernel, the Gluon sm_90a kernel), each a
   ``prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan)``
