@@ -46,10 +46,11 @@ def grid_barrier(word, me, parties):
     (a program that never runs would hang the others). Also called from Gluon kernels and their
     partitions (scalar code only).
 
-    ``word``: an int32 that only this barrier changes, any value at the start. Sense reversal on its
-    top bit (as CUDA's cooperative groups do): party 0 adds ``2^31 - (parties - 1)``, the others 1,
-    so the top bit flips exactly when the last arrives and the low bits come back to where they
-    were: no reset, no overflow, reusable by the next launch. One release add per party (after a
+    ``word``: an int32 that only this barrier changes, 0 or ``-2^31`` at the start (its low 31 bits
+    zero; a new plan's is 0). Sense reversal on its top bit (as CUDA's cooperative groups do):
+    party 0 adds ``2^31 - (parties - 1)``, the others 1, so the low bits carry into the top bit
+    exactly when the last arrives and come back to zero: no reset, no overflow, reusable by the
+    next launch. One release add per party (after a
     barrier of its threads, so that it publishes all their writes), then acquire reads until the
     flip."""
     top = -2147483647 - 1
