@@ -8,7 +8,6 @@ The fused merge itself needs every program resident at once: tested on the GPU
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 from conftest import DEVICE
 from kdtree_engine.verify.combine import grid_barrier
