@@ -50,14 +50,13 @@ def grid_barrier(word, me, parties):
     zero; a new plan's is 0). Sense reversal on its top bit (as CUDA's cooperative groups do):
     party 0 adds ``2^31 - (parties - 1)``, the others 1, so the low bits carry into the top bit
     exactly when the last arrives and come back to zero: no reset, no overflow, reusable by the
-    next launch. One release add per party (after a
-    barrier of its threads, so that it publishes all their writes), then acquire reads until the
-    flip."""
+    next launch. One release add per party (after a barrier of its threads, so that it publishes
+    all their writes), then acquire reads until the flip."""
     top = -2147483647 - 1
     tl.debug_barrier()
     seen = tl.atomic_add(word, tl.where(me == 0, (1 - parties) ^ top, 1), sem="release", scope="gpu")
     now = seen
-    while (now ^ seen) >= 0:  # same top bit: not every program has arrived
+    while (now ^ seen) >= 0:  # same top bit: not every party has arrived
         now = tl.atomic_add(word, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
