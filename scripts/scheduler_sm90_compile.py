@@ -2,6 +2,7 @@
 without a GPU, and print registers, spills and shared memory.
 
     PYTHONPATH=src python scripts/scheduler_sm90_compile.py [--max-batch 1,4,64] [--programs 132] [--block-s 32]
+        [--num-warps 8]
 
 The kernel is compiled with the constexprs and warps a :class:`DeviceScheduler` picks for a plan
 of ``max_batch`` sequences of up to 65 nodes at 128 heads on the H200's config (64 x 64 tiles) and
@@ -26,6 +27,7 @@ def main() -> int:
     ap.add_argument("--max-batch", default="1,4,64")
     ap.add_argument("--programs", type=int, default=132)
     ap.add_argument("--block-s", type=int, default=scheduler.BLOCK_S)
+    ap.add_argument("--num-warps", type=int, default=scheduler.NUM_WARPS)
     a = ap.parse_args()
     fn = scheduler._schedule_kernel
     types = {n: "*i32" for n in fn.arg_names}
@@ -35,10 +37,11 @@ def main() -> int:
         fill = scheduler.AUTO_MIN_FILL_TENTHS if parts else 0  # "auto" ("parts" differs in this constant only)
         p = VerifyPlan(max_batch, 65, 128, "cpu", config=CONFIGS[0], num_programs=a.programs)
         s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
-                                      max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s)
+                                      max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s,
+                                      num_warps=a.num_warps)
         consts = s._const | {"PARTS": parts, "MIN_FILL_TENTHS": fill}  # the constexprs and warps the launch passes
         cases.append((f"{fn.__name__} ({'line + parts' if parts else 'line'}, max_batch {max_batch}, P {a.programs}, "
-                       f"{a.block_s} pieces per program)", fn,
+                       f"{a.block_s} pieces per program, {a.num_warps} warps)", fn,
                       types, {k: v for k, v in consts.items() if k != "num_warps"}, consts["num_warps"]))
     return 1 if report(cases, divisible_ints=False) else 0
 

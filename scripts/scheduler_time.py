@@ -7,8 +7,8 @@ against the host's tables of the same schedule.
 Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
 and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
 :mod:`kdtree_engine.verify.scheduler` does; ``module:N`` passes ``block_s=N``, the pieces per
-program): the module's scheduler launches for a plan of
-``max_batch`` 64 and ``max_tree_nodes`` 65 (one plan per head count, the device's config and
+program, ``module:N:W`` also ``num_warps=W``): the module's scheduler launches for a plan of
+``--max-batch`` 64 and ``--max-tree-nodes`` 65 (one plan per head count, the device's config and
 grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
 fastest replay per call in us. The tables the last replay wrote are compared with the host's
 tables of ``--schedule`` (the line schedule, or the KV parts schedule where it applies:
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="scheduler calls per graph")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--max-batch", type=int, default=MAX_BATCH, help="the plans' max_batch (at least every B)")
+    ap.add_argument("--max-tree-nodes", type=int, default=MAX_TREE_NODES, help="the plans' max_tree_nodes")
     ap.add_argument("--schedule", default="line", choices=("line", "parts", "auto"), help="what the scheduler writes")
     a = ap.parse_args()
     cpu = a.device == "cpu"
@@ -69,7 +71,7 @@ def main() -> None:
     for B, H, n, prefix in shapes:
         if H not in plans:
             kw = dict(config=CONFIGS[0], num_programs=132) if cpu else {}
-            plans[H] = VerifyPlan(MAX_BATCH, MAX_TREE_NODES, H, a.device, **kw)
+            plans[H] = VerifyPlan(a.max_batch, a.max_tree_nodes, H, a.device, **kw)
         p = plans[H]
         kv_host, n_host = np.full(B, prefix + n), np.full(B, n)
         kv = torch.tensor(kv_host, dtype=torch.int32, device=a.device)
@@ -78,14 +80,16 @@ def main() -> None:
         S, G = seg.shape[1], grp.shape[1]
         cells = []
         for spec in modules:
-            name, _, block_s = spec.partition(":")
+            name, _, tail = spec.partition(":")
+            block_s, _, warps = tail.partition(":")
             cls = importlib.import_module(name).DeviceScheduler
             # an older scheduler's scratch: room for its per-sequence and per-program arrays
-            scratch = ((torch.empty(16 * (MAX_BATCH + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
+            scratch = ((torch.empty(16 * (a.max_batch + 1) + 8 * (p.num_programs + 2), dtype=torch.int64,
                                     device=a.device),) if "scratch" in inspect.signature(cls).parameters else ())
-            sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=MAX_BATCH,
-                        max_tree_nodes=MAX_TREE_NODES, min_split=MIN_SPLIT_TILES,
-                        **(dict(block_s=int(block_s)) if block_s else {}))
+            sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=a.max_batch,
+                        max_tree_nodes=a.max_tree_nodes, min_split=MIN_SPLIT_TILES,
+                        **(dict(block_s=int(block_s)) if block_s else {}),
+                        **(dict(num_warps=int(warps)) if warps else {}))
             launch = sched.prepare(kv, qo, **(dict(schedule=a.schedule) if a.schedule != "line" else {}))
             ptrs = (kv.data_ptr(), qo.data_ptr())
             p.tables.segments.fill_(-9)

@@ -59,6 +59,7 @@ __all__ = ["DeviceScheduler"]
 
 # pieces per program (8 warps: one piece per lane; no spills on sm_90a up to P = 300, where 64 spill)
 BLOCK_S = 32
+NUM_WARPS = 8
 # schedule "auto": the KV parts schedule only where its G = pe // L parts of L programs keep at least
 # this many tenths of the pe programs busy. Against the line schedule under the plan's cost model
 # (2,500 random equal-tree batches, B 1-64, H 8-128, trees 1-129 nodes, KV to 200k, 132 and 264
@@ -366,16 +367,16 @@ class DeviceScheduler:
     """The scheduler launch of one plan: write the line (or KV parts) schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
     :class:`~kdtree_engine.verify.plan.FlashTables`), ``block_s`` pieces per program (a power of
-    two, at least 32). Everything but the lengths is fixed at construction (a launch costs only its
-    arguments)."""
+    two, at least 32) and ``num_warps`` warps. Everything but the lengths is fixed at construction (a
+    launch costs only its arguments)."""
 
     def __init__(self, kv_out, qo_out, tables, *, num_heads: int, max_batch: int, max_tree_nodes: int,
-                 min_split: int, block_s: int = BLOCK_S):
+                 min_split: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS):
         cfg, P = tables.config, tables.num_programs
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
         self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
                            BLOCK_B=triton.next_power_of_2(max_batch), BLOCK_P=triton.next_power_of_2(P + 2),
-                           BLOCK_S=block_s, num_warps=8)
+                           BLOCK_S=block_s, num_warps=num_warps)
         self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, *self._const.values())
         self._grid = (triton.cdiv(seg_cap, block_s),)
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, *tables.segment_rows,
