@@ -98,9 +98,12 @@ class ScheduleCosts(NamedTuple):
 # schedule that run 20 measured 14% faster, so it is not taken). A schedule whose programs read the
 # same KV at different times is HBM-bound when it reads more than hbm_tiles_per_tile tiles per tile
 # time (run 18's batch-4 shapes with few row blocks per sequence on the Hopper kernel: 1.36-1.50x
-# FlashMLA; run 20 with the parts schedule: 1.09-1.25x).
+# FlashMLA; run 20 with the parts schedule: 1.09-1.25x). The Hopper kernel slows down before HBM
+# is saturated: at 64x9x1x131072 and 16x33x1x131072 the line schedule, reading 10,789 tiles (795 MB)
+# from HBM in 301 us (2.6 TB/s), ran 2-7% slower than the parts schedule, which reads 2,049 (run 31);
+# so its HBM term counts 72 tiles per tile time (2.9 TB/s at 1.85 us per tile) where 90 said 3.6.
 TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
-HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=90)
+HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
@@ -165,10 +168,13 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
     tiles per tile time).
 
     The traffic counts a KV tile once for all pieces that read it at about the same time (their
-    programs then share it in L2): pieces of one sequence whose ``t0 - start`` (``start``: the
-    piece's start time in its program) lie within :data:`L2_STEP_TOLERANCE` tiles of each other
-    form one stream, which reads ``max t1 - min t0`` tiles. Programs that read the same KV at
-    different offsets each read it from HBM."""
+    programs then share it in L2): the pieces of one sequence whose ``t0 - start`` (``start``: the
+    piece's start time in its program) fall in the same window of :data:`L2_STEP_TOLERANCE` + 1
+    tiles (counted from the sequence's smallest) form one stream, which reads ``max t1 - min t0``
+    tiles. Programs that read the same KV at offsets further apart each read it from HBM. (Windows,
+    not chains of neighbours: programs whose offsets drift by a few tiles each, as the line
+    schedule's do when its columns and shares differ, were one stream however far the first and
+    the last were apart.)"""
     if len(pieces.prog) == 0:
         return 0
     seq, _, t0, t1, prog = pieces
@@ -178,15 +184,14 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
     new_prog = np.diff(prog, prepend=-1) != 0  # pieces are sorted by program
     start = begin - begin[new_prog][np.cumsum(new_prog) - 1]
     offset = t0 - start
-    order = np.lexsort((offset, seq))
-    seq_o, off_o = seq[order], offset[order]
-    new = np.ones(len(order), dtype=bool)
-    new[1:] = (seq_o[1:] != seq_o[:-1]) | (off_o[1:] - off_o[:-1] > L2_STEP_TOLERANCE)
-    stream = np.cumsum(new) - 1
-    lo = np.full(stream[-1] + 1, np.iinfo(np.int64).max)
-    hi = np.zeros(stream[-1] + 1, dtype=np.int64)
-    np.minimum.at(lo, stream, t0[order])
-    np.maximum.at(hi, stream, t1[order])
+    least = np.full(int(seq.max()) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(least, seq, offset)
+    window = (offset - least[seq]) // (L2_STEP_TOLERANCE + 1)
+    _, stream = np.unique(seq * (int(window.max()) + 1) + window, return_inverse=True)
+    lo = np.full(stream.max() + 1, np.iinfo(np.int64).max)
+    hi = np.zeros(stream.max() + 1, dtype=np.int64)
+    np.minimum.at(lo, stream, t0)
+    np.maximum.at(hi, stream, t1)
     return int(max(load.max(), (hi - lo).sum() / costs.hbm_tiles_per_tile))
 
 
