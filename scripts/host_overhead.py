@@ -6,7 +6,9 @@ lengths: the device scheduler's launch), ``VerifyAttention.run`` and unplanned `
 Two host times per call:
 
 - ``burst``: after a sync, ``--burst`` calls (a few launches each: the launch queue never fills),
-  the fastest of ``--repeats`` bursts, per call: what the host spends, whatever the GPU does;
+  the fastest of ``--repeats`` bursts, per call: what the host spends, whatever the GPU does
+  (``--gpu-busy-ms``: the sync waits that long for a GPU busy loop first, as it waits for the
+  kernels at long shapes: whether a host that idled in the wait then runs the burst slower);
 - ``b2b``: ``--calls`` calls back to back without a sync, per call (issue 12's measure). Once the
   launch queue is full the host waits for the GPU, so this is at least the GPU time per call,
   printed beside it (``gpu``, CUDA events around the same calls).
@@ -78,6 +80,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=1000, help="back-to-back calls (cuda) / calls per repeat (cpu)")
     p.add_argument("--burst", type=int, default=16, help="calls per burst (cuda)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--gpu-busy-ms", type=float, default=0.0, help="cuda: a GPU busy loop of about this "
+                   "long (at 1.98 GHz) before each burst's sync")
     p.add_argument("--unfused", action="store_true", help="the separate combine kernel after every kernel "
                    "(combine.FUSED_COMBINE = False: two launches per call, as before run 30)")
     a = p.parse_args()
@@ -108,7 +112,11 @@ def main() -> None:
         print(f"{'B':>3} {'H':>4} {'n':>4} {'prefix':>7} | {'plan kept':>9} {'device':>6} | {'checks':>6} {'lookup':>6} "
               f"{'launch':>6} {'rest':>5} {'run':>5} {'b2b':>6} {'gpu':>6} | {'no plan':>7} {'b2b':>6} {'gpu':>6} | "
               f"{'no plan / run':>13}")
-    sync = None if cpu else torch.cuda.synchronize
+    def busy_sync():
+        torch.cuda._sleep(int(a.gpu_busy_ms * 1.98e6))  # clock cycles
+        torch.cuda.synchronize()
+
+    sync = None if cpu else busy_sync if a.gpu_busy_ms > 0 else torch.cuda.synchronize
     clock = time.thread_time if cpu else time.perf_counter
     calls = a.calls if cpu else a.burst
     for shape in a.shapes.split(","):
