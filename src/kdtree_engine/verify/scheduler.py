@@ -63,9 +63,11 @@ NUM_WARPS = 8
 # schedule "auto": the KV parts schedule only where its G = pe // L parts of L programs keep at least
 # this many tenths of the pe programs busy. Against the line schedule under the plan's cost model
 # (2,500 random equal-tree batches, B 1-64, H 8-128, trees 1-129 nodes, KV to 200k, 132 and 264
-# programs): Hopper costs, parts taken in 1,647, cheaper by 1.25x median (2.18x at the 90th
-# percentile), dearer in 49 by at most 1.10x; Triton costs, 1.05x median, dearer in 232 by at most
-# 1.11x. Without the rule parts is dearer by up to 1.45x (L near P / 2 leaves programs idle).
+# programs; 2,062 with 2 L <= pe), as of run 31's model (L2 streams as windows, the Hopper kernel's
+# HBM term at 72 tiles per tile time): Hopper costs, parts taken in 1,656, cheaper by 3.0x median
+# (3.6x at the 90th percentile), dearer in 1 by 1.04x; Triton costs, 1.00x median, dearer in 746 by
+# at most 1.11x. Without the rule parts is dearer by up to 1.22x (Hopper) and 1.46x (Triton): L near
+# P / 2 leaves programs idle.
 AUTO_MIN_FILL_TENTHS = 9
 # the KV parts schedule runs in int32: taken only where the KV tiles of all sequences number fewer
 # (2**31 tiles of 64 tokens: more than any 64 sequences of int32 lengths hold), else the line
