@@ -176,7 +176,7 @@ def test_schedule_cost_counts_drifting_programs_as_separate_streams():
     their neighbours only: 40 programs, each 3 tiles further in than the one before (over 117 tiles
     in all), read it ~24 times from HBM, not once (a chain of neighbours within the tolerance was one
     stream). At 64 heads x 9 nodes x 131072 (one sequence, 9 row blocks) the line schedule drifts so
-    (its 15 columns of 137 tiles against shares of 140: run 31 measured it 3-7% slower than the KV
+    (its 15 columns of 137 tiles against shares of 140: run 31 measured it 2-7% slower than the KV
     parts schedule on the Hopper kernel), and the Hopper costs take parts there."""
     n, drift, length = 40, 3, 100
     t0 = np.arange(n) * drift
