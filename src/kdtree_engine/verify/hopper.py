@@ -44,7 +44,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import PlannedLaunch, grid_barrier, prepare_planned
+from .combine import LN2, PlannedLaunch, grid_barrier, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
 
@@ -368,7 +368,7 @@ if HAVE_GLUON:
                 p_out = out + gl.expand_dims(o_to * stride_ot + (o_mo % H) * stride_oh, 1) + gl.expand_dims(o_do, 0)
                 gl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rows_o)
                 if WG == 0:
-                    gl.store(lse + o_ts * stride_lt + (o_ms % H) * stride_lh, lse2 * 0.6931471805599453, mask=m_rows_s)
+                    gl.store(lse + o_ts * stride_lt + (o_ms % H) * stride_lh, lse2 * LN2, mask=m_rows_s)
             else:
                 o_po = i_part.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_O)
                 gl.store(partial_out + gl.expand_dims(o_po * D_LAT, 1) + gl.expand_dims(o_do, 0), b_o, mask=m_rows_o)
@@ -393,8 +393,9 @@ if HAVE_GLUON:
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
-        (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled for sm_90a: 20 B of spills): Q
-        ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
+        (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled
+        for sm_90a: 28 / 48 B of spill stores at page 64 / 1): Q ``[64, 512] + [64, 64]`` (its rope
+        columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
         max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
         partitions joined: the grid barrier and the program's share of the merge of the split row
@@ -505,7 +506,7 @@ if HAVE_GLUON:
             b_l_safe = gl.where(has_key, b_l, 1.0)
             o_t = (qo_start + row // H).to(gl.int64)
             gl.store(lse + o_t * stride_lt + (row % H) * stride_lh,
-                     gl.where(has_key, (b_m + gl.log2(b_l_safe)) * 0.6931471805599453, float("-inf")), mask=row < n_rows)
+                     gl.where(has_key, (b_m + gl.log2(b_l_safe)) * LN2, float("-inf")), mask=row < n_rows)
             row_d = gl.convert_layout(row, ROW_RD)
             o_td = gl.convert_layout(o_t, ROW_RD)
             p_out = out + gl.expand_dims(o_td * stride_ot + (row_d % H) * stride_oh, 1) + gl.expand_dims(o_d, 0)
