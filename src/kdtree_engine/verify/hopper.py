@@ -37,6 +37,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -230,6 +231,34 @@ if HAVE_GLUON:
         return warpgroup_mma_wait(0, deps=[b_s])
 
     @gluon.jit
+    def _qk_after_pv(s_q, q_rope, k_lat, k_rope, bars, phase, acc, p1, v1, pending,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
+        """Consumer 0's QK of its next tile (as :func:`_qk_chunks`), with its PV on the previous
+        step's P1 (``pending``) issued ahead of it and retired once the QK's first two wgmmas are
+        issued (then stage 1's left half is released), so the tensor cores have the QK queued
+        behind the PV, as FlashMLA's warpgroup 0 does."""
+        acc = warpgroup_mma_init(acc)
+        if pending:
+            acc = warpgroup_mma(p1, v1, acc, is_async=True)
+        mbarrier.wait(bars[_FULL + _LEFT], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q.slice(0, HALF, dim=1), k_lat.slice(0, HALF, dim=1).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
+        mbarrier.wait(bars[_FULL + _ROPE], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+        acc = warpgroup_mma_wait(2, deps=[acc])  # the PV (when issued) has retired
+        if pending:
+            mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
+        mbarrier.wait(bars[_FULL + _RIGHT], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q.slice(HALF, HALF, dim=1), k_lat.slice(HALF, HALF, dim=1).permute((1, 0)), b_s,
+                            is_async=True)
+        b_s = warpgroup_mma_wait(1, deps=[b_s])
+        mbarrier.arrive(bars[_EMPTY + _ROPE])
+        return warpgroup_mma_wait(0, deps=[b_s]), acc
+
+    @gluon.jit
     def _ws_consumer(kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
                      seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
                      s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
@@ -241,9 +270,11 @@ if HAVE_GLUON:
 
         Per step j: S = Q K^T of its own tile (64 x 64; the K chunks waited one by one), then the max
         chain: consumer 0 publishes m0 = max(m, rowmax S0) and issues ``O[:, 0:256] += P0 V0`` at once;
-        consumer 1 publishes m1 = max(m0, rowmax S1), stores P1 over its tile's rope chunk and issues
-        ``O[:, 256:512] += P1 V1 + P0 V0``; consumer 0 rescales P0 (stored over its rope chunk), O and its
-        row sums to m1, then adds ``P1 V1``. Own P comes from registers, the other's from shared memory.
+        consumer 1 publishes m1 = max(m0, rowmax S1), stores P1 over Q's rope columns and issues
+        ``O[:, 256:512] += P1 V1 + P0 V0``; consumer 0 rescales P0 (stored in its own buffer), O and its
+        row sums to m1, and issues ``O[:, 0:256] += P1 V1`` at the start of step j + 1, ahead of that
+        step's QK (:func:`_qk_after_pv`; the segment's last one after its loop). Own P comes from
+        registers, the other's from shared memory.
         Each consumer owns half of the 512 output columns (128 fp32 registers per thread) and its own
         row sums (added up through shared memory at the segment's end). A chunk is released as soon as
         its last reader is done.
@@ -281,6 +312,7 @@ if HAVE_GLUON:
             mbarrier.wait(bars[_Q_FULL], n_seg & 1)
             n_seg += 1
             q_rope = s_q_rope.index(0).load(Q_DOT)
+            pending = False  # consumer 0: its PV on the last step's P1 is still to be issued
             for j in range(gl.cdiv(n_tiles, 2)):
                 start = kv_start + (2 * j + WG) * BLOCK_N
                 has_own = 2 * j + WG < n_tiles  # always true for consumer 0
@@ -291,8 +323,14 @@ if HAVE_GLUON:
                     # of the QK are hoisted out of the loop and spilled (1 KB of local memory reloaded
                     # before every QK: 10.6k instead of 6.3k cycles per step on the H200, perf log run 17)
                     zero = j >> 30
-                    b_s = _qk_chunks(s_q.index(zero), q_rope, s_k_lat.index(WG + zero),
-                                     s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
+                    if WG == 0:
+                        b_s, acc = _qk_after_pv(s_q.index(zero), q_rope, s_k_lat.index(zero), s_k_rope.index(zero), bars,
+                                                own_uses & 1, acc, s_q_rope.index(zero),
+                                                s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending,
+                                                BLOCK_M, BLOCK_N, HALF, S_L)
+                    else:
+                        b_s = _qk_chunks(s_q.index(zero), q_rope, s_k_lat.index(WG + zero),
+                                         s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
                     own_uses += 1
                     b_s = _mask_scores(b_s * scale_log2, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
                                        mask_words, stride_mw, BLOCK_N, S_L)
@@ -322,9 +360,7 @@ if HAVE_GLUON:
                     mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
                     acc = acc * gl.expand_dims(gl.convert_layout(corr, ROW_O), 1)
                     mbarrier.wait(bars[_P_READY + 1], steps & 1)
-                    if has_other:
-                        acc = warpgroup_mma(s_q_rope.index(0), v_other, acc)  # P1 over Q's rope columns
-                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
+                    pending = has_other  # its PV on P1 (over Q's rope columns): issued ahead of the next QK
                 else:
                     # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
                     mbarrier.wait(bars[_M_READY + 0], steps & 1)
@@ -353,6 +389,10 @@ if HAVE_GLUON:
                         acc = warpgroup_mma(s_p0, v_other, acc)
                     mbarrier.arrive(bars[_EMPTY + 3 * 0 + _RIGHT])
                 steps += 1
+            if WG == 0:
+                if pending:  # the segment's last P1
+                    acc = warpgroup_mma(s_q_rope.index(0), s_k_lat.index(1).slice(0, HALF, dim=1), acc)
+                    mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
             mbarrier.arrive(bars[_Q_EMPTY])
             # one row-sum swap per segment: n_seg - 1 swaps came before this one
             l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
@@ -394,7 +434,7 @@ if HAVE_GLUON:
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
         (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled
-        for sm_90a: 28 / 48 B of spill stores at page 64 / 1): Q ``[64, 512] + [64, 64]`` (its rope
+        for sm_90a: 32 / 52 B of spill stores at page 64 / 1): Q ``[64, 512] + [64, 64]`` (its rope
         columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
         max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
