@@ -8,7 +8,7 @@ import torch
 import triton
 from kdtree_engine import VerifyAttention
 from kdtree_engine.bench.shapes import Shape, build_case
-from kdtree_engine.verify.launch import current_stream
+from kdtree_engine.verify.launch import current_device, current_stream
 
 @triton.jit
 def _empty(x):
@@ -17,7 +17,7 @@ def _empty(x):
 x = torch.zeros(16, device="cuda")
 k = _empty[(1,)](x)
 def empty():
-    k.run(1, 1, 1, current_stream(0), k.function, k.packed_metadata, None, None, None, x.data_ptr())
+    k.run(1, 1, 1, current_stream(current_device()), k.function, k.packed_metadata, None, None, None, x.data_ptr())
 
 sh = Shape(batch=1, q_len=9, heads=16, prefix=1024, page_size=64, tree="chain")
 case = build_case(sh, "cuda", n_sets=1)
