@@ -5,8 +5,8 @@
 
 The kernel is not changed for this: the script copies ``verify/hopper.py``'s source (or a variant's,
 ``--kernel``: a whole ``hopper.py`` of another branch, as ``scripts/ab_hopper.py`` takes; its stamped
-copy must not make ptxas serialize the wgmmas, info C7514, or its timeline says nothing: the stamped
-``hopper-qk-ahead`` does, the stamped main kernel does not), adds a
+copy must not make ptxas serialize the wgmmas, infos C7514 / C7515, or its timeline says nothing:
+check with ``scripts/hopper_sm90_compile.py --stamped``; the stamped main kernel compiles clean), adds a
 ``trace`` pointer to the kernel and the consumer partitions and a stamp (one ``%clock64`` read,
 stored by every thread of the warpgroup to the same address) at the points below, imports the
 copy from a temporary file and runs it on the plan of each shape (the combine kernel is not run:
@@ -16,9 +16,10 @@ script stops: the kernel changed (tests/test_verify_hopper.py checks the anchors
 Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
 s of both consumers is the same tile pair):
 
-- consumer 0: 0 step start, 1 first K chunk of its tile landed, 2 S = QK^T done, 3 its row max m0
-  published, 4 own PV issued, 5 consumer 1's max m1 received, 6 P0 published, 7 own PV retired,
-  8 consumer 1's P received, 9 step end (other PV done);
+- consumer 0: 0 step start, 1 first K chunk of its tile landed (after its PV on the last step's P1
+  was issued, in ``_qk_after_pv``), 2 S = QK^T done, 3 its row max m0 published, 4 own PV issued,
+  5 consumer 1's max m1 received, 6 P0 published, 7 own PV retired, 8 consumer 1's P received, 9
+  step end (its PV on P1 is issued at the next step's start);
 - consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's max m0 received,
   4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
   PVs retired, 9 step end;
@@ -106,8 +107,9 @@ EDITS = [
      "                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n", 1),
     ("                    zero = j >> 30\n",
      "                    zero = j >> 30\n"
-     "                    mbarrier.wait(bars[_FULL + 3 * WG + _LEFT + WG], own_uses & 1)\n"
-     "                    _stamp(trace, steps, 1, WG)\n", 1),
+     "                    if WG == 1:  # consumer 0 stamps it in _qk_after_pv, after issuing its pending PV\n"
+     "                        mbarrier.wait(bars[_FULL + 3 * WG + _LEFT + WG], own_uses & 1)\n"
+     "                        _stamp(trace, steps, 1, WG)\n", 1),
     ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
     # inside the QK: its rope chunk and its second latent half landed
     ("    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr,",
@@ -117,6 +119,17 @@ EDITS = [
      "        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)\n        _stamp(trace, steps, 10, WG)\n", 1),
     ("        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n",
      "        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n        _stamp(trace, steps, 11, WG)\n", 1),
+    # consumer 0's QK (behind its PV on the last step's P1): points 1, 10 and 11 at its waits
+    ("    def _qk_after_pv(s_q, q_rope, k_lat, k_rope, bars, phase, acc, p1, v1, pending,\n",
+     "    def _qk_after_pv(s_q, q_rope, k_lat, k_rope, bars, phase, acc, p1, v1, pending, trace, steps,\n", 1),
+    ("s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending,\n",
+     "s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending, trace, steps,\n", 1),
+    ("        mbarrier.wait(bars[_FULL + _LEFT], phase)\n",
+     "        mbarrier.wait(bars[_FULL + _LEFT], phase)\n        _stamp(trace, steps, 1, 0)\n", 1),
+    ("        mbarrier.wait(bars[_FULL + _ROPE], phase)\n",
+     "        mbarrier.wait(bars[_FULL + _ROPE], phase)\n        _stamp(trace, steps, 10, 0)\n", 1),
+    ("        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n",
+     "        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n        _stamp(trace, steps, 11, 0)\n", 1),
     # consumer 0
     ("                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
      "                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n                    _stamp(trace, steps, 3, WG)\n",
@@ -126,8 +139,9 @@ EDITS = [
      "                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
      "                    _stamp(trace, steps, 4, WG)\n"
      "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+    # (before the arrive: stamped after it, with point 7 behind, ptxas serialised the wgmmas, C7515)
     ("                    mbarrier.arrive(bars[_P_READY + 0])\n",
-     "                    mbarrier.arrive(bars[_P_READY + 0])\n                    _stamp(trace, steps, 6, WG)\n", 1),
+     "                    _stamp(trace, steps, 6, WG)\n                    mbarrier.arrive(bars[_P_READY + 0])\n", 1),
     ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n",
      "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 7, WG)\n"
      "                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n", 1),
@@ -261,6 +275,9 @@ def intervals(trace: torch.Tensor) -> dict:
     qk = {"rope-1": (10, 1), "second-rope": (11, 10), "2-second": (2, 11)}
     for wg in range(2):
         t = trace[:, wg]  # [P, S, N]
+        never = [k for k in range(NPOINTS) if not bool((t[..., k] >= 0).any())]
+        if never:  # no step of this consumer would count: the stamps no longer fit the kernel's code
+            raise ValueError(f"consumer {wg} never stamped points {never}: update EDITS for the kernel's code")
         full = (t >= 0).all(dim=2)
         nxt = torch.zeros_like(full)
         nxt[:, :-1] = full[:, 1:]

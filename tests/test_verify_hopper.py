@@ -138,3 +138,19 @@ def test_ab_script_applies_a_variant_diff(tmp_path):
         timeline.variant_source(f"{variants}:stale")
     with pytest.raises(SystemExit, match="no section"):
         timeline.variant_source(f"{variants}:absent")
+
+
+def test_timeline_refuses_a_consumer_with_points_never_stamped():
+    """A point no step of a consumer stamped (an anchor that moved out of the code that consumer runs,
+    as consumer 0's QK did into _qk_after_pv) would leave that consumer with no complete step and an
+    empty report: scripts/hopper_timeline.py stops instead, naming the points."""
+    timeline = _timeline_script()
+    n = timeline.NPOINTS
+    # 2 programs, 3 traces (consumers 0 and 1, the loader), 4 steps: each point 10 cycles after the last
+    trace = (torch.arange(4 * n).reshape(1, 1, 4, n) * 10).expand(2, 3, 4, n).clone()
+    report = timeline.intervals(trace)
+    assert report["consumer0"]["steps"] == report["consumer1"]["steps"] == 2 * 3
+    assert report["consumer0"]["step"] == 10 * n
+    trace[:, 0, :, 10] = -1
+    with pytest.raises(ValueError, match=r"consumer 0 never stamped points \[10\]"):
+        timeline.intervals(trace)
