@@ -78,6 +78,46 @@ def test_device_tables_equal_the_host_parts_schedule(seed, kind):
                           f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
 
 
+def test_auto_writes_the_hosts_whole_segments_on_small_steps():
+    """``"auto"`` (the unplanned call's schedule): where KV columns of one program's share make at
+    most as many segments as programs, the host's plan takes whole segments, one per program,
+    without pricing them, and the device writes the very tables of the host's plan. Issue 12's
+    8 x 16 heads x 9 nodes over 1,024 tokens (24 row blocks x 17 tiles on 132 programs: width 4, 120
+    segments, every row block split in 5), then random ragged small steps (where segments do not
+    apply, ``device_tables`` says parts or the line, as before)."""
+    def host_pick(p, kv, trees):
+        R = -(-trees.astype(np.int64) * p.num_heads // p.config.block_m)
+        first, seg, tile_end, grp, _ = p._schedule_tables(R, -(-kv.astype(np.int64) // p.config.block_n))
+        seg[3] = np.minimum(tile_end, kv[seg[0]])
+        return first, seg, grp
+
+    p = VerifyPlan(8, 9, 16, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    kv, trees = np.full(8, 1033), np.full(8, 9)
+    check_device_plan(p, kv, np.arange(9) * 9, "8x16x9x1024", "auto")
+    first, seg, grp = host_pick(p, kv, trees)
+    assert seg.shape[1] == 120 and grp.shape[1] == 24 and (grp[3] == 5).all()
+    assert np.array_equal(p.tables.segments.cpu().numpy()[:, :120], seg)
+    assert np.array_equal(p.tables.groups.cpu().numpy()[:, :24], grp)
+    assert np.array_equal(p.tables.prog_first_seg.cpu().numpy(), first)
+    rng = np.random.default_rng(7)
+    took = 0
+    for i in range(10):
+        B = int(rng.integers(1, 9))
+        trees = rng.integers(1, 40, B)
+        kv = trees + rng.integers(0, int(rng.choice([10, 300, 3000])), B)
+        H, P, c = int(rng.choice([1, 3, 16, 64])), int(rng.integers(1, 200)), i % 2
+        p = VerifyPlan(B + 1, int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
+        qo = np.concatenate([[0], np.cumsum(trees)])
+        what = f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}"
+        check_device_plan(p, kv, qo, what, "auto")
+        R, T = -(-trees * H // p.config.block_m), -(-kv // p.config.block_n)
+        if (R * -(-T // -(-(R * T).sum() // min(P, (R * T).sum())))).sum() <= min(P, (R * T).sum()):
+            took += 1
+            assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
+                                                            host_pick(p, kv, trees))), what
+    assert took >= 3
+
+
 def test_parts_schedule_splits_and_snaps():
     """Hand-made parts schedules: a long sequence cut by several parts beside short ones (split row
     blocks with several partials each), boundaries close to a sequence's edge (snapped), one

@@ -175,8 +175,10 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
     schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
     programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts
-    also keep nine tenths of those programs busy, else the line schedule. ``prog_first_seg [P + 1]``,
-    segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
+    also keep nine tenths of those programs busy, else the line schedule; ``"auto"`` takes whole
+    segments first where the host's plan takes them without pricing (KV columns of one program's
+    share make at most one segment per program). ``prog_first_seg [P + 1]``, segments ``[5, S]``
+    and groups ``[4, G]`` (int32 numpy)."""
     bm, bn = plan.config.block_m, plan.config.block_n
     R, T = -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
     pe = max(1, min(plan.num_programs, int((R * T).sum())))
@@ -186,7 +188,12 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     parts = schedule_kind != "line" and int(R.min()) == L and 2 * L <= pe and int(T.sum()) < PARTS_MAX_TILES.value
     if schedule_kind == "auto":
         parts = parts and (pe // L) * L * 10 >= AUTO_MIN_FILL_TENTHS * pe
-    first, seg, tile_end, grp, _ = plan._tables_of(schedule(R, T, plan.num_programs, only="parts" if parts else "line"), R)
+    chunk = -(-int((R * T).sum()) // pe)
+    if schedule_kind == "auto" and int((R * -(-T // chunk)).sum()) <= pe:
+        pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
+    else:
+        pieces = schedule(R, T, plan.num_programs, only="parts" if parts else "line")
+    first, seg, tile_end, grp, _ = plan._tables_of(pieces, R)
     seg = seg.copy()
     seg[3] = np.minimum(tile_end, kv_lens[seg[0]])
     return first, seg, grp

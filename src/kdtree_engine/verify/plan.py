@@ -589,9 +589,10 @@ class VerifyPlan:
         has the same row blocks L and the programs with work are at least 2L (where the host
         offers it), else the line schedule; the device cannot price them (:meth:`device_schedule_for`
         does, from host lengths of the same shape, e.g. when a step graph is captured). ``"auto"``
-        (what an unplanned call takes): parts where it also keeps nine tenths of the programs
-        busy, a rule checked against the cost model
-        (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`).
+        (what an unplanned call takes): the host's own schedule where the host takes it without
+        pricing (whole segments, at most one per program: small steps), else parts where it also
+        keeps nine tenths of the programs busy, a rule checked against the cost model
+        (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`), else the line.
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes

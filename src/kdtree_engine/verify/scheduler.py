@@ -14,7 +14,11 @@ the same row blocks L and ``2 L`` at most the programs with work (the case where
 it; at most ``row blocks + P`` segments, ``2P`` partials, ``P`` groups) and the KV tiles in all
 fewer than :data:`PARTS_MAX_TILES`, else the line schedule.
 The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for``), or asks for
-``"auto"``, parts only where it keeps nine tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`).
+``"auto"``: whole segments (:func:`~kdtree_engine.verify.plan._whole_segments`) where the host takes
+them without pricing: where KV columns of one program's share (``chunk`` tiles) make at most as many
+segments (column x row block) as programs, each program runs one, as in the host's plan (at most
+``P`` segments, partials and groups; :func:`_segment_pieces`); else parts only where it keeps nine
+tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`).
 
 :func:`_schedule_kernel` runs ``ceil(segment capacity / BLOCK_S)`` programs of ``BLOCK_S`` pieces
 (32 by default: one per lane). Each computes the whole schedule's shape in registers, redundantly
@@ -324,15 +328,71 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
 
 
 @triton.jit
+def _segment_pieces(i0, kv, R, T, width, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+                    seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
+                    P, seg_cap, grp_cap,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the whole-segments schedule of KV columns ``width`` tiles wide
+    (:func:`~kdtree_engine.verify.plan._whole_segments`; program 0: also the lengths, the program
+    boundaries and the group count), for lengths where its segments number at most the programs:
+    segment i (sequence by sequence, in each its columns, in each column its row blocks) is program
+    i's only one. A row block of a sequence of several columns is split, one partial per column."""
+    ncol = tl.where(m_b, (T + width - 1) // width, 0).to(tl.int32)
+    Rb = R.to(tl.int32)
+    n = Rb * ncol
+    s_end = tl.cumsum(n, 0)  # non-decreasing; past B: the segments in all
+    split = ncol > 1
+    slots = tl.where(split, n, 0)
+    slot_base = tl.cumsum(slots, 0) - slots
+    rows = tl.where(split, Rb, 0)
+    grp_base = tl.cumsum(rows, 0) - rows
+    pieces = tl.sum(n, 0)
+    if i0 == 0:
+        o_k = tl.arange(0, BLOCK_P)
+        tl.store(kv_out + o_b, kv, mask=m_b)
+        tl.store(qo_out + o_b + 1, q1, mask=m_b)
+        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
+        tl.store(prog_first_seg + o_k, tl.minimum(o_k, pieces), mask=o_k <= P)
+        tl.store(group_count, tl.sum(rows, 0))
+    if i0 < pieces:
+        i = i0 + tl.arange(0, BLOCK_S)
+        m_i = (i < pieces) & (i < seg_cap)
+        b = tl.where(m_i, _count_at_most(s_end, i, BLOCK_B), 0)  # lanes past the pieces take sequence 0
+        r_b = tl.gather(Rb, b, 0)
+        nc = tl.gather(ncol, b, 0)
+        local = i - (tl.gather(s_end, b, 0) - r_b * nc)
+        c = local // r_b
+        r = local % r_b
+        t0 = c.to(tl.int64) * width
+        t1 = tl.minimum(t0 + width, tl.gather(T, b, 0))
+        first = tl.gather(slot_base, b, 0) + r * nc
+        tl.store(seg_seq + i, b, mask=m_i)
+        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
+        tl.store(seg_kv_start + i, (t0 * BLOCK_N).to(tl.int32), mask=m_i)
+        tl.store(seg_kv_end + i, tl.minimum(t1 * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), mask=m_i)
+        tl.store(seg_partial + i, tl.where(nc > 1, first + c, -1), mask=m_i)
+        g = tl.gather(grp_base, b, 0) + r
+        m_g = m_i & (nc > 1) & (c == 0) & (g < grp_cap)
+        tl.store(grp_seq + g, b, mask=m_g)
+        tl.store(grp_row0 + g, r * BLOCK_M, mask=m_g)
+        tl.store(grp_first + g, first, mask=m_g)
+        tl.store(grp_count + g, nc, mask=m_g)
+
+
+@triton.jit
 def _schedule_kernel(
     kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
     seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
     H, P, max_nodes, seg_cap, grp_cap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, PARTS: tl.constexpr, MIN_FILL_TENTHS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SEGMENTS: tl.constexpr, PARTS: tl.constexpr,
+    MIN_FILL_TENTHS: tl.constexpr,
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
-    computing the sequences and boundaries first: with ``PARTS``, the KV parts schedule when every
+    computing the sequences and boundaries first: with ``SEGMENTS``, whole segments one per program
+    (:func:`_segment_pieces`) where columns one program's share wide make at most as many segments as
+    programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule when every
     sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
     are fewer than :data:`PARTS_MAX_TILES` and the parts keep
     ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else (and
@@ -350,8 +410,13 @@ def _schedule_kernel(
         kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
     i0 = tl.program_id(0) * BLOCK_S
     L = tl.max(R, 0)
-    if PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
-                  & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
+    chunk = (total + pe - 1) // pe
+    if SEGMENTS and (tl.sum(R * ((T + chunk - 1) // chunk), 0) <= pe):
+        _segment_pieces(i0, kv, R, T, chunk, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+                        seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
+                        grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
+    elif PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
+                    & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
         _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
                       seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
                       grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
@@ -390,10 +455,14 @@ class DeviceScheduler:
         16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
         on the current stream, no sync. ``schedule``: ``"line"``; ``"parts"``: the KV parts
         schedule where it applies (every tree of the same row blocks L, ``2 L`` at most the
-        programs with work), else the line; ``"auto"``: parts where it also keeps
-        :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else the line."""
-        const = self._const | {"PARTS": schedule != "line",
-                               "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0}
+        programs with work), else the line; ``"auto"``: the host's schedule where the host takes
+        it whatever it costs (whole segments, one per program), else parts where it applies and
+        keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
-                      (0, 1), (*ints, *self._outputs), const)
+                      (0, 1), (*ints, *self._outputs), self.constexprs(schedule))
+
+    def constexprs(self, schedule: str) -> dict:
+        """The kernel's constexprs and ``num_warps`` for ``schedule`` (``"line"``, ``"parts"``, ``"auto"``)."""
+        return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule != "line",
+                              "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0}
