@@ -111,7 +111,9 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
         what = f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}"
         check_device_plan(p, kv, qo, what, "auto")
         R, T = -(-trees * H // p.config.block_m), -(-kv // p.config.block_n)
-        if (R * -(-T // -(-(R * T).sum() // min(P, (R * T).sum())))).sum() <= min(P, (R * T).sum()):
+        pe = min(P, int((R * T).sum()))  # the programs with work; columns of one share are `chunk` tiles
+        chunk = -(-int((R * T).sum()) // pe)
+        if int((R * -(-T // chunk)).sum()) <= pe:  # at most one segment per program: the host's pick
             took += 1
             assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
                                                             host_pick(p, kv, trees))), what
