@@ -12,7 +12,8 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables, random_tree
+from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare, device_tables,
+                                   random_tree, whole_segments_at_once)
 from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
@@ -86,8 +87,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
     segments, every row block split in 5), then random ragged small steps (where segments do not
     apply, ``device_tables`` says parts or the line, as before)."""
     def host_pick(p, kv, trees):
-        R = -(-trees.astype(np.int64) * p.num_heads // p.config.block_m)
-        first, seg, tile_end, grp, _ = p._schedule_tables(R, -(-kv.astype(np.int64) // p.config.block_n))
+        first, seg, tile_end, grp, _ = p._schedule_tables(*blocks_and_tiles(p, kv, trees))
         seg[3] = np.minimum(tile_end, kv[seg[0]])
         return first, seg, grp
 
@@ -110,10 +110,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
         qo = np.concatenate([[0], np.cumsum(trees)])
         what = f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}"
         check_device_plan(p, kv, qo, what, "auto")
-        R, T = -(-trees * H // p.config.block_m), -(-kv // p.config.block_n)
-        pe = min(P, int((R * T).sum()))  # the programs with work; columns of one share are `chunk` tiles
-        chunk = -(-int((R * T).sum()) // pe)
-        if int((R * -(-T // chunk)).sum()) <= pe:  # at most one segment per program: the host's pick
+        if whole_segments_at_once(*blocks_and_tiles(p, kv, trees), P):
             took += 1
             assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
                                                             host_pick(p, kv, trees))), what

@@ -170,6 +170,20 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
 
+def blocks_and_tiles(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row blocks R and KV tiles T per sequence (int64 ``[B]`` each) of these lengths on ``plan``'s tiles."""
+    bm, bn = plan.config.block_m, plan.config.block_n
+    return -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
+
+
+def whole_segments_at_once(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
+    """Whether the host's schedule takes whole segments without pricing them: KV columns of one
+    program's share make at most as many segments (column x row block) as programs with work."""
+    total = int((R * T).sum())
+    pe = max(1, min(num_programs, total))
+    return int((R * -(-T // -(-total // pe))).sum()) <= pe
+
+
 def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_kind: str = "line"):
     """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
@@ -179,8 +193,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     segments first where the host's plan takes them without pricing (KV columns of one program's
     share make at most one segment per program). ``prog_first_seg [P + 1]``, segments ``[5, S]``
     and groups ``[4, G]`` (int32 numpy)."""
-    bm, bn = plan.config.block_m, plan.config.block_n
-    R, T = -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
+    R, T = blocks_and_tiles(plan, kv_lens, tree_sizes)
     pe = max(1, min(plan.num_programs, int((R * T).sum())))
     L = int(R.max())
     from .verify.scheduler import AUTO_MIN_FILL_TENTHS, PARTS_MAX_TILES  # (loads Triton)
@@ -188,8 +201,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     parts = schedule_kind != "line" and int(R.min()) == L and 2 * L <= pe and int(T.sum()) < PARTS_MAX_TILES.value
     if schedule_kind == "auto":
         parts = parts and (pe // L) * L * 10 >= AUTO_MIN_FILL_TENTHS * pe
-    chunk = -(-int((R * T).sum()) // pe)
-    if schedule_kind == "auto" and int((R * -(-T // chunk)).sum()) <= pe:
+    if schedule_kind == "auto" and whole_segments_at_once(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     else:
         pieces = schedule(R, T, plan.num_programs, only="parts" if parts else "line")

@@ -83,7 +83,8 @@ def _sequences(kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M: tl.constexpr, BLOCK_N:
                MIN_SPLIT: tl.constexpr):
     """Per sequence (``[BLOCK_B]``, neutral past B: no row blocks, tiles or items) its row blocks R,
     KV tiles T, line start and end (work W = R T), column width and count, first item and first row
-    block; and the programs with work ``pe``, the line's length ``total`` and the snap distance."""
+    block; and the programs with work ``pe``, the line's length ``total``, one program's share ``chunk``
+    (tiles) and the snap distance."""
     n = tl.minimum(tl.maximum(q1 - q0, 1), max_nodes).to(tl.int64)
     R = tl.where(m_b, (n * H + BLOCK_M - 1) // BLOCK_M, 0)
     T = tl.where(m_b, tl.maximum((kv.to(tl.int64) + BLOCK_N - 1) // BLOCK_N, 1), 0)
@@ -96,7 +97,7 @@ def _sequences(kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M: tl.constexpr, BLOCK_N:
     width = (T + ncol - 1) // ncol
     items = R * ncol
     i_start = tl.cumsum(items, 0) - items  # items are numbered along the line
-    return (R, T, w_end - W, w_end, width, ncol, i_start, tl.cumsum(R, 0) - R, pe, total,
+    return (R, T, w_end - W, w_end, width, ncol, i_start, tl.cumsum(R, 0) - R, pe, total, chunk,
             tl.minimum(chunk // 4, MIN_SPLIT))
 
 
@@ -406,11 +407,10 @@ def _schedule_kernel(
     kv = tl.load(kv_lens + o_b * stride_kl, mask=m_b, other=0)
     q0 = tl.load(qo_indptr + o_b * stride_qo, mask=m_b, other=0)
     q1 = tl.load(qo_indptr + (o_b + 1) * stride_qo, mask=m_b, other=0)
-    R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap = _sequences(
+    R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, chunk, snap = _sequences(
         kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
     i0 = tl.program_id(0) * BLOCK_S
     L = tl.max(R, 0)
-    chunk = (total + pe - 1) // pe
     if SEGMENTS and (tl.sum(R * ((T + chunk - 1) // chunk), 0) <= pe):
         _segment_pieces(i0, kv, R, T, chunk, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
                         seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
