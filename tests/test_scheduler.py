@@ -12,8 +12,8 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare, device_tables,
-                                   random_tree, whole_segments_at_once)
+from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare,
+                                   device_tables, random_tree, whole_segments_at_once)
 from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
