@@ -32,12 +32,14 @@ BAR_SYNC = re.compile(r"\bbar\.sync\b")  # partition barriers in the PTX (docs/h
 WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*wgmma[^\n]*serialized")  # ptxas gave up pipelining the wgmmas
 
 
-def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool | frozenset = True) -> str:
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool | frozenset = True,
+                 sass: Path | None = None) -> str:
     """ptxas's figures for ``fn`` with argument ``types`` (``"*i64"``, ``"i32"``, ..) and ``consts``.
 
     Every pointer is taken as 16-byte aligned, and (``divisible_ints``) every int argument the
     kernel does not exclude from specialisation (``vocab``, the logits' row stride) as divisible by
-    16, as at V = 163840; or only the int arguments named (a set)."""
+    16, as at V = 163840; or only the int arguments named (a set). ``sass``: also write the SASS
+    there (the bundled ``cuobjdump -sass``) and add its wgmma loops' sizes (:func:`wgmma_loops`)."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
@@ -53,13 +55,38 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
         Path(d, "k.ptx").write_text(ck.asm["ptx"])
         r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                            capture_output=True, text=True, check=True)
+        if sass is not None:
+            sass.write_text(subprocess.run([str(ptxas.with_name("cuobjdump")), "-sass", f"{d}/k.cubin"],
+                                           capture_output=True, text=True, check=True).stdout)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     stack = re.search(r"(\d+) bytes stack frame", r.stderr)
     return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'} B, "
             f"spill loads {spill.group(2) if spill else '?'} B, stack {stack.group(1) if stack else '?'} B, "
             f"shared {ck.metadata.shared} B, bar.sync {len(re.findall(BAR_SYNC, ck.asm['ptx']))}"
-            + "".join(f", WGMMAS SERIALIZED (ptxas info {code})" for code in re.findall(WGMMA_SERIALIZED, r.stderr)))
+            + "".join(f", WGMMAS SERIALIZED (ptxas info {code})" for code in re.findall(WGMMA_SERIALIZED, r.stderr))
+            + ("" if sass is None else "".join(f"\n     {loop}" for loop in wgmma_loops(sass.read_text()))))
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+0x([0-9a-f]+)")
+
+
+def wgmma_loops(sass: str) -> list[str]:
+    """The innermost loops of ``sass`` (``cuobjdump -sass`` text) that issue wgmmas (HGMMA), one line
+    each: addresses, instructions in the body and the counts of the opcodes that bound a softmax step
+    (a static count: a branch inside the body, e.g. around a mask, is counted in full)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in SASS_LINE.finditer(sass)]
+    back = [(int(m.group(1), 16), a) for a, text in code if (m := BRANCH.search(text)) and int(m.group(1), 16) < a]
+    lines = []
+    for start, end in back:
+        if any(start < s0 and e0 < end for s0, e0 in back if (s0, e0) != (start, end)):
+            continue  # holds another loop
+        ops = [text.split()[1 if text.startswith("@") else 0].split(".")[0] for a, text in code if start <= a <= end]
+        if "HGMMA" in ops:
+            counts = ", ".join(f"{op} {ops.count(op)}" for op in ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS"))
+            lines.append(f"loop {start:#x}-{end:#x}: {len(ops)} instructions ({counts})")
+    return lines
 
 
 WALK_TYPES = dict(
@@ -135,14 +162,17 @@ for budget, k, L in [(512, 512, 16), (1, 1, 5), (3, 2, 6), (37, 37, 9), (300, 4,
                   {n: v for n, v in consts.items() if n != "num_warps"}, consts["num_warps"]))
 
 
-def report(cases, **compile_kw) -> int:
+def report(cases, sass_dir: Path | None = None, **compile_kw) -> int:
     """Compile each ``(name, kernel, types, constexprs, warps)`` case for sm_90a and print an OK line
-    with ptxas's figures or a FAIL line with the error; every case runs. Returns how many failed."""
+    with ptxas's figures or a FAIL line with the error; every case runs. Returns how many failed.
+    ``sass_dir``: each case's SASS also written there (``case<i>.sass``, in the order printed)."""
     print(f"triton {triton.__version__}, target sm_90a", flush=True)
     failed = 0
-    for name, fn, types, consts, warps in cases:
+    for i, (name, fn, types, consts, warps) in enumerate(cases):
+        sass = None if sass_dir is None else Path(sass_dir, f"case{i}.sass")
         try:
-            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps, **compile_kw)}", flush=True)
+            print(f"OK   {name}, {warps} warps: {compile_sm90(fn, types, consts, warps, sass=sass, **compile_kw)}",
+                  flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)

@@ -2,12 +2,14 @@
 registers, spills, shared memory, partition barriers and whether ptxas serialised the wgmmas.
 
     PYTHONPATH=src python scripts/hopper_sm90_compile.py [VARIANT.py ...] [--page-size 64,1] [--heads 64]
-        [--stamped]
+        [--stamped] [--sass DIR]
 
 ``VARIANT.py``: a whole ``verify/hopper.py`` of another branch, as ``scripts/ab_hopper.py`` takes
 (default: this tree's). ``--stamped``: the copy ``scripts/hopper_timeline.py`` runs (its clock
 stamps added), whose timeline means something only if ptxas did not serialise its wgmmas (infos C7514,
-C7515: printed as ``WGMMAS SERIALIZED``). Check a change to the kernel here before a GPU call:
+C7515: printed as ``WGMMAS SERIALIZED``). ``--sass DIR``: each case's SASS written to DIR, and the
+innermost loops that issue wgmmas (the two consumers' steps) printed with their instruction counts
+(static: the mask's branch is counted in full). Check a change to the kernel here before a GPU call:
 docs/hopper.md says which figures matter (a few bytes of spills is fine, serialised wgmmas are not).
 
 Pointers are taken as 16-byte aligned, q's, kv's and out's strides as multiples of 16 elements, the
@@ -40,6 +42,8 @@ def main() -> int:
     ap.add_argument("--page-size", default="64,1")
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--stamped", action="store_true", help="the timeline's stamped copy")
+    ap.add_argument("--sass", type=Path, help="a folder for each case's SASS (case<i>.sass); also print the "
+                    "sizes of the loops that issue wgmmas (the consumers' steps)")
     a = ap.parse_args()
     cases = []
     for path in a.variants or [hopper.__file__]:
@@ -57,7 +61,9 @@ def main() -> int:
                           LOADER_REGS=mod.LOADER_REGS, FUSE_COMBINE=True, BLOCK_S=4, BLOCK_R=4, num_warps=4)
             cases.append((f"{path}{' (stamped)' if a.stamped else ''}, H {a.heads}, page size {page_size}", fn, types,
                           consts, 4))
-    return 1 if report(cases, divisible_ints=DIVISIBLE) else 0
+    if a.sass:
+        a.sass.mkdir(parents=True, exist_ok=True)
+    return 1 if report(cases, sass_dir=a.sass, divisible_ints=DIVISIBLE) else 0
 
 
 if __name__ == "__main__":
