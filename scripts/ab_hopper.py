@@ -11,8 +11,9 @@ applied to this tree's kernel (stops if a hunk does not fit: the kernel changed)
 this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
-sequence (bf16 tolerances), each variant's outputs compared with the base's
-(bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
+sequence (bf16 tolerances) after its first call and again after its last replay (``REPLAYS DIFFER``
+where those two outputs are not bitwise equal: a race), each variant's last outputs compared with
+the base's (bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
 CUDA-graph replay median each, the fastest round per kernel reported, so drift between calls of the
 machine hits all of them. Each kernel compiles once per (heads, page size) of the shapes.
 """
@@ -53,6 +54,11 @@ def planned_call(module, c, plan, out, lse, fused: bool = True):
     return lambda: launch(tensors, ptrs, plan.num_groups)
 
 
+def matches(out, lse, ref_out, ref_lse) -> bool:
+    """``out`` and ``lse`` within the bf16 tolerances of the float64 reference's."""
+    return compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok and compare(lse, ref_lse, *TOLERANCES["bf16"]["lse"]).ok
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem) or "
@@ -82,15 +88,18 @@ def main() -> None:
             call = planned_call(module, c, plan, out, lse, fused)
             call()
             torch.cuda.synchronize()
-            ok = (compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok
-                  and compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok)
-            res[name] = dict(call=call, out=out, lse=lse, ok=ok, us=[])
+            res[name] = dict(call=call, out=out, lse=lse, ok=matches(out[:n], lse[:n], ref_out, ref_lse),
+                             first=(out.clone(), lse.clone()), us=[])
         for _ in range(a.rounds):
             for r in res.values():
                 r["us"].append(time_graph(r["call"]) * 1e6)
+        for r in res.values():  # the last replay's outputs too, and whether they are the first call's
+            r["ok"] = r["ok"] and matches(r["out"][:n], r["lse"][:n], ref_out, ref_lse)
+            r["repeats"] = torch.equal(r["first"][0], r["out"]) and torch.equal(r["first"][1], r["lse"])
         base = res["base"]
         base_us = min(base["us"])
-        print(f"{text}: base {base_us:.1f} us {'PASS' if base['ok'] else 'FAIL'}", flush=True)
+        print(f"{text}: base {base_us:.1f} us {'PASS' if base['ok'] else 'FAIL'}"
+              f"{'' if base['repeats'] else '  REPLAYS DIFFER'}", flush=True)
         for name, r in res.items():
             if name == "base":
                 continue
@@ -98,11 +107,12 @@ def main() -> None:
             diff = (base["out"].float() - r["out"].float()).abs().max().item()
             row = dict(shape=text, variant=name, base_us=base_us, variant_us=min(r["us"]), base_rounds=base["us"],
                        variant_rounds=r["us"], base_ok=base["ok"], variant_ok=r["ok"], bitwise_equal=equal,
-                       max_out_diff=diff)
+                       max_out_diff=diff, base_repeats=base["repeats"], variant_repeats=r["repeats"])
             row["ratio"] = row["variant_us"] / base_us
             rows.append(row)
             print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  "
-                  f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}",
+                  f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}"
+                  f"{'' if r['repeats'] else '  REPLAYS DIFFER'}",
                   flush=True)
         del c, res
         torch.cuda.empty_cache()
