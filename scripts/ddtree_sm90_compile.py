@@ -72,10 +72,15 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+0x([0-9a-f]+)")
 
 
+ORDER_OPS = ("HGMMA", "MUFU", "FMUL", "STS", "STSM", "LDS", "SYNCS", "BAR")  # the ops of a step's order line
+
+
 def wgmma_loops(sass: str) -> list[str]:
-    """The innermost loops of ``sass`` (``cuobjdump -sass`` text) that issue wgmmas (HGMMA), one line
+    """The innermost loops of ``sass`` (``cuobjdump -sass`` text) that issue wgmmas (HGMMA), two lines
     each: addresses, instructions in the body and the counts of the opcodes that bound a softmax step
-    (a static count: a branch inside the body, e.g. around a mask, is counted in full)."""
+    (a static count: a branch inside the body, e.g. around a mask, is counted in full); then the
+    order in which ptxas placed the :data:`ORDER_OPS` (runs of one opcode as ``OPxN``; SYNCS: mbarrier
+    waits and arrives), which says e.g. whether register arithmetic moved ahead of a store or an arrive."""
     code = [(int(m.group(1), 16), m.group(2)) for m in SASS_LINE.finditer(sass)]
     back = [(int(m.group(1), 16), a) for a, text in code if (m := BRANCH.search(text)) and int(m.group(1), 16) < a]
     lines = []
@@ -86,6 +91,13 @@ def wgmma_loops(sass: str) -> list[str]:
         if "HGMMA" in ops:
             counts = ", ".join(f"{op} {ops.count(op)}" for op in ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS"))
             lines.append(f"loop {start:#x}-{end:#x}: {len(ops)} instructions ({counts})")
+            runs: list[list] = []
+            for op in (op for op in ops if op in ORDER_OPS):
+                if runs and runs[-1][0] == op:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([op, 1])
+            lines.append("  order: " + " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs))
     return lines
 
 
