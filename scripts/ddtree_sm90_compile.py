@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from itertools import groupby
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +40,7 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
     Every pointer is taken as 16-byte aligned, and (``divisible_ints``) every int argument the
     kernel does not exclude from specialisation (``vocab``, the logits' row stride) as divisible by
     16, as at V = 163840; or only the int arguments named (a set). ``sass``: also write the SASS
-    there (the bundled ``cuobjdump -sass``) and add its wgmma loops' sizes (:func:`wgmma_loops`)."""
+    there (the bundled ``cuobjdump -sass``) and add its wgmma loops' sizes and orders (:func:`wgmma_loops`)."""
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     fixed = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
@@ -70,8 +71,6 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
 
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+0x([0-9a-f]+)")
-
-
 ORDER_OPS = ("HGMMA", "MUFU", "FMUL", "STS", "STSM", "LDS", "SYNCS", "BAR")  # the ops of a step's order line
 
 
@@ -91,12 +90,7 @@ def wgmma_loops(sass: str) -> list[str]:
         if "HGMMA" in ops:
             counts = ", ".join(f"{op} {ops.count(op)}" for op in ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS"))
             lines.append(f"loop {start:#x}-{end:#x}: {len(ops)} instructions ({counts})")
-            runs: list[list] = []
-            for op in (op for op in ops if op in ORDER_OPS):
-                if runs and runs[-1][0] == op:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([op, 1])
+            runs = [(op, len(list(run))) for op, run in groupby(op for op in ops if op in ORDER_OPS)]
             lines.append("  order: " + " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs))
     return lines
 
