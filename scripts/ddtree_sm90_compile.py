@@ -86,11 +86,13 @@ def wgmma_loops(sass: str) -> list[str]:
     for start, end in back:
         if any(start < s0 and e0 < end for s0, e0 in back if (s0, e0) != (start, end)):
             continue  # holds another loop
-        ops = [text.split()[1 if text.startswith("@") else 0].split(".")[0] for a, text in code if start <= a <= end]
+        body = [text for a, text in code if start <= a <= end]
+        ops = [text.split()[1 if text.startswith("@") else 0].split(".")[0] for text in body]
         if "HGMMA" in ops:
             counts = ", ".join(f"{op} {ops.count(op)}" for op in ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS"))
             lines.append(f"loop {start:#x}-{end:#x}: {len(ops)} instructions ({counts})")
-            runs = [(op, len(list(run))) for op, run in groupby(op for op in ops if op in ORDER_OPS)]
+            runs = [(op, len(list(run))) for op, run in groupby(  # (@!PT: never runs, fence padding)
+                op for op, text in zip(ops, body) if op in ORDER_OPS and not text.startswith("@!PT"))]
             lines.append("  order: " + " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs))
     return lines
 
