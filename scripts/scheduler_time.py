@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--max-batch", type=int, default=MAX_BATCH, help="the plans' max_batch (at least every B)")
     ap.add_argument("--max-tree-nodes", type=int, default=MAX_TREE_NODES, help="the plans' max_tree_nodes")
-    ap.add_argument("--schedule", default="line", choices=("line", "parts", "auto"), help="what the scheduler writes")
+    ap.add_argument("--schedule", default="line", choices=("line", "parts", "rounds", "auto"), help="what the scheduler writes")
     a = ap.parse_args()
     cpu = a.device == "cpu"
     if cpu:

@@ -14,7 +14,7 @@ from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare,
                                    device_tables, random_tree, whole_segments_at_once)
-from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan
+from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan, rounds_apply, schedule
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -77,6 +77,43 @@ def test_device_tables_equal_the_host_parts_schedule(seed, kind):
         p = VerifyPlan(B + int(rng.integers(0, 9)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
                           f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
+
+
+@pytest.mark.parametrize("seed,kind", [(0, "rounds"), (1, "auto")])
+def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
+    """The rounds schedule: sequences of more row blocks than half the programs (many heads and
+    nodes on few programs), equal and ragged trees over ragged KV, one to 12 sequences; where it
+    does not apply (a last round too empty, or 2L within the programs) the line, or for "auto"
+    whole segments or parts, as the host's ``device_tables`` says."""
+    rng = np.random.default_rng(200 + seed)
+    took = 0
+    for i in range(24):
+        B = int(rng.integers(1, 13))
+        n = int(rng.integers(8, 40))
+        trees = np.full(B, n) if i % 4 else rng.integers(8, 40, B)  # every 4th: ragged
+        kv = trees + rng.integers(0, int(rng.choice([10, 1000, 20000])), B)
+        H, c = int(rng.choice([16, 64])), i % 2
+        P = int(rng.integers(1, 3 * -(-int(trees.max()) * H // CONFIGS[c].block_m)))  # 2L above P at most draws
+        p = VerifyPlan(B + int(rng.integers(0, 5)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
+        R, T = blocks_and_tiles(p, kv, trees)
+        took += rounds_apply(R, max(1, min(P, int((R * T).sum()))))
+        check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
+                          f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
+    assert took >= 4
+
+
+def test_rounds_schedule_deals_whole_sequences_round_by_round():
+    """Host side: every row block once, against its whole KV, segment i on program i mod P, the
+    tables in program order; no splits, so no groups."""
+    R, T = np.array([5, 3, 4]), np.array([7, 2, 9])
+    seq, row, t0, t1, prog = schedule(R, T, 5, only="rounds")
+    assert prog.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4]
+    i = np.array([0, 5, 10, 1, 6, 11, 2, 7, 3, 8, 4, 9])  # segment i, sequences' row blocks in order
+    assert seq.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 0, 2, 0, 2] and (row == i - np.array([0, 5, 8])[seq]).all()
+    assert (t0 == 0).all() and (t1 == T[seq]).all()
+    p = VerifyPlan(3, 8, 8, DEVICE, config=CONFIGS[0], num_programs=5)
+    first, seg, _, grp, _ = p._tables_of(schedule(R, T, 5, only="rounds"), R)
+    assert first.tolist() == [0, 3, 6, 8, 10, 12] and (seg[4] == -1).all() and grp.shape[1] == 0
 
 
 def test_auto_writes_the_hosts_whole_segments_on_small_steps():
@@ -157,6 +194,16 @@ def test_device_schedule_for_prefers_parts_where_the_line_is_hbm_bound():
     assert p.device_schedule_for(np.array([131072 + 9, 40, 4000, 9]), np.array([0, 9, 10, 19, 20])) == "line"
 
 
+def test_device_schedule_for_takes_rounds_where_a_sequence_outgrows_half_the_programs():
+    """128 heads x 65 nodes (130 row blocks on 132 programs: no parts): at batch 4 over 131072
+    tokens the line re-reads each sequence's KV once per program (1.8x the host's pick under the
+    cost model), the rounds schedule reads it with all programs of a round at once; one sequence:
+    the line (its columns share the KV; the two cost the same, the line first)."""
+    p = VerifyPlan(4, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    assert p.device_schedule_for(np.full(4, 131072 + 65), np.arange(5) * 65) == "rounds"
+    assert p.device_schedule_for(np.array([131072 + 65]), np.array([0, 65])) == "line"
+
+
 def test_device_tables_at_the_edges():
     """The largest batch of a plan (B = max_batch = 64, 128 heads, 65 nodes: 8448 segments on 132
     programs), then one sequence on the same plan (the tables past it from the batch before); one
@@ -200,13 +247,31 @@ def test_run_on_a_device_plan_matches_the_reference():
             attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"], schedule="parts" if i == 3 else "line")
         else:
             attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
-        T, H = c["q"].shape[:2]
-        out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=DEVICE)
-        lse = torch.full((T, H), math.nan, dtype=torch.float32, device=DEVICE)
-        attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out=out, lse=lse)
-        r_out, r_lse = reference(**c)
-        assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, spec.name
-        assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, spec.name
+        run_matches_the_reference(attn, c, spec.name)
+
+
+def run_matches_the_reference(attn: VerifyAttention, c: dict, what: str):
+    """``attn.run`` on the case ``c`` into NaN-poisoned outputs, against the float64 reference."""
+    T, H = c["q"].shape[:2]
+    out = torch.full((T, H, 512), math.nan, dtype=c["q"].dtype, device=DEVICE)
+    lse = torch.full((T, H), math.nan, dtype=torch.float32, device=DEVICE)
+    attn.run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"], out=out, lse=lse)
+    r_out, r_lse = reference(**c)
+    assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, what
+    assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, what
+
+
+def test_run_on_a_rounds_plan_matches_the_reference():
+    """A device plan of the rounds schedule (two 40-node trees x 4 heads: 5 row blocks each, whole
+    sequences dealt to 5 programs two by two, nothing merged), run right."""
+    g = torch.Generator().manual_seed(11)
+    attn = VerifyAttention(2, 40, 4, DEVICE, num_programs=5)
+    c = build_case(CaseSpec("r", 4, [300, 90], [random_tree(40, g), random_tree(40, g)], page_size=16, seed=11),
+                   DEVICE)
+    attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"], schedule="rounds")
+    t = attn.workspace.tables
+    assert t.prog_first_seg.tolist()[:6] == [0, 2, 4, 6, 8, 10] and int(t.group_count[0]) == 0
+    run_matches_the_reference(attn, c, "rounds")
 
 
 @pytest.mark.parametrize("kv_lens, qo_indptr, err, match", [

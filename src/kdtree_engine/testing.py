@@ -16,7 +16,7 @@ import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from .verify.contract import D_QK
-from .verify.plan import schedule
+from .verify.plan import rounds_apply, schedule
 
 __all__ = [
     "CaseSpec",
@@ -189,22 +189,28 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
     schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
     programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts
-    also keep nine tenths of those programs busy, else the line schedule; ``"auto"`` takes whole
-    segments first where the host's plan takes them without pricing (KV columns of one program's
-    share make at most one segment per program). ``prog_first_seg [P + 1]``, segments ``[5, S]``
-    and groups ``[4, G]`` (int32 numpy)."""
+    also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` and
+    ``"auto"`` where it applies (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line
+    schedule; ``"auto"`` takes whole segments first where the host's plan takes them without
+    pricing (KV columns of one program's share make at most one segment per program).
+    ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
     R, T = blocks_and_tiles(plan, kv_lens, tree_sizes)
     pe = max(1, min(plan.num_programs, int((R * T).sum())))
     L = int(R.max())
     from .verify.scheduler import AUTO_MIN_FILL_TENTHS, PARTS_MAX_TILES  # (loads Triton)
 
-    parts = schedule_kind != "line" and int(R.min()) == L and 2 * L <= pe and int(T.sum()) < PARTS_MAX_TILES.value
+    parts = (schedule_kind in ("parts", "auto") and int(R.min()) == L and 2 * L <= pe
+             and int(T.sum()) < PARTS_MAX_TILES.value)
     if schedule_kind == "auto":
         parts = parts and (pe // L) * L * 10 >= AUTO_MIN_FILL_TENTHS * pe
     if schedule_kind == "auto" and whole_segments_at_once(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
+    elif parts:
+        pieces = schedule(R, T, plan.num_programs, only="parts")
+    elif schedule_kind in ("rounds", "auto") and rounds_apply(R, pe):
+        pieces = schedule(R, T, plan.num_programs, only="rounds")
     else:
-        pieces = schedule(R, T, plan.num_programs, only="parts" if parts else "line")
+        pieces = schedule(R, T, plan.num_programs, only="line")
     first, seg, tile_end, grp, _ = plan._tables_of(pieces, R)
     seg = seg.copy()
     seg[3] = np.minimum(tile_end, kv_lens[seg[0]])

@@ -108,7 +108,7 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
-DEVICE_SCHEDULES = ("line", "parts", "auto")  # what the device scheduler writes (VerifyPlan.plan_on_device)
+DEVICE_SCHEDULES = ("line", "parts", "rounds", "auto")  # what the device scheduler writes (VerifyPlan.plan_on_device)
 SCHEDULE_CACHE = 64
 PREPARED_CACHE = 64  # launches a plan keeps per caller signature (past this many the table starts over)
 
@@ -210,8 +210,9 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
       sequences. When the smallest width is at most one program's share, it is taken at once:
       every program of another schedule has at least that many tiles and a segment.
 
-    ``only="line"`` or ``"parts"``: that candidate, whatever it costs (tuning and tests; parts needs
-    at most ``num_programs`` row blocks per sequence).
+    ``only="line"``, ``"parts"`` or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that
+    candidate, whatever it costs (tuning and tests; parts needs at most ``num_programs`` row blocks
+    per sequence).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -228,8 +229,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         if int(R.max()) > P:
             raise ValueError(f"the parts schedule needs at most {P} row blocks per sequence, got {int(R.max())}")
         return _parts_schedule(R, T, P, snap)
+    if only == "rounds":
+        return _rounds_schedule(R, T, P)
     if only is not None:
-        raise ValueError(f"only must be None, 'line' or 'parts', got {only!r}")
+        raise ValueError(f"only must be None, 'line', 'parts' or 'rounds', got {only!r}")
     n_blocks, longest = int(R.sum()), int(T.max())
     widths = []
     if n_blocks <= P:
@@ -267,6 +270,28 @@ def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
     prog = span_part[span] * L + row
     by = np.argsort(prog, kind="stable")
     return Pieces(seq[by], row[by], t0[by], (t0 + length[span])[by], prog[by])
+
+
+def _rounds_schedule(R: np.ndarray, T: np.ndarray, P: int) -> Pieces:
+    """Every row block of every sequence against its whole KV, in sequence order, segment i run by
+    program ``i mod P``: the programs of one round read the same sequence's tiles at the same time
+    (the device's schedule for sequences of more row blocks than half the programs, where the KV
+    parts schedule does not apply; no row block is split, so nothing is merged)."""
+    seq = np.repeat(np.arange(len(R)), R)
+    row = np.arange(len(seq)) - np.repeat(np.cumsum(R) - R, R)
+    by = np.argsort(np.arange(len(seq)) % P, kind="stable")
+    return Pieces(seq[by], row[by], np.zeros(len(seq), dtype=np.int64), T[seq][by], by % P)
+
+
+def rounds_apply(R: np.ndarray, programs: int) -> bool:
+    """Whether the device takes the rounds schedule (:func:`_rounds_schedule`) for sequences of ``R``
+    row blocks on ``programs`` programs with work (when asked for ``"rounds"`` or ``"auto"``): a
+    sequence has more row blocks than half of them, and the last round keeps most of them busy
+    (:data:`~kdtree_engine.verify.scheduler.ROUNDS_MAX_SLACK_TENTHS`)."""
+    from .scheduler import ROUNDS_MAX_SLACK_TENTHS  # (loads Triton)
+
+    S = int(R.sum())
+    return 2 * int(R.max()) > programs and -(-S // programs) * programs * 10 <= ROUNDS_MAX_SLACK_TENTHS.value * S
 
 
 def _smallest_width(R: np.ndarray, T: np.ndarray, P: int, total: int, n_blocks: int) -> int:
@@ -585,14 +610,17 @@ class VerifyPlan:
         (:mod:`.scheduler`) on the current stream, no sync, nothing allocated: capturable in a CUDA
         graph with the kernels that read the plan.
 
-        ``schedule``: ``"line"`` (any lengths) or ``"parts"``: the KV parts schedule when every tree
+        ``schedule``: ``"line"`` (any lengths); ``"parts"``: the KV parts schedule when every tree
         has the same row blocks L and the programs with work are at least 2L (where the host
-        offers it), else the line schedule; the device cannot price them (:meth:`device_schedule_for`
-        does, from host lengths of the same shape, e.g. when a step graph is captured). ``"auto"``
-        (what an unplanned call takes): the host's own schedule where the host takes it without
-        pricing (whole segments, at most one per program: small steps), else parts where it also
-        keeps nine tenths of the programs busy, a rule checked against the cost model
-        (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`), else the line.
+        offers it), else the line schedule; ``"rounds"``: where a sequence has more row blocks than
+        half the programs (:func:`rounds_apply`), every row block against its whole sequence, dealt
+        round by round (:func:`_rounds_schedule`), else the line. The device cannot price them
+        (:meth:`device_schedule_for` does, from host lengths of the same shape, e.g. when a step
+        graph is captured). ``"auto"`` (what an unplanned call takes): the host's own schedule where
+        the host takes it without pricing (whole segments, at most one per program: small steps),
+        else parts where it also keeps nine tenths of the programs busy, a rule checked against the
+        cost model (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`), else rounds
+        where they apply, else the line.
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
@@ -665,20 +693,23 @@ class VerifyPlan:
         return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:
-        """The cheaper of the device scheduler's schedules (``"line"``, ``"parts"``) for these host
-        lengths by the plan's cost model (:func:`schedule_cost` under :attr:`costs`): what a caller
-        that knows a step's shape ahead (an engine capturing a step graph) passes to
-        :meth:`plan_on_device` for the device lengths of steps like it."""
+        """The cheapest of the device scheduler's schedules (``"line"``, ``"parts"``, ``"rounds"``)
+        for these host lengths by the plan's cost model (:func:`schedule_cost` under
+        :attr:`costs`): what a caller that knows a step's shape ahead (an engine capturing a step
+        graph) passes to :meth:`plan_on_device` for the device lengths of steps like it."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         bm, bn = self.config.block_m, self.config.block_n
         R = -(-np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes) * self.num_heads // bm)
         T = -(-kv // bn)
         P = max(1, min(self.num_programs, int((R * T).sum())))
-        if int(R.min()) != int(R.max()) or 2 * int(R.max()) > P:
+        if rounds_apply(R, P):
+            kinds = ("line", "rounds")
+        elif int(R.min()) == int(R.max()) and 2 * int(R.max()) <= P:
+            kinds = ("line", "parts")
+        else:
             return "line"
-        line = schedule_cost(schedule(R, T, self.num_programs, only="line"), self.costs)
-        parts = schedule_cost(schedule(R, T, self.num_programs, only="parts"), self.costs)
-        return "parts" if parts < line else "line"
+        costs = [schedule_cost(schedule(R, T, self.num_programs, only=k), self.costs) for k in kinds]
+        return kinds[costs.index(min(costs))]
 
     @staticmethod
     def keep(table: dict, key, value):

@@ -18,7 +18,12 @@ The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for
 them without pricing: where KV columns of one program's share (``chunk`` tiles) make at most as many
 segments (column x row block) as programs, each program runs one, as in the host's plan (at most
 ``P`` segments, partials and groups; :func:`_segment_pieces`); else parts only where it keeps nine
-tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`).
+tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`); else, as for ``"rounds"``, the rounds
+schedule (:func:`~kdtree_engine.verify.plan._rounds_schedule`, :func:`_rounds_pieces`: every row
+block against its whole sequence, segment i on program ``i mod pe``; as many segments as row
+blocks, nothing split) where a sequence has more row blocks than half the programs with work, which
+the parts schedule cannot take and where the line re-reads each sequence's KV per program
+(:data:`ROUNDS_MAX_SLACK_TENTHS`); else the line.
 
 :func:`_schedule_kernel` runs ``ceil(segment capacity / BLOCK_S)`` programs of ``BLOCK_S`` pieces
 (32 by default: one per lane). Each computes the whole schedule's shape in registers, redundantly
@@ -73,6 +78,15 @@ NUM_WARPS = 8
 # at most 1.11x. Without the rule parts is dearer by up to 1.22x (Hopper) and 1.46x (Triton): L near
 # P / 2 leaves programs idle.
 AUTO_MIN_FILL_TENTHS = 9
+# schedule "rounds" (and "auto" past whole segments and parts): the rounds schedule where a sequence
+# has more than pe / 2 row blocks and the S row blocks in all fill their last round well enough:
+# ceil(S / pe) * pe <= this many tenths of S. Under the Hopper cost model (3,753 random steps with
+# 2 L > pe: B 2-64, H 64 / 128, trees 34-256 nodes, KV to 200k, equal, +-10% and independent
+# lengths), the line schedule (the only one the device had there) costs 1.74x the host's pick at the
+# median (1.82x at the 90th percentile); the rule takes rounds in 3,211 and brings the median to
+# 1.00 (1.17x at the 90th percentile); where it takes rounds they cost more than the line in 440,
+# by at most 1.32x (ragged lengths over few rounds).
+ROUNDS_MAX_SLACK_TENTHS = tl.constexpr(11)
 # the KV parts schedule runs in int32: taken only where the KV tiles of all sequences number fewer
 # (2**31 tiles of 64 tokens: more than any 64 sequences of int32 lengths hold), else the line
 PARTS_MAX_TILES = tl.constexpr(2**31)
@@ -382,13 +396,48 @@ def _segment_pieces(i0, kv, R, T, width, m_b, o_b, kv_out, qo_out, q0, q1, prog_
 
 
 @triton.jit
+def _rounds_pieces(i0, kv, R, pe, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+                   seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, P, seg_cap,
+                   BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the rounds schedule (:func:`~kdtree_engine.verify.plan._rounds_schedule`;
+    program 0: also the lengths, the program boundaries and the group count, 0): segment i (the
+    sequences' row blocks in order) runs on program ``i mod pe`` against its whole sequence, so the
+    first ``S mod pe`` programs run ``S // pe + 1`` segments and the others ``S // pe``; the piece at
+    table position j is its program's k-th, segment ``p + k pe``."""
+    r_end = tl.cumsum(R, 0)  # non-decreasing; past B: S
+    S = tl.sum(R, 0)
+    q = S // pe
+    rem = S % pe
+    if i0 == 0:
+        o_k = tl.arange(0, BLOCK_P)
+        tl.store(kv_out + o_b, kv, mask=m_b)
+        tl.store(qo_out + o_b + 1, q1, mask=m_b)
+        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
+        tl.store(prog_first_seg + o_k, tl.where(o_k <= pe, o_k * q + tl.minimum(o_k, rem), S), mask=o_k <= P)
+        tl.store(group_count, 0)
+    if i0 < S:
+        j = i0 + tl.arange(0, BLOCK_S)
+        m_j = (j < S) & (j < seg_cap)
+        big = rem * (q + 1)  # positions of the programs that run one segment more
+        p = tl.where(j < big, j // (q + 1), rem + (j - big) // tl.maximum(q, 1))
+        i = p + (j - (p * q + tl.minimum(p, rem))) * pe
+        b = tl.where(m_j, _count_at_most(r_end, i, BLOCK_B), 0)  # lanes past the pieces take sequence 0
+        r = i - (tl.gather(r_end, b, 0) - tl.gather(R, b, 0))
+        tl.store(seg_seq + j, b, mask=m_j)
+        tl.store(seg_row0 + j, (r * BLOCK_M).to(tl.int32), mask=m_j)
+        tl.store(seg_kv_start + j, 0, mask=m_j)
+        tl.store(seg_kv_end + j, tl.gather(kv, b, 0), mask=m_j)
+        tl.store(seg_partial + j, -1, mask=m_j)
+
+
+@triton.jit
 def _schedule_kernel(
     kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
     seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
     H, P, max_nodes, seg_cap, grp_cap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SEGMENTS: tl.constexpr, PARTS: tl.constexpr,
-    MIN_FILL_TENTHS: tl.constexpr,
+    MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr,
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
     computing the sequences and boundaries first: with ``SEGMENTS``, whole segments one per program
@@ -396,8 +445,10 @@ def _schedule_kernel(
     programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule when every
     sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
     are fewer than :data:`PARTS_MAX_TILES` and the parts keep
-    ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else (and
-    without ``PARTS``) the line schedule; program 0 also writes the lengths, ``prog_first_seg`` and
+    ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else with
+    ``ROUNDS`` the rounds schedule (:func:`_rounds_pieces`) where a sequence has more than ``pe / 2``
+    row blocks and their last round is full enough (:data:`ROUNDS_MAX_SLACK_TENTHS`), else the line
+    schedule; program 0 also writes the lengths, ``prog_first_seg`` and
     the group count (see the module docstring). On sm_90a both variants take 99-108 registers and
     spill nothing at max_batch 1-64 (``scripts/scheduler_sm90_compile.py``); the parts schedule's
     comparison matrices, before :func:`_count_at_most`, took 255 registers, spilled up to 1.2 KB and
@@ -420,6 +471,11 @@ def _schedule_kernel(
         _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
                       seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
                       grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
+    elif ROUNDS and ((2 * L > pe) & ((tl.sum(R, 0) + pe - 1) // pe * pe * 10
+                                      <= ROUNDS_MAX_SLACK_TENTHS * tl.sum(R, 0))):
+        _rounds_pieces(i0, kv, R, pe, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq,
+                       seg_row0, seg_kv_start, seg_kv_end, seg_partial, P, seg_cap, BLOCK_M, BLOCK_B, BLOCK_P,
+                       BLOCK_S)
     else:
         _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
                      kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
@@ -455,14 +511,19 @@ class DeviceScheduler:
         16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
         on the current stream, no sync. ``schedule``: ``"line"``; ``"parts"``: the KV parts
         schedule where it applies (every tree of the same row blocks L, ``2 L`` at most the
-        programs with work), else the line; ``"auto"``: the host's schedule where the host takes
-        it whatever it costs (whole segments, one per program), else parts where it applies and
-        keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else the line."""
+        programs with work), else the line; ``"rounds"``: the rounds schedule where it applies
+        (a sequence of more row blocks than half the programs with work, the last round full
+        enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the host's schedule
+        where the host takes it whatever it costs (whole segments, one per program), else parts
+        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else rounds
+        where they apply, else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
                       (0, 1), (*ints, *self._outputs), self.constexprs(schedule))
 
     def constexprs(self, schedule: str) -> dict:
-        """The kernel's constexprs and ``num_warps`` for ``schedule`` (``"line"``, ``"parts"``, ``"auto"``)."""
-        return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule != "line",
-                              "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0}
+        """The kernel's constexprs and ``num_warps`` for ``schedule`` (``"line"``, ``"parts"``,
+        ``"rounds"``, ``"auto"``)."""
+        return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule in ("parts", "auto"),
+                              "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0,
+                              "ROUNDS": schedule in ("rounds", "auto")}
