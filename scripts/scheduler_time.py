@@ -2,7 +2,7 @@
 against the host's tables of the same schedule.
 
     PYTHONPATH=src python scripts/scheduler_time.py [--modules kdtree_engine.verify.scheduler,...]
-        [--schedule line|parts|auto]
+        [--schedule line|parts|rounds|auto]
 
 Per shape (B x heads x tree nodes x prefix: every sequence has ``prefix + nodes`` KV positions)
 and per scheduler module (``--modules``, comma-separated; each must define ``DeviceScheduler`` as
@@ -11,7 +11,7 @@ program, ``module:N:W`` also ``num_warps=W``): the module's scheduler launches f
 ``--max-batch`` 64 and ``--max-tree-nodes`` 65 (one plan per head count, the device's config and
 grid), captured ``--calls`` times in a CUDA graph; the graph replayed ``--replays`` times, the
 fastest replay per call in us. The tables the last replay wrote are compared with the host's
-tables of ``--schedule`` (the line schedule, or the KV parts schedule where it applies:
+tables of ``--schedule`` (the line schedule, or the KV parts or rounds schedule where it applies:
 :func:`~kdtree_engine.testing.device_tables`) of the same lengths (``ok`` or ``DIFF``). To A/B another scheduler, e.g. the
 two-launch one of branch ``parallel-scheduler`` (with the launch module it imports; a scheduler
 whose constructor takes a ``scratch`` buffer, as that one and main's do, gets one):
