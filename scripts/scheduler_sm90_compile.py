@@ -33,12 +33,13 @@ def main() -> int:
     types = {n: "*i32" for n in fn.arg_names}
     types.update({n: "i32" for n in ("stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap")})
     cases = []
-    # "auto" holds all three schedules ("parts" differs from it in its constants only)
+    # "auto" (with rounds, as the Hopper cost model asks) holds all four schedules ("parts" and "rounds"
+    # differ from it in their constants only)
     for max_batch, kind in ((int(v), kind) for v in a.max_batch.split(",") for kind in ("line", "auto")):
         p = VerifyPlan(max_batch, 65, 128, "cpu", config=CONFIGS[0], num_programs=a.programs)
         s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
                                       max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s,
-                                      num_warps=a.num_warps)
+                                      num_warps=a.num_warps, auto_rounds=True)
         consts = s.constexprs(kind)  # the constexprs and warps the launch passes
         cases.append((f"{fn.__name__} ({kind}, max_batch {max_batch}, P {a.programs}, "
                        f"{a.block_s} pieces per program, {a.num_warps} warps)", fn,

@@ -14,7 +14,8 @@ from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare,
                                    device_tables, random_tree, whole_segments_at_once)
-from kdtree_engine.verify.plan import HOPPER_COSTS, MIN_SPLIT_TILES, FlashConfig, VerifyPlan, rounds_apply, schedule
+from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
+                                       rounds_apply, schedule)
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -84,7 +85,9 @@ def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
     """The rounds schedule: sequences of more row blocks than half the programs (many heads and
     nodes on few programs), equal and ragged trees over ragged KV, one to 12 sequences; where it
     does not apply (a last round too empty, or 2L within the programs) the line, or for "auto"
-    whole segments or parts, as the host's ``device_tables`` says."""
+    whole segments or parts, as the host's ``device_tables`` says ("auto" under the Hopper kernel's
+    costs, whose ``auto_rounds`` asks for rounds; under the Triton kernel's it writes the line
+    there)."""
     rng = np.random.default_rng(200 + seed)
     took = 0
     for i in range(24):
@@ -94,12 +97,18 @@ def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
         kv = trees + rng.integers(0, int(rng.choice([10, 1000, 20000])), B)
         H, c = int(rng.choice([16, 64])), i % 2
         P = int(rng.integers(1, 3 * -(-int(trees.max()) * H // CONFIGS[c].block_m)))  # 2L above P at most draws
-        p = VerifyPlan(B + int(rng.integers(0, 5)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P)
+        p = VerifyPlan(B + int(rng.integers(0, 5)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P,
+                       costs=HOPPER_COSTS)
         R, T = blocks_and_tiles(p, kv, trees)
         took += rounds_apply(R, max(1, min(P, int((R * T).sum()))))
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
                           f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
     assert took >= 4
+    # the Triton kernel's costs: "auto" keeps the line where rounds would apply (4 x 5 row blocks on 5)
+    p = VerifyPlan(4, 40, 4, DEVICE, config=CONFIGS[0], num_programs=5, costs=TRITON_COSTS)
+    assert rounds_apply(np.full(4, 5), 5)
+    check_device_plan(p, np.array([700, 650, 300, 900]), np.arange(5) * 40, "Triton costs", "auto")
+    assert int(p.tables.group_count[0]) > 0  # the line splits row blocks; rounds never do
 
 
 def test_rounds_schedule_deals_whole_sequences_round_by_round():

@@ -189,8 +189,9 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
     schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
     programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts
-    also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` and
-    ``"auto"`` where it applies (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line
+    also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` (and
+    ``"auto"`` under a cost model with ``auto_rounds``) where it applies
+    (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line
     schedule; ``"auto"`` takes whole segments first where the host's plan takes them without
     pricing (KV columns of one program's share make at most one segment per program).
     ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
@@ -207,7 +208,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     elif parts:
         pieces = schedule(R, T, plan.num_programs, only="parts")
-    elif schedule_kind in ("rounds", "auto") and rounds_apply(R, pe):
+    elif (schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds)) and rounds_apply(R, pe):
         pieces = schedule(R, T, plan.num_programs, only="rounds")
     else:
         pieces = schedule(R, T, plan.num_programs, only="line")

@@ -89,6 +89,11 @@ class ScheduleCosts(NamedTuple):
 
     segment_tiles: int  # a segment's fixed cost: q block load, pipeline fill, epilogue, its partial's combine
     hbm_tiles_per_tile: int  # KV tiles (64 x 576 bf16: 73.7 KB) the GPU reads from HBM in one tile time
+    # whether the device's "auto" (the unplanned call) takes the rounds schedule where it applies:
+    # for a kernel fast enough that the line's re-reads of the KV bind (the Hopper kernel; under the
+    # Triton kernel's costs the line is within 1-3% of the host's pick there and rounds are not
+    # cheaper, see scheduler.ROUNDS_MAX_SLACK_TENTHS)
+    auto_rounds: bool = False
 
 
 # Measured on the H200 (docs/perf_log.md; 4.25 TB/s from HBM). The Triton flash kernel: ~16 us per
@@ -103,7 +108,7 @@ class ScheduleCosts(NamedTuple):
 # from HBM in 301 us (2.6 TB/s), ran 2-7% slower than the parts schedule, which reads 2,049 (run 31);
 # so its HBM term counts 72 tiles per tile time (2.9 TB/s at 1.85 us per tile) where 90 said 3.6.
 TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
-HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72)
+HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72, auto_rounds=True)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
@@ -620,7 +625,8 @@ class VerifyPlan:
         the host takes it without pricing (whole segments, at most one per program: small steps),
         else parts where it also keeps nine tenths of the programs busy, a rule checked against the
         cost model (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`), else rounds
-        where they apply, else the line.
+        where they apply and the plan's cost model says they pay (``costs.auto_rounds``: the
+        Hopper kernel's), else the line.
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
@@ -689,7 +695,8 @@ class VerifyPlan:
 
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
-                                              max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES)
+                                              max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES,
+                                              auto_rounds=self.costs.auto_rounds)
         return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:

@@ -85,7 +85,10 @@ AUTO_MIN_FILL_TENTHS = 9
 # lengths), the line schedule (the only one the device had there) costs 1.74x the host's pick at the
 # median (1.82x at the 90th percentile); the rule takes rounds in 3,211 and brings the median to
 # 1.00 (1.17x at the 90th percentile); where it takes rounds they cost more than the line in 440,
-# by at most 1.32x (ragged lengths over few rounds).
+# by at most 1.32x (ragged lengths over few rounds). Under the Triton kernel's costs, where HBM
+# rarely binds, the line is within 1.00-1.02x of the host's pick at the median there and rounds are
+# 1.02-1.03x (worst 1.57x, on 84 / 132 / 264 programs), so "auto" takes them only for a plan whose
+# costs say so (ScheduleCosts.auto_rounds: the Hopper kernel's).
 ROUNDS_MAX_SLACK_TENTHS = tl.constexpr(11)
 # the KV parts schedule runs in int32: taken only where the KV tiles of all sequences number fewer
 # (2**31 tiles of 64 tokens: more than any 64 sequences of int32 lengths hold), else the line
@@ -494,13 +497,14 @@ class DeviceScheduler:
     launch costs only its arguments)."""
 
     def __init__(self, kv_out, qo_out, tables, *, num_heads: int, max_batch: int, max_tree_nodes: int,
-                 min_split: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS):
+                 min_split: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS, auto_rounds: bool = False):
         cfg, P = tables.config, tables.num_programs
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
         self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
                            BLOCK_B=triton.next_power_of_2(max_batch), BLOCK_P=triton.next_power_of_2(P + 2),
                            BLOCK_S=block_s, num_warps=num_warps)
-        self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, *self._const.values())
+        self._auto_rounds = auto_rounds
+        self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, auto_rounds, *self._const.values())
         self._grid = (triton.cdiv(seg_cap, block_s),)
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, *tables.segment_rows,
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
@@ -515,8 +519,9 @@ class DeviceScheduler:
         (a sequence of more row blocks than half the programs with work, the last round full
         enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the host's schedule
         where the host takes it whatever it costs (whole segments, one per program), else parts
-        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else rounds
-        where they apply, else the line."""
+        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with
+        ``auto_rounds`` at construction: the plan's cost model says they pay) rounds where they
+        apply, else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
                       (0, 1), (*ints, *self._outputs), self.constexprs(schedule))
@@ -526,4 +531,4 @@ class DeviceScheduler:
         ``"rounds"``, ``"auto"``)."""
         return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule in ("parts", "auto"),
                               "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0,
-                              "ROUNDS": schedule in ("rounds", "auto")}
+                              "ROUNDS": schedule == "rounds" or (schedule == "auto" and self._auto_rounds)}
