@@ -3,6 +3,8 @@
 #   scripts/gpu_check.sh [STAGE ...]     stages: machine tests ddtree-tests refs bench ddtree kvpool demo sanitize
 #                                        tune timeline ab
 #                                        (default: all but tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
+#                                        TESTS: the test files of stage tests (default: all but DDTree's; the
+#                                        whole set takes more than one 600 s device call: split it),
 #                                        DDTREE_SHARDS: processes of ddtree-tests, DDTREE_TESTS: its test files;
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
@@ -22,8 +24,9 @@ for stage in "${stages[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
         git rev-parse HEAD 2>/dev/null || echo "commit ${KDTREE_GIT_COMMIT:-unknown}"; } | tee "$OUT/machine.txt" ;;
-    tests)  # all but the DDTree tests (stage ddtree-tests)
-      python3 -m pytest -q -p no:cacheprovider tests --ignore-glob='tests/test_ddtree_*' 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
+    tests)  # TESTS, or all but the DDTree tests (stage ddtree-tests)
+      if [ -n "${TESTS:-}" ]; then read -ra files <<< "$TESTS"; else files=(tests --ignore-glob='tests/test_ddtree_*'); fi
+      python3 -m pytest -q -p no:cacheprovider "${files[@]}" 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
     ddtree-tests)  # each parametrised case compiles its kernels (test_ddtree_tree.py alone > 170 s in one
       # process): the cases dealt round-robin to DDTREE_SHARDS processes (default 8), which compile side by side
       shards=$(mktemp -d)
