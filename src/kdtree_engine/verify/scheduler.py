@@ -168,20 +168,17 @@ def _boundaries(R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, 
 
 
 @triton.jit
-def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
-                 kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
-                 seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
+def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, prog_first_seg,
+                 group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0,
+                 grp_first, grp_count, P, seg_cap, grp_cap,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pieces ``[i0, i0 + BLOCK_S)`` of the line schedule (program 0: also the lengths, the program
-    boundaries and the group count)."""
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the line schedule (program 0: also the program boundaries and
+    the group count)."""
     if i0 < tl.sum(R * ncol, 0) + pe - 1:  # past that (the items and the inner cuts): no piece here
         first, ord_lo, cut, key, kcol, sp_rows, spr, spp = _boundaries(
             R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, BLOCK_P)
         o_k = tl.arange(0, BLOCK_P)
         if i0 == 0:
-            tl.store(kv_out + o_b, kv, mask=m_b)
-            tl.store(qo_out + o_b + 1, q1, mask=m_b)
-            tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
             tl.store(prog_first_seg + o_k, first, mask=o_k <= P)
             tl.store(group_count, tl.sum(sp_rows, 0).to(tl.int32))
         S = tl.max(first, 0)  # first[k >= pe]: the pieces in all
@@ -255,13 +252,13 @@ def _inner_cuts_at_most(n_inner, cut, x, N: tl.constexpr):
 
 
 @triton.jit
-def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+def _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count,
                   seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
                   P, seg_cap, grp_cap,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK_S: tl.constexpr):
     """Pieces ``[i0, i0 + BLOCK_S)`` of the KV parts schedule of ``L`` row blocks per sequence
-    (:func:`~kdtree_engine.verify.plan._parts_schedule`; program 0: also the lengths, the program
+    (:func:`~kdtree_engine.verify.plan._parts_schedule`; program 0: also the program
     boundaries and the group count). The KV tiles of all sequences end to end are cut into
     ``G = pe // L`` parts at ``k * total // G`` (snapped to a sequence's edge closer than ``snap``);
     program ``g L + r`` runs row block r of every sequence against its KV in part g, in line order.
@@ -309,9 +306,6 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
     slot_base = tl.cumsum(slots, 0) - slots
     grp_base = L * (tl.cumsum(split_seq.to(tl.int32), 0) - split_seq.to(tl.int32))
     if i0 == 0:
-        tl.store(kv_out + o_b, kv, mask=m_b)
-        tl.store(qo_out + o_b + 1, q1, mask=m_b)
-        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
         tl.store(prog_first_seg + o_k, first, mask=o_k <= P)
         tl.store(group_count, L * tl.sum(split_seq.to(tl.int32), 0))
     if i0 < pieces:
@@ -346,13 +340,13 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog
 
 
 @triton.jit
-def _segment_pieces(i0, kv, R, T, width, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+def _segment_pieces(i0, kv, R, T, width, m_b, prog_first_seg, group_count,
                     seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
                     P, seg_cap, grp_cap,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
                     BLOCK_S: tl.constexpr):
     """Pieces ``[i0, i0 + BLOCK_S)`` of the whole-segments schedule of KV columns ``width`` tiles wide
-    (:func:`~kdtree_engine.verify.plan._whole_segments`; program 0: also the lengths, the program
+    (:func:`~kdtree_engine.verify.plan._whole_segments`; program 0: also the program
     boundaries and the group count), for lengths where its segments number at most the programs:
     segment i (sequence by sequence, in each its columns, in each column its row blocks) is program
     i's only one. A row block of a sequence of several columns is split, one partial per column."""
@@ -368,9 +362,6 @@ def _segment_pieces(i0, kv, R, T, width, m_b, o_b, kv_out, qo_out, q0, q1, prog_
     pieces = tl.sum(n, 0)
     if i0 == 0:
         o_k = tl.arange(0, BLOCK_P)
-        tl.store(kv_out + o_b, kv, mask=m_b)
-        tl.store(qo_out + o_b + 1, q1, mask=m_b)
-        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
         tl.store(prog_first_seg + o_k, tl.minimum(o_k, pieces), mask=o_k <= P)
         tl.store(group_count, tl.sum(rows, 0))
     if i0 < pieces:
@@ -399,11 +390,11 @@ def _segment_pieces(i0, kv, R, T, width, m_b, o_b, kv_out, qo_out, q0, q1, prog_
 
 
 @triton.jit
-def _rounds_pieces(i0, kv, R, pe, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
+def _rounds_pieces(i0, kv, R, pe, prog_first_seg, group_count,
                    seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, P, seg_cap,
                    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
     """Pieces ``[i0, i0 + BLOCK_S)`` of the rounds schedule (:func:`~kdtree_engine.verify.plan._rounds_schedule`;
-    program 0: also the lengths, the program boundaries and the group count, 0): segment i (the
+    program 0: also the program boundaries and the group count, 0): segment i (the
     sequences' row blocks in order) runs on program ``i mod pe`` against its whole sequence, so the
     first ``S mod pe`` programs run ``S // pe + 1`` segments and the others ``S // pe``; the piece at
     table position j is its program's k-th, segment ``p + k pe``."""
@@ -413,9 +404,6 @@ def _rounds_pieces(i0, kv, R, pe, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_s
     rem = S % pe
     if i0 == 0:
         o_k = tl.arange(0, BLOCK_P)
-        tl.store(kv_out + o_b, kv, mask=m_b)
-        tl.store(qo_out + o_b + 1, q1, mask=m_b)
-        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
         tl.store(prog_first_seg + o_k, tl.where(o_k <= pe, o_k * q + tl.minimum(o_k, rem), S), mask=o_k <= P)
         tl.store(group_count, 0)
     if i0 < S:
@@ -464,26 +452,28 @@ def _schedule_kernel(
     R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, chunk, snap = _sequences(
         kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M, BLOCK_N, MIN_SPLIT)
     i0 = tl.program_id(0) * BLOCK_S
+    if i0 == 0:  # program 0 copies the lengths, whatever the schedule
+        tl.store(kv_out + o_b, kv, mask=m_b)
+        tl.store(qo_out + o_b + 1, q1, mask=m_b)
+        tl.store(qo_out + o_b, q0, mask=m_b & (o_b == 0))
     L = tl.max(R, 0)
     if SEGMENTS and (tl.sum(R * ((T + chunk - 1) // chunk), 0) <= pe):
-        _segment_pieces(i0, kv, R, T, chunk, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
-                        seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
-                        grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
+        _segment_pieces(i0, kv, R, T, chunk, m_b, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
+                        seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
+                        BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     elif PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
                     & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
-        _parts_pieces(i0, kv, T, L, pe, snap, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count,
-                      seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
-                      grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
+        _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
+                      seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
+                      BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     elif ROUNDS and ((2 * L > pe) & ((tl.sum(R, 0) + pe - 1) // pe * pe * 10
                                       <= ROUNDS_MAX_SLACK_TENTHS * tl.sum(R, 0))):
-        _rounds_pieces(i0, kv, R, pe, m_b, o_b, kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq,
-                       seg_row0, seg_kv_start, seg_kv_end, seg_partial, P, seg_cap, BLOCK_M, BLOCK_B, BLOCK_P,
-                       BLOCK_S)
+        _rounds_pieces(i0, kv, R, pe, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
+                       seg_partial, P, seg_cap, BLOCK_M, BLOCK_B, BLOCK_P, BLOCK_S)
     else:
-        _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, m_b, o_b,
-                     kv_out, qo_out, q0, q1, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
-                     seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
-                     BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_S)
+        _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, snap, prog_first_seg,
+                     group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0,
+                     grp_first, grp_count, P, seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_S)
 
 
 _SCHEDULE = Launcher(_schedule_kernel)
