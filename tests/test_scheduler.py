@@ -12,8 +12,8 @@ import torch
 from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
-from kdtree_engine.testing import (TOLERANCES, CaseSpec, blocks_and_tiles, build_case, chain_tree, compare,
-                                   device_tables, random_tree, whole_segments_at_once)
+from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
+                                   random_tree, whole_segments_at_once)
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
                                        rounds_apply, schedule)
 
@@ -99,7 +99,7 @@ def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
         P = int(rng.integers(1, 3 * -(-int(trees.max()) * H // CONFIGS[c].block_m)))  # 2L above P at most draws
         p = VerifyPlan(B + int(rng.integers(0, 5)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P,
                        costs=HOPPER_COSTS)
-        R, T = blocks_and_tiles(p, kv, trees)
+        R, T = p.blocks_and_tiles(kv, trees)
         took += rounds_apply(R, max(1, min(P, int((R * T).sum()))))
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
                           f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
@@ -133,7 +133,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
     segments, every row block split in 5), then random ragged small steps (where segments do not
     apply, ``device_tables`` says parts or the line, as before)."""
     def host_pick(p, kv, trees):
-        first, seg, tile_end, grp, _ = p._schedule_tables(*blocks_and_tiles(p, kv, trees))
+        first, seg, tile_end, grp, _ = p._schedule_tables(*p.blocks_and_tiles(kv, trees))
         seg[3] = np.minimum(tile_end, kv[seg[0]])
         return first, seg, grp
 
@@ -156,7 +156,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
         qo = np.concatenate([[0], np.cumsum(trees)])
         what = f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}"
         check_device_plan(p, kv, qo, what, "auto")
-        if whole_segments_at_once(*blocks_and_tiles(p, kv, trees), P):
+        if whole_segments_at_once(*p.blocks_and_tiles(kv, trees), P):
             took += 1
             assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
                                                             host_pick(p, kv, trees))), what

@@ -170,12 +170,6 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
 
-def blocks_and_tiles(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row blocks R and KV tiles T per sequence (int64 ``[B]`` each) of these lengths on ``plan``'s tiles."""
-    bm, bn = plan.config.block_m, plan.config.block_n
-    return -(-tree_sizes.astype(np.int64) * plan.num_heads // bm), -(-kv_lens.astype(np.int64) // bn)
-
-
 def whole_segments_at_once(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
     """Whether the host's schedule takes whole segments without pricing them: KV columns of one
     program's share make at most as many segments (column x row block) as programs with work."""
@@ -195,7 +189,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     schedule; ``"auto"`` takes whole segments first where the host's plan takes them without
     pricing (KV columns of one program's share make at most one segment per program).
     ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
-    R, T = blocks_and_tiles(plan, kv_lens, tree_sizes)
+    R, T = plan.blocks_and_tiles(kv_lens, tree_sizes)
     pe = max(1, min(plan.num_programs, int((R * T).sum())))
     L = int(R.max())
     from .verify.scheduler import AUTO_MIN_FILL_TENTHS, PARTS_MAX_TILES  # (loads Triton)

@@ -277,13 +277,18 @@ def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
     return Pieces(seq[by], row[by], t0[by], (t0 + length[span])[by], prog[by])
 
 
+def _numbered(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``n[b]`` items for each b, numbered in order: each item's b and its index among b's."""
+    owner = np.repeat(np.arange(len(n)), n)
+    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(n) - n, n)
+
+
 def _rounds_schedule(R: np.ndarray, T: np.ndarray, P: int) -> Pieces:
     """Every row block of every sequence against its whole KV, in sequence order, segment i run by
     program ``i mod P``: the programs of one round read the same sequence's tiles at the same time
     (the device's schedule for sequences of more row blocks than half the programs, where the KV
     parts schedule does not apply; no row block is split, so nothing is merged)."""
-    seq = np.repeat(np.arange(len(R)), R)
-    row = np.arange(len(seq)) - np.repeat(np.cumsum(R) - R, R)
+    seq, row = _numbered(R)
     by = np.argsort(np.arange(len(seq)) % P, kind="stable")
     return Pieces(seq[by], row[by], np.zeros(len(seq), dtype=np.int64), T[seq][by], by % P)
 
@@ -320,8 +325,7 @@ def _whole_segments(R: np.ndarray, T: np.ndarray, P: int, width: int, segment_ti
     past the first P)."""
     cols = -(-T // width)
     n = R * cols  # segments per sequence
-    seq = np.repeat(np.arange(len(R)), n)
-    local = np.arange(len(seq)) - np.repeat(np.cumsum(n) - n, n)
+    seq, local = _numbered(n)
     Rs = R[seq]
     t0 = (local // Rs) * width
     t1 = np.minimum(t0 + width, T[seq])
@@ -350,8 +354,7 @@ def _line_schedule(R: np.ndarray, T: np.ndarray, P: int, chunk: int, snap: int) 
     ncol = -(-T // chunk)
     width = -(-T // np.maximum(ncol, 1))
     n = R * ncol  # items (column x row block) per sequence
-    seq = np.repeat(np.arange(len(R)), n)
-    local = np.arange(len(seq)) - np.repeat(np.cumsum(n) - n, n)
+    seq, local = _numbered(n)
     Rs, ws = R[seq], width[seq]
     c0 = (local // Rs) * ws
     c1 = np.minimum(c0 + ws, T[seq])
@@ -571,8 +574,7 @@ class VerifyPlan:
         if n_max > self.max_tree_nodes:
             raise ValueError(f"qo_indptr gives a tree of {n_max} nodes; "
                              f"this plan holds at most max_tree_nodes={self.max_tree_nodes}")
-        bm, bn = self.config.block_m, self.config.block_n
-        R, T = -(-n * self.num_heads // bm), -(-kv // bn)
+        R, T = self.blocks_and_tiles(kv, n)
         key = R.tobytes() + T.tobytes()
         tables = self._schedules.pop(key, None)
         if tables is None:
@@ -699,15 +701,20 @@ class VerifyPlan:
                                               auto_rounds=self.costs.auto_rounds)
         return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
+    def blocks_and_tiles(self, kv_lens: np.ndarray, tree_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row blocks R and KV tiles T per sequence (int64 ``[B]`` each) of these lengths (``[B]``
+        each) on this plan's tiles and heads."""
+        bm, bn = self.config.block_m, self.config.block_n
+        return (-(-np.asarray(tree_sizes, dtype=np.int64) * self.num_heads // bm),
+                -(-np.asarray(kv_lens, dtype=np.int64) // bn))
+
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:
         """The cheapest of the device scheduler's schedules (``"line"``, ``"parts"``, ``"rounds"``)
         for these host lengths by the plan's cost model (:func:`schedule_cost` under
         :attr:`costs`): what a caller that knows a step's shape ahead (an engine capturing a step
         graph) passes to :meth:`plan_on_device` for the device lengths of steps like it."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
-        bm, bn = self.config.block_m, self.config.block_n
-        R = -(-np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes) * self.num_heads // bm)
-        T = -(-kv // bn)
+        R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         P = max(1, min(self.num_programs, int((R * T).sum())))
         if rounds_apply(R, P):
             kinds = ("line", "rounds")
