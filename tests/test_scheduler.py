@@ -13,9 +13,9 @@ from conftest import DEVICE, requires_cuda
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
-                                   random_tree, whole_segments_at_once)
+                                   random_tree)
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
-                                       rounds_apply, schedule)
+                                       rounds_apply, schedule, whole_segments_apply)
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -140,6 +140,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
     p = VerifyPlan(8, 9, 16, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
     kv, trees = np.full(8, 1033), np.full(8, 9)
     check_device_plan(p, kv, np.arange(9) * 9, "8x16x9x1024", "auto")
+    assert p.device_schedule_for(kv, np.arange(9) * 9) == "auto"  # what an engine's captured step asks for
     first, seg, grp = host_pick(p, kv, trees)
     assert seg.shape[1] == 120 and grp.shape[1] == 24 and (grp[3] == 5).all()
     assert np.array_equal(p.tables.segments.cpu().numpy()[:, :120], seg)
@@ -156,8 +157,9 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
         qo = np.concatenate([[0], np.cumsum(trees)])
         what = f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}"
         check_device_plan(p, kv, qo, what, "auto")
-        if whole_segments_at_once(*p.blocks_and_tiles(kv, trees), P):
+        if whole_segments_apply(*p.blocks_and_tiles(kv, trees), P):
             took += 1
+            assert p.device_schedule_for(kv, qo) == "auto", what
             assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
                                                             host_pick(p, kv, trees))), what
     assert took >= 3

@@ -16,7 +16,7 @@ import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from .verify.contract import D_QK
-from .verify.plan import rounds_apply, schedule
+from .verify.plan import rounds_apply, schedule, whole_segments_apply
 
 __all__ = [
     "CaseSpec",
@@ -170,14 +170,6 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
     return CompareResult(ok, max_abs, max_rel, worst, detail)
 
 
-def whole_segments_at_once(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
-    """Whether the host's schedule takes whole segments without pricing them: KV columns of one
-    program's share make at most as many segments (column x row block) as programs with work."""
-    total = int((R * T).sum())
-    pe = max(1, min(num_programs, total))
-    return int((R * -(-T // -(-total // pe))).sum()) <= pe
-
-
 def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_kind: str = "line"):
     """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
@@ -198,7 +190,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
              and int(T.sum()) < PARTS_MAX_TILES.value)
     if schedule_kind == "auto":
         parts = parts and (pe // L) * L * 10 >= AUTO_MIN_FILL_TENTHS * pe
-    if schedule_kind == "auto" and whole_segments_at_once(R, T, plan.num_programs):
+    if schedule_kind == "auto" and whole_segments_apply(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     elif parts:
         pieces = schedule(R, T, plan.num_programs, only="parts")

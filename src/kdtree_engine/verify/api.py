@@ -310,7 +310,8 @@ class VerifyAttention:
     def plan(self, kv_lens, qo_indptr, *, device_schedule: str = "line") -> None:
         """Plan a step: ``kv_lens`` ``[B]`` (prefix + tree nodes per sequence) and ``qo_indptr``
         ``[B+1]``. Both int32 CUDA tensors: the device scheduler writes ``device_schedule`` from
-        them (``"line"``, or ``"parts"`` / ``"rounds"`` where they apply: pick with :meth:`device_schedule_for`;
+        them (``"line"``; ``"parts"`` / ``"rounds"`` where they apply; ``"auto"``: the unplanned call's
+        rules; pick with :meth:`device_schedule_for`;
         one launch on the current stream, no sync, capturable in a CUDA graph with the layers; only
         shapes checked, see :meth:`~kdtree_engine.verify.plan.VerifyPlan.plan_on_device`).
         Otherwise host data (lists, numpy arrays or CPU tensors): checked (``ValueError`` naming
@@ -319,8 +320,8 @@ class VerifyAttention:
         self.workspace.plan(kv_lens, qo_indptr, device_schedule=device_schedule)
 
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:
-        """The device schedule (``"line"``, ``"parts"`` or ``"rounds"``) the cost model prefers for steps of these
-        host lengths (:meth:`~kdtree_engine.verify.plan.VerifyPlan.device_schedule_for`)."""
+        """The device schedule (``"auto"`` for small steps, else ``"line"``, ``"parts"`` or ``"rounds"``)
+        for steps of these host lengths (:meth:`~kdtree_engine.verify.plan.VerifyPlan.device_schedule_for`)."""
         return self.workspace.device_schedule_for(kv_lens, qo_indptr)
 
     @property

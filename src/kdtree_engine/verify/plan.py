@@ -293,6 +293,15 @@ def _rounds_schedule(R: np.ndarray, T: np.ndarray, P: int) -> Pieces:
     return Pieces(seq[by], row[by], np.zeros(len(seq), dtype=np.int64), T[seq][by], by % P)
 
 
+def whole_segments_apply(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
+    """Whether :func:`schedule` takes whole segments without pricing them (and the device's
+    ``"auto"`` writes them): KV columns of one program's share make at most as many segments
+    (column x row block) as programs with work."""
+    total = int((R * T).sum())
+    pe = max(1, min(num_programs, total))
+    return int((R * -(-T // -(-total // pe))).sum()) <= pe
+
+
 def rounds_apply(R: np.ndarray, programs: int) -> bool:
     """Whether the device takes the rounds schedule (:func:`_rounds_schedule`) for sequences of ``R``
     row blocks on ``programs`` programs with work (when asked for ``"rounds"`` or ``"auto"``): a
@@ -709,12 +718,17 @@ class VerifyPlan:
                 -(-np.asarray(kv_lens, dtype=np.int64) // bn))
 
     def device_schedule_for(self, kv_lens, qo_indptr) -> str:
-        """The cheapest of the device scheduler's schedules (``"line"``, ``"parts"``, ``"rounds"``)
-        for these host lengths by the plan's cost model (:func:`schedule_cost` under
-        :attr:`costs`): what a caller that knows a step's shape ahead (an engine capturing a step
-        graph) passes to :meth:`plan_on_device` for the device lengths of steps like it."""
+        """The device scheduler's schedule for these host lengths: what a caller that knows a
+        step's shape ahead (an engine capturing a step graph) passes to :meth:`plan_on_device` for
+        the device lengths of steps like it. ``"auto"`` where the host takes whole segments
+        without pricing them (:func:`whole_segments_apply`: small steps; the device's ``"auto"``
+        writes the same tables, and past them its own rules as the lengths grow), else the
+        cheapest of ``"line"``, ``"parts"`` and ``"rounds"`` where they apply by the plan's cost
+        model (:func:`schedule_cost` under :attr:`costs`)."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
+        if whole_segments_apply(R, T, self.num_programs):
+            return "auto"
         P = max(1, min(self.num_programs, int((R * T).sum())))
         if rounds_apply(R, P):
             kinds = ("line", "rounds")
