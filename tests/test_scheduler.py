@@ -273,11 +273,14 @@ def run_matches_the_reference(attn: VerifyAttention, c: dict, what: str):
 
 
 def test_run_on_a_rounds_plan_matches_the_reference():
-    """A device plan of the rounds schedule (two 40-node trees x 4 heads: 5 row blocks each, whole
-    sequences dealt to 5 programs two by two, nothing merged), run right."""
+    """A device plan of the rounds schedule (two 40-node trees x 4 heads under the interpreter's
+    32-row blocks, x 8 heads under the GPU's 64: 5 row blocks each, whole sequences dealt to 5
+    programs two by two, nothing merged), run right."""
     g = torch.Generator().manual_seed(11)
-    attn = VerifyAttention(2, 40, 4, DEVICE, num_programs=5)
-    c = build_case(CaseSpec("r", 4, [300, 90], [random_tree(40, g), random_tree(40, g)], page_size=16, seed=11),
+    H = 5 * (32 if DEVICE == "cpu" else 64) // 40
+    attn = VerifyAttention(2, 40, H, DEVICE, num_programs=5)
+    assert attn.workspace.tables.config.block_m * 5 == 40 * H
+    c = build_case(CaseSpec("r", H, [300, 90], [random_tree(40, g), random_tree(40, g)], page_size=16, seed=11),
                    DEVICE)
     attn.workspace.plan_on_device(c["kv_lens"], c["qo_indptr"], schedule="rounds")
     t = attn.workspace.tables
