@@ -332,44 +332,45 @@ if HAVE_GLUON:
                         b_s = _qk_chunks(s_q.index(zero), q_rope, s_k_lat.index(WG + zero),
                                          s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
                     own_uses += 1
-                    b_s = _mask_scores(b_s * scale_log2, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
+                    b_s = _mask_scores(b_s, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
                                        mask_words, stride_mw, BLOCK_N, S_L)
                 v_own = s_k_lat.index(WG).slice(WG * HALF, HALF, dim=1)
                 v_other = s_k_lat.index(1 - WG).slice(WG * HALF, HALF, dim=1)
                 if WG == 0:
-                    # m0 = running max with tile 2j; P0 against m0, its PV issued at once; then consumer
-                    # 1's max m1 (>= m0) arrives and P0, O0 and l0 are rescaled to it
-                    m0 = gl.maximum(m_i, gl.max(b_s, axis=1))
+                    # m0 = running max with tile 2j; P0 against m0; then consumer 1's max m1 (>= m0)
+                    # arrives, P0 is rescaled to it and O0 once (old max -> m1), and the PV issued
+                    m0 = gl.maximum(m_i, gl.max(b_s, axis=1) * scale_log2)  # = max of the scaled scores
                     _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)
                     m0_use = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with nothing visible yet
-                    alpha = gl.exp2(m_i - m0_use)
-                    b_p = gl.exp2(b_s - gl.expand_dims(m0_use, 1))
-                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
+                    b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m0_use, 1))  # one FFMA a score
+                    l_s = gl.sum(b_p, axis=1)
                     mbarrier.wait(bars[_M_READY + 1], steps & 1)
-                    m_i = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
-                    corr = gl.exp2(m0_use - gl.where(m_i == float("-inf"), 0.0, m_i))
-                    b_p = b_p * gl.expand_dims(corr, 1)
-                    l_i = l_i * corr
-                    s_p0.store(b_p.to(dt))
+                    m1 = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
+                    m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+                    corr = gl.exp2(m0_use - m1_use)
+                    alpha = gl.exp2(m_i - m1_use)
+                    m_i = m1
+                    l_i = l_i * alpha + l_s * corr
+                    b_p = (b_p * gl.expand_dims(corr, 1)).to(dt)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)
+                    s_p0.store(b_p)
                     fence_async_shared()
                     gl.thread_barrier()
                     mbarrier.arrive(bars[_P_READY + 0])
                     acc = warpgroup_mma_wait(0, deps=[acc])
                     mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
-                    acc = acc * gl.expand_dims(gl.convert_layout(corr, ROW_O), 1)
                     mbarrier.wait(bars[_P_READY + 1], steps & 1)
                     pending = has_other  # its PV on P1 (over Q's rope columns): issued ahead of the next QK
                 else:
                     # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
                     mbarrier.wait(bars[_M_READY + 0], steps & 1)
-                    m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1))
+                    m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1) * scale_log2)
                     _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
                     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
                     alpha = gl.exp2(m_i - m1_use)
                     m_i = m1
-                    b_p = gl.exp2(b_s - gl.expand_dims(m1_use, 1))
+                    b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m1_use, 1))
                     l_i = l_i * alpha + gl.sum(b_p, axis=1)
                     if has_own:
                         s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
