@@ -17,9 +17,10 @@ Points per consumer and step (``steps``: the consumer's step counter over all it
 s of both consumers is the same tile pair):
 
 - consumer 0: 0 step start, 1 first K chunk of its tile landed (after its PV on the last step's P1
-  was issued, in ``_qk_after_pv``), 2 S = QK^T done, 3 its row max m0 published, 4 own PV issued,
-  5 consumer 1's max m1 received, 6 P0 published, 7 own PV retired, 8 consumer 1's P received, 9
-  step end (its PV on P1 is issued at the next step's start);
+  was issued, in ``_qk_after_pv``), 2 S = QK^T done, 3 its row max m0 published, 4 consumer 1's
+  max m1 received, 5 own PV issued (P0 and O rescaled to m1), 6 P0 published, 7 own PV retired, 8
+  consumer 1's P received, 9 step end (its PV on P1 is issued at the next step's start); until run
+  35 consumer 0 issued its PV before m1 arrived, and points 4 and 5 were in the other order;
 - consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's max m0 received,
   4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
   PVs retired, 9 step end;
@@ -134,11 +135,11 @@ EDITS = [
     ("                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
      "                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n                    _stamp(trace, steps, 3, WG)\n",
      1),
-    ("                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
-     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
-     "                    acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
-     "                    _stamp(trace, steps, 4, WG)\n"
-     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 5, WG)\n", 1),
+    ("                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
+     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 4, WG)\n", 1),
+    ("                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n",
+     "                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n"
+     "                    _stamp(trace, steps, 5, WG)\n", 1),
     # (before the arrive: stamped after it, with point 7 behind, ptxas serialised the wgmmas, C7515)
     ("                    mbarrier.arrive(bars[_P_READY + 0])\n",
      "                    _stamp(trace, steps, 6, WG)\n                    mbarrier.arrive(bars[_P_READY + 0])\n", 1),

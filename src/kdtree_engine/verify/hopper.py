@@ -269,12 +269,14 @@ if HAVE_GLUON:
         """Consumer partition ``WG`` (4 warps): the tiles ``2 j + WG`` of each segment, in stage WG.
 
         Per step j: S = Q K^T of its own tile (64 x 64; the K chunks waited one by one), then the max
-        chain: consumer 0 publishes m0 = max(m, rowmax S0) and issues ``O[:, 0:256] += P0 V0`` at once;
-        consumer 1 publishes m1 = max(m0, rowmax S1), stores P1 over Q's rope columns and issues
-        ``O[:, 256:512] += P1 V1 + P0 V0``; consumer 0 rescales P0 (stored in its own buffer), O and its
-        row sums to m1, and issues ``O[:, 0:256] += P1 V1`` at the start of step j + 1, ahead of that
-        step's QK (:func:`_qk_after_pv`; the segment's last one after its loop). Own P comes from
-        registers, the other's from shared memory.
+        chain (scores unscaled; the scale positive, so the max of the raw scores times it is the
+        max of the scaled ones, and the scale goes into the exponent's FFMA): consumer 0 publishes
+        m0 = max(m, rowmax S0) and computes P0 against it; consumer 1 publishes m1 = max(m0, rowmax
+        S1), stores P1 over Q's rope columns and issues ``O[:, 256:512] += P1 V1 + P0 V0``; consumer 0
+        rescales P0 and its row sums to m1 and O once (from m to m1), issues ``O[:, 0:256] += P0 V0``,
+        stores P0 (its own buffer), and issues ``O[:, 0:256] += P1 V1`` at the start of step j + 1,
+        ahead of that step's QK (:func:`_qk_after_pv`; the segment's last one after its loop). Own P
+        comes from registers, the other's from shared memory.
         Each consumer owns half of the 512 output columns (128 fp32 registers per thread) and its own
         row sums (added up through shared memory at the segment's end). A chunk is released as soon as
         its last reader is done.
