@@ -60,6 +60,12 @@ def matches(out, lse, ref_out, ref_lse) -> bool:
     return compare(out, ref_out, *TOLERANCES["bf16"]["out"]).ok and compare(lse, ref_lse, *TOLERANCES["bf16"]["lse"]).ok
 
 
+def _spread(us: list[float]) -> str:
+    """A kernel's rounds as ``+x.x%``: how far its slowest round is from its fastest (a difference
+    between kernels smaller than that is within the noise of the call)."""
+    return f"+{(max(us) / min(us) - 1) * 100:.1f}%"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem) or "
@@ -106,7 +112,7 @@ def main() -> None:
             r["repeats"] = torch.equal(r["first"][0], r["out"]) and torch.equal(r["first"][1], r["lse"])
         base = res["base"]
         base_us = min(base["us"])
-        print(f"{text}: base {base_us:.1f} us {'PASS' if base['ok'] else 'FAIL'}"
+        print(f"{text}: base {base_us:.1f} us (rounds {_spread(base['us'])}) {'PASS' if base['ok'] else 'FAIL'}"
               f"{'' if base['repeats'] else '  REPLAYS DIFFER'}", flush=True)
         for name, r in res.items():
             if name == "base":
@@ -118,7 +124,7 @@ def main() -> None:
                        max_out_diff=diff, base_repeats=base["repeats"], variant_repeats=r["repeats"])
             row["ratio"] = row["variant_us"] / base_us
             rows.append(row)
-            print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  "
+            print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  (rounds {_spread(r['us'])})  "
                   f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}"
                   f"{'' if r['repeats'] else '  REPLAYS DIFFER'}",
                   flush=True)
