@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
-#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests ddtree-tests refs bench ddtree kvpool demo sanitize
+#   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize
 #                                        tune timeline ab
-#                                        (default: all but tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ... pass options;
-#                                        TESTS: the test files of stage tests (default: all but DDTree's; the
-#                                        whole set takes more than one 600 s device call: split it),
-#                                        DDTREE_SHARDS: processes of ddtree-tests, DDTREE_TESTS: its test files;
+#                                        (default: all but sanitize, tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ...
+#                                        pass options; TESTS: the test files or ids of stage tests (default: the
+#                                        whole suite), TEST_SHARDS: its processes (default 12);
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
 # Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
 # bench/ (JSON, CSV, PNG).
@@ -15,7 +14,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(machine tests ddtree-tests refs bench ddtree kvpool demo)
+[ ${#stages[@]} -eq 0 ] && stages=(machine tests refs bench ddtree kvpool demo)
 status=0
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date -u +%H:%M:%S))" | tee -a "$OUT/log.txt"
@@ -24,15 +23,13 @@ for stage in "${stages[@]}"; do
       { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
         git rev-parse HEAD 2>/dev/null || echo "commit ${KDTREE_GIT_COMMIT:-unknown}"; } | tee "$OUT/machine.txt" ;;
-    tests)  # TESTS, or all but the DDTree tests (stage ddtree-tests)
-      if [ -n "${TESTS:-}" ]; then read -ra files <<< "$TESTS"; else files=(tests --ignore-glob='tests/test_ddtree_*'); fi
-      python3 -m pytest -q -p no:cacheprovider "${files[@]}" 2>&1 | tee -a "$OUT/log.txt" | tail -25 || status=1 ;;
-    ddtree-tests)  # each parametrised case compiles its kernels (test_ddtree_tree.py alone > 170 s in one
-      # process): the cases dealt round-robin to DDTREE_SHARDS processes (default 8), which compile side by side
+    tests)  # most of the suite's time is compiling kernels (each parametrised case its own; one process took
+      # > 600 s for the whole suite, test_ddtree_tree.py alone > 170 s): the cases of TESTS (default: all)
+      # dealt round-robin to TEST_SHARDS processes, which compile side by side (run 35: 88 cases, 12
+      # processes, ~55 s)
       shards=$(mktemp -d)
-      python3 -m pytest -q --collect-only -p no:cacheprovider ${DDTREE_TESTS:-tests/test_ddtree_*.py} \
-        | grep '::' > "$shards/ids" || status=1
-      split -n r/${DDTREE_SHARDS:-8} -d "$shards/ids" "$shards/shard_"
+      python3 -m pytest -q --collect-only -p no:cacheprovider ${TESTS:-tests} | grep '::' > "$shards/ids" || status=1
+      split -n r/${TEST_SHARDS:-12} -d "$shards/ids" "$shards/shard_"
       pids=()
       for f in "$shards"/shard_*; do
         [ -s "$f" ] || continue  # (no ids: pytest would run the whole suite)
