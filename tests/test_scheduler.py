@@ -100,14 +100,15 @@ def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
         p = VerifyPlan(B + int(rng.integers(0, 5)), int(trees.max()), H, DEVICE, config=CONFIGS[c], num_programs=P,
                        costs=HOPPER_COSTS)
         R, T = p.blocks_and_tiles(kv, trees)
-        took += rounds_apply(R, max(1, min(P, int((R * T).sum()))))
+        took += rounds_apply(R, T, P)
         check_device_plan(p, kv, np.concatenate([[0], np.cumsum(trees)]),
                           f"kv={kv.tolist()} n={trees.tolist()} H={H} P={P} {CONFIGS[c]}", kind)
     assert took >= 4
     # the Triton kernel's costs: "auto" keeps the line where rounds would apply (4 x 5 row blocks on 5)
     p = VerifyPlan(4, 40, 4, DEVICE, config=CONFIGS[0], num_programs=5, costs=TRITON_COSTS)
-    assert rounds_apply(np.full(4, 5), 5)
-    check_device_plan(p, np.array([700, 650, 300, 900]), np.arange(5) * 40, "Triton costs", "auto")
+    kv = np.array([700, 650, 300, 900])
+    assert rounds_apply(*p.blocks_and_tiles(kv, np.full(4, 40)), 5)
+    check_device_plan(p, kv, np.arange(5) * 40, "Triton costs", "auto")
     assert int(p.tables.group_count[0]) > 0  # the line splits row blocks; rounds never do
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from .verify.contract import D_QK
-from .verify.plan import rounds_apply, schedule, whole_segments_apply
+from .verify.plan import programs_with_work, rounds_apply, schedule, whole_segments_apply
 
 __all__ = [
     "CaseSpec",
@@ -182,7 +182,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     pricing (KV columns of one program's share make at most one segment per program).
     ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
     R, T = plan.blocks_and_tiles(kv_lens, tree_sizes)
-    pe = max(1, min(plan.num_programs, int((R * T).sum())))
+    pe = programs_with_work(R, T, plan.num_programs)
     L = int(R.max())
     from .verify.scheduler import AUTO_MIN_FILL_TENTHS, PARTS_MAX_TILES  # (loads Triton)
 
@@ -194,7 +194,8 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     elif parts:
         pieces = schedule(R, T, plan.num_programs, only="parts")
-    elif (schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds)) and rounds_apply(R, pe):
+    elif ((schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds))
+          and rounds_apply(R, T, plan.num_programs)):
         pieces = schedule(R, T, plan.num_programs, only="rounds")
     else:
         pieces = schedule(R, T, plan.num_programs, only="line")

@@ -225,7 +225,7 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     if total == 0:
         e = np.zeros(0, dtype=np.int64)
         return Pieces(e, e, e, e, e)
-    P = max(1, min(num_programs, total))
+    P = programs_with_work(R, T, num_programs)
     chunk = -(-total // P)
     snap = min(min_tiles, chunk // 4)
     if only == "line":
@@ -293,24 +293,29 @@ def _rounds_schedule(R: np.ndarray, T: np.ndarray, P: int) -> Pieces:
     return Pieces(seq[by], row[by], np.zeros(len(seq), dtype=np.int64), T[seq][by], by % P)
 
 
+def programs_with_work(R: np.ndarray, T: np.ndarray, num_programs: int) -> int:
+    """The programs of ``num_programs`` that a schedule of sequences of ``R`` row blocks x ``T`` KV
+    tiles gives work: at most one per (row block, tile), at least one."""
+    return max(1, min(num_programs, int((R * T).sum())))
+
+
 def whole_segments_apply(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
     """Whether :func:`schedule` takes whole segments without pricing them (and the device's
     ``"auto"`` writes them): KV columns of one program's share make at most as many segments
     (column x row block) as programs with work."""
-    total = int((R * T).sum())
-    pe = max(1, min(num_programs, total))
-    return int((R * -(-T // -(-total // pe))).sum()) <= pe
+    pe = programs_with_work(R, T, num_programs)
+    return int((R * -(-T // -(-int((R * T).sum()) // pe))).sum()) <= pe
 
 
-def rounds_apply(R: np.ndarray, programs: int) -> bool:
+def rounds_apply(R: np.ndarray, T: np.ndarray, num_programs: int) -> bool:
     """Whether the device takes the rounds schedule (:func:`_rounds_schedule`) for sequences of ``R``
-    row blocks on ``programs`` programs with work (when asked for ``"rounds"`` or ``"auto"``): a
-    sequence has more row blocks than half of them, and the last round keeps most of them busy
-    (:data:`~kdtree_engine.verify.scheduler.ROUNDS_MAX_SLACK_TENTHS`)."""
+    row blocks x ``T`` KV tiles on ``num_programs`` programs (when asked for ``"rounds"`` or
+    ``"auto"``): a sequence has more row blocks than half the programs with work, and the last round
+    keeps most of them busy (:data:`~kdtree_engine.verify.scheduler.ROUNDS_MAX_SLACK_TENTHS`)."""
     from .scheduler import ROUNDS_MAX_SLACK_TENTHS  # (loads Triton)
 
-    S = int(R.sum())
-    return 2 * int(R.max()) > programs and -(-S // programs) * programs * 10 <= ROUNDS_MAX_SLACK_TENTHS.value * S
+    pe, S = programs_with_work(R, T, num_programs), int(R.sum())
+    return 2 * int(R.max()) > pe and -(-S // pe) * pe * 10 <= ROUNDS_MAX_SLACK_TENTHS.value * S
 
 
 def _smallest_width(R: np.ndarray, T: np.ndarray, P: int, total: int, n_blocks: int) -> int:
@@ -729,10 +734,9 @@ class VerifyPlan:
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         if whole_segments_apply(R, T, self.num_programs):
             return "auto"
-        P = max(1, min(self.num_programs, int((R * T).sum())))
-        if rounds_apply(R, P):
+        if rounds_apply(R, T, self.num_programs):
             kinds = ("line", "rounds")
-        elif int(R.min()) == int(R.max()) and 2 * int(R.max()) <= P:
+        elif int(R.min()) == int(R.max()) and 2 * int(R.max()) <= programs_with_work(R, T, self.num_programs):
             kinds = ("line", "parts")
         else:
             return "line"
