@@ -183,7 +183,8 @@ def report(cases, sass_dir: Path | None = None, **compile_kw) -> int:
                   flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+            cause = f"\n  caused by {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}{cause}", flush=True)
     return failed
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ddtree_sm90_compile import report  # noqa: E402
 from hopper_timeline import module_from_source, stamped_source  # noqa: E402
 
-from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify import combine, hopper  # noqa: E402
 
 POINTERS = dict(q="*bf16", kv="*bf16", out="*bf16", lse="*fp32", partial_out="*fp32", partial_lse="*fp32",
                 trace="*i64")
@@ -56,9 +56,8 @@ def main() -> int:
                  for n in fn.arg_names}
         types["scale_log2"] = "fp32"
         for page_size in (int(v) for v in a.page_size.split(",")):
-            consts = dict(H=a.heads, PAGE_SIZE=page_size, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, D_LAT=mod.D_LAT,
-                          D_ROPE=mod.D_ROPE, LOADER_WARPS=mod.LOADER_WARPS, CONSUMER_REGS=mod.CONSUMER_REGS,
-                          LOADER_REGS=mod.LOADER_REGS, FUSE_COMBINE=True, BLOCK_S=4, BLOCK_R=4, num_warps=4)
+            consts = dict(mod.kernel_constexprs(a.heads, page_size), FUSE_COMBINE=True,
+                          BLOCK_S=combine.SPLITS_PER_ROUND, BLOCK_R=combine.ROWS_PER_ITEM)
             cases.append((f"{path}{' (stamped)' if a.stamped else ''}, H {a.heads}, page size {page_size}", fn, types,
                           consts, 4))
     if a.sass:

@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tune_flash import make_inputs, time_graph  # noqa: E402
 
-from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify import combine, hopper  # noqa: E402
 from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
@@ -259,9 +259,8 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *t.group_rows, t.group_count,
             t.grid_barrier, *kernel_ints(*tensors), LOG2E / math.sqrt(576))
     extra = () if trace is None else (trace,)
-    consts = dict(H=H, PAGE_SIZE=page_size, BLOCK_M=hopper.BLOCK_M, BLOCK_N=hopper.BLOCK_N, D_LAT=512, D_ROPE=64,
-                  LOADER_WARPS=hopper.LOADER_WARPS, CONSUMER_REGS=hopper.CONSUMER_REGS,
-                  LOADER_REGS=hopper.LOADER_REGS, FUSE_COMBINE=False, BLOCK_S=4, BLOCK_R=4, num_warps=4)
+    consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=False, BLOCK_S=combine.SPLITS_PER_ROUND,
+                  BLOCK_R=combine.ROWS_PER_ITEM)
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)
 

@@ -16,7 +16,7 @@ import torch
 from conftest import DEVICE, run_checked
 from kdtree_engine import verify_attention
 from kdtree_engine.testing import CaseSpec, build_case, chain_tree, random_tree, star_tree
-from kdtree_engine.verify import available_kernels, hopper, plan_verify
+from kdtree_engine.verify import available_kernels, combine, hopper, plan_verify
 from kdtree_engine.verify.op import resolve
 
 G = torch.Generator().manual_seed(4321)
@@ -81,6 +81,23 @@ def test_hopper_deterministic_and_nan_never_leaks(page_size):
     out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
+
+
+@requires_hopper
+@pytest.mark.parametrize("heads, prefix, few", [(16, 40000, True), (128, 4000, False)], ids=["few-groups", "many"])
+def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few):
+    """The fused merge's two tiles: ``(FEW_S, FEW_R)`` where the plan's split groups would give no
+    program more than 2 items of the default tile (one sequence of 16 heads x 9 nodes: 3 row blocks
+    split many ways), the default otherwise (128 heads: 18 row blocks). Both against the reference
+    and bitwise equal over two calls."""
+    spec = CaseSpec("merge", heads, [prefix], [chain_tree(9)], page_size=64)
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), heads, "cuda")
+    items = plan.num_groups * hopper.BLOCK_M // combine.ROWS_PER_ITEM
+    assert plan.num_groups > 0 and (items <= 2 * plan.num_programs) == few
+    out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
+    out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
 def test_dispatch_never_picks_what_cannot_run():

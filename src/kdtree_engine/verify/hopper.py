@@ -53,6 +53,12 @@ BLOCK_M, BLOCK_N = 64, 64
 # warps and registers per thread of the partitions: consumer 0 is the default partition (the launch's
 # num_warps = 4), consumer 1 and the loader are workers; 2 x 232 + 40 (+ 8 Triton keeps) = 512 per lane
 LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
+# the fused merge's tile (splits a round, rows an item) where the split groups are few: when the
+# combine's own tile (4, 4) gives every program at most 2 items, items of 2 rows spread each group's
+# rows over twice the programs, and 16 splits a round read a group's splits in fewer L2 round trips.
+# Run 36 (H200, graph replay, 16 x 2 against 4 x 4): 0.90-0.96 of the call's time at 3 groups
+# (1 x 16 heads x 9 nodes, 16k-128k), 0.96-0.99 at 9, 0.99-1.00 at 12; 1.01-1.05 at 18-36 groups
+FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
 
 if HAVE_GLUON:
     # mbarriers: indices into the kernel's tuple of one-barrier allocations
@@ -208,20 +214,22 @@ if HAVE_GLUON:
     def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
         """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma, in the
-        order the chunks are refilled: the V half this consumer released earliest (its own), the rope
-        (Q's rope columns ``q_rope`` from registers: a ninth less shared-memory traffic in the QK,
-        whose m64n64 wgmmas read both operands from shared memory at its full bandwidth), then the
-        other half, which the other consumer's PV releases last. The rope chunk, read by nothing
-        else, is released as soon as its wgmma retired."""
+        order the chunks are refilled: the rope (read by nothing else, released first, and refilled
+        first; Q's rope columns ``q_rope`` from registers: a ninth less shared-memory traffic in the
+        QK, whose m64n64 wgmmas read both operands from shared memory at its full bandwidth), the V
+        half this consumer released earliest (its own), then the other half, which the other
+        consumer's PV releases last (run 36: rope first 0.2-1.6% faster than after the first half at
+        9 shapes). The rope chunk is released as soon as its wgmma retired."""
         FIRST: gl.constexpr = _LEFT + WG
         SECOND: gl.constexpr = _RIGHT - WG
+        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L),
+                            use_acc=False, is_async=True)
         mbarrier.wait(bars[_FULL + 3 * WG + FIRST], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice(WG * HALF, HALF, dim=1), k_lat.slice(WG * HALF, HALF, dim=1).permute((1, 0)),
-                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
-        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)
-        fence_async_shared()
-        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+                            b_s, is_async=True)
         mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)
         fence_async_shared()
         b_s = warpgroup_mma(s_q.slice((1 - WG) * HALF, HALF, dim=1),
@@ -240,13 +248,14 @@ if HAVE_GLUON:
         acc = warpgroup_mma_init(acc)
         if pending:
             acc = warpgroup_mma(p1, v1, acc, is_async=True)
-        mbarrier.wait(bars[_FULL + _LEFT], phase)
-        fence_async_shared()
-        b_s = warpgroup_mma(s_q.slice(0, HALF, dim=1), k_lat.slice(0, HALF, dim=1).permute((1, 0)),
-                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L), use_acc=False, is_async=True)
         mbarrier.wait(bars[_FULL + _ROPE], phase)
         fence_async_shared()
-        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), b_s, is_async=True)
+        b_s = warpgroup_mma(q_rope, k_rope.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L),
+                            use_acc=False, is_async=True)
+        mbarrier.wait(bars[_FULL + _LEFT], phase)
+        fence_async_shared()
+        b_s = warpgroup_mma(s_q.slice(0, HALF, dim=1), k_lat.slice(0, HALF, dim=1).permute((1, 0)), b_s,
+                            is_async=True)
         acc = warpgroup_mma_wait(2, deps=[acc])  # the PV (when issued) has retired
         if pending:
             mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
@@ -431,7 +440,7 @@ if HAVE_GLUON:
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr, FUSE_COMBINE: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr,
-        num_warps: gl.constexpr,
+        FEW_S: gl.constexpr, FEW_R: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
 
@@ -442,7 +451,10 @@ if HAVE_GLUON:
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
         max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
         partitions joined: the grid barrier and the program's share of the merge of the split row
-        blocks (:func:`_combine_items`), when the plan split any.
+        blocks (:func:`_combine_items`), when the plan split any: in ``(BLOCK_S, BLOCK_R)`` tiles
+        (splits a round, rows an item), or ``(FEW_S, FEW_R)`` where those would give every program
+        at most 2 items (few groups; decided on the group count the schedule wrote, so a device
+        schedule and a graph replay take the same rule).
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
@@ -491,12 +503,19 @@ if HAVE_GLUON:
                           H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LAT, D_ROPE, LOADER_WARPS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
         if FUSE_COMBINE:
-            if gl.load(num_groups) > 0:
+            n_groups = gl.load(num_groups)
+            if n_groups > 0:
                 grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
-                _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
-                               group_seq, group_row0, group_first, group_splits, num_groups,
-                               stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, BLOCK_S,
-                               BLOCK_R)
+                if n_groups * (BLOCK_M // BLOCK_R) <= 2 * gl.num_programs(0):
+                    _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse,
+                                   qo_indptr, group_seq, group_row0, group_first, group_splits, num_groups,
+                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, FEW_S,
+                                   FEW_R)
+                else:
+                    _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse,
+                                   qo_indptr, group_seq, group_row0, group_first, group_splits, num_groups,
+                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, BLOCK_S,
+                                   BLOCK_R)
 
     @gluon.jit
     def _combine_items(first_item, item_step, partial_out, partial_lse, out, lse, qo_indptr,
@@ -594,10 +613,16 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
     """
     H, page_size = q.shape[1], kv_cache.shape[1]
     return prepare_planned(_HOPPER, (H, page_size), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale,
-                           out, lse, plan,
-                           dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT,
-                                D_ROPE=D_ROPE, LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
-                                LOADER_REGS=LOADER_REGS, num_warps=4))
+                           out, lse, plan, kernel_constexprs(H, page_size))
+
+
+def kernel_constexprs(H: int, page_size: int) -> dict:
+    """The kernel's compile-time arguments for ``H`` heads and pages of ``page_size``, but the
+    merge's (``FUSE_COMBINE``, ``BLOCK_S``, ``BLOCK_R``: :func:`~.combine.prepare_planned` adds them);
+    also used by the scripts that compile or stamp the kernel."""
+    return dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
+                LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                FEW_S=FEW_GROUPS_SPLITS, FEW_R=FEW_GROUPS_ROWS, num_warps=4)
 
 
 _HOPPER = Launcher(_hopper_verify_kernel) if HAVE_GLUON else None
