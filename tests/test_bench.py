@@ -465,3 +465,42 @@ def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
     assert ok[1].speedup_vs_naive == pytest.approx(1.0)
     skipped = [r for r in rows if r.shape == huge]
     assert [r.status for r in skipped] == ["skip", "skip"] and "GiB free" in skipped[0].note
+    assert ok[1].timing.samples == 3 * 3  # torch: 3 rounds of ceil(8 / 3) samples pooled; naive once, 8
+    assert ok[0].timing.samples == 8
+
+
+def test_runner_rounds_keep_ratios_under_a_drifting_clock(fake_cuda, monkeypatch):
+    """Two equal kernels on a GPU whose calls slow down as it runs (a clock sinking under its power
+    limit): timed one after the other, the second reads slower; in rotated rounds the two read
+    alike (the bench's ``--rounds``, default 3)."""
+    from kdtree_engine.bench import runner
+
+    class Second(TorchSDPA):
+        name = "torch-2"
+
+    dev = fake_cuda(10.0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_build = runner.build_case
+    monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, DEVICE, **kw))
+    real_time_cuda = runner.time_cuda
+
+    def time_cuda(run, n_sets, **kw):
+        def drifting(i):
+            dev.cost_us = 10.0 * (1 + dev.t / 2000.0)
+            dev.run(i)
+            run(i)
+
+        return real_time_cuda(drifting, n_sets, **kw)
+
+    monkeypatch.setattr(runner, "time_cuda", time_cuda)
+    ratio = {}
+    for rounds in (1, 3):
+        dev.t = 0.0
+        opts = SweepOptions(device="cuda", repeats=24, min_repeats=2, budget_s=1.0, max_sets=1, check_heads=2,
+                            l2_bytes=2**20, slow_max_ms=1e6, use_graph=False, rounds=rounds)
+        rows, abort = run_sweep([Shape(1, 9, 2, 16, 1)], [TorchSDPA(), Second()], opts, None)
+        assert abort is None and [r.status for r in rows] == ["ok", "ok"]
+        assert all(r.timing.samples == 24 and r.timing.method == "eager" for r in rows)
+        ratio[rounds] = rows[1].timing.median_us / rows[0].timing.median_us
+    assert ratio[1] > 1.08 and abs(ratio[3] - 1) < 0.5 * (ratio[1] - 1), ratio

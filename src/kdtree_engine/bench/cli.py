@@ -90,6 +90,8 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--min-repeats", type=int_in(1), default=5, help="fewest timed samples per measurement")
     t.add_argument("--budget-ms", type=float_above(0), help="timed GPU time per measurement (preset default)")
     t.add_argument("--slow-max-ms", type=float_above(0), help="skip naive and peers where their estimated call (rough H200 model) is longer")
+    t.add_argument("--rounds", type=int_in(1), default=3, help="CUDA: a shape's kernels (but naive) timed in turn "
+                   "this many times, each round starting at the next kernel, samples pooled (the clock drifts)")
     t.add_argument("--no-graph", action="store_true", help="never use CUDA graphs (eager launches)")
     t.add_argument("--graph-max-us", type=float_above(0), default=2000.0, help="graph-replay calls shorter than this")
     t.add_argument("--max-sets", type=int_in(1), default=16, help="most input sets rotated against L2")
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=a.repeats or timing["repeats"],
         min_repeats=min(a.min_repeats, a.repeats or timing["repeats"]),
         budget_s=(a.budget_ms if a.budget_ms is not None else timing["budget_ms"]) / 1e3,
+        rounds=a.rounds,
         use_graph=not a.no_graph,
         graph_max_us=a.graph_max_us,
         max_sets=a.max_sets,

@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "Clock",
     "L2Flush",
     "summarize",
+    "merge_timings",
     "time_cuda",
     "time_cpu",
     "head_start",
@@ -62,6 +63,7 @@ class Timing:
     calls_per_sample: int  # calls inside one sample (graph of k calls), already divided out
     method: str  # "graph", "eager" or "cpu-wall"
     note: str = ""
+    times_us: tuple[float, ...] = field(default=(), repr=False)  # the samples (not in to_dict)
 
     @property
     def spread(self) -> float:
@@ -70,6 +72,7 @@ class Timing:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["times_us"]
         d["spread"] = self.spread
         return d
 
@@ -93,7 +96,17 @@ def summarize(times_us: list[float], calls_per_sample: int, method: str, note: s
         calls_per_sample=calls_per_sample,
         method=method,
         note=note,
+        times_us=tuple(times_us),
     )
+
+
+def merge_timings(parts: list[Timing]) -> Timing:
+    """One timing of the samples of several (rounds of one measurement): median and quartiles over
+    all their samples; method and notes as given (joined where they differ)."""
+    methods = sorted({t.method for t in parts})
+    notes = [t.note for t in parts if t.note]
+    return summarize([x for t in parts for x in t.times_us], max(t.calls_per_sample for t in parts),
+                     "/".join(methods), "; ".join(dict.fromkeys(notes)))
 
 
 def head_start(ms: float) -> None:
