@@ -2,9 +2,10 @@
 for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_flash.py
-Ragged batch, page sizes 1 and 16, one program running every segment in turn and four programs
-with KV ranges cut mid-sequence (so the combine kernel runs), a tree crossing a cut; checks the
-result against the float64 reference too.
+Ragged batch, page sizes 1 and 16, one program running every segment in turn and grids that cut
+KV ranges mid-sequence (their splits merged: the Hopper kernel at 12 programs merges 2 split groups
+in its default tile, at 40 in its few-groups tile), a tree crossing a cut; checks the result against
+the float64 reference too.
 """
 
 import torch
@@ -20,7 +21,7 @@ for page_size in (1, 16):
     c = build_case(spec, "cuda")
     r_out, r_lse = reference(**c)
     runs = available_kernels("cuda")
-    for kernel, programs in (("flash", 1), ("flash", 4), ("hopper", 1), ("hopper", 4), ("naive", None)):
+    for kernel, programs in (("flash", 1), ("flash", 4), ("hopper", 1), ("hopper", 12), ("hopper", 40), ("naive", None)):
         if kernel not in runs:
             continue
         plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 5, "cuda", num_programs=programs) if programs else None
