@@ -1,0 +1,82 @@
+"""Where page 1's extra time at large pools comes from (perf log run 36: at B = 4 x 131072 the
+Hopper kernel took 1.12-1.17x its page-64 time on page-1 caches scattered by ``randperm``, while
+at 4 x 16384 the two were equal): the kernel on the same KV rows in three layouts,
+
+- ``page64``: pages of 64 scattered over the pool (the bench's layout),
+- ``page1-ordered``: pages of 1, sequence b's token i in slot ``b * L + i`` (page 1's code path,
+  a contiguous pool's memory),
+- ``page1-scattered``: pages of 1, every token in a random slot (the bench's page-1 layout),
+
+each replayed from a CUDA graph on its own plan-reusing ``VerifyAttention``, in rounds that rotate
+the order, the fastest round per layout reported with its ratio to ``page64``. ``page1-ordered``
+near 1.0 and ``page1-scattered`` above it: the cost is the scatter (the memory system), not page
+1's loader. All three outputs are compared (same rows, same order of the sums: bitwise equal).
+
+    PYTHONPATH=src python3 scripts/page1_scatter.py [--shapes 64x9x4x131072,64x9x4x16384] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_flash import make_inputs, time_graph  # noqa: E402
+
+from kdtree_engine import VerifyAttention  # noqa: E402
+
+
+def layouts(c: dict, B: int, L: int) -> dict:
+    """The page-64 cache of ``c`` and the same rows in pages of 1, ordered and scattered."""
+    kv64, pt64 = c["kv_cache"], c["page_table"].long()
+    pages = math.ceil(L / 64)
+    rows = kv64[pt64].view(B, pages * 64, 576)[:, :L].reshape(B * L, 1, 576)  # [B * L, 1, 576] in token order
+    ordered = torch.arange(B * L, device="cuda", dtype=torch.int32).view(B, L)
+    perm = torch.randperm(B * L, device="cuda")
+    scattered = torch.empty_like(rows)
+    scattered[perm] = rows
+    return {"page64": (kv64, c["page_table"]), "page1-ordered": (rows, ordered),
+            "page1-scattered": (scattered, perm.to(torch.int32).view(B, L))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="64x9x4x131072,128x9x4x131072,64x9x4x16384",
+                   help="H x nodes x B x prefix, comma-separated")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=30, help="graph replays a round (median)")
+    a = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}: the Hopper kernel, CUDA-graph replay, fastest of {a.rounds} rounds")
+    for shape in a.shapes.split(","):
+        H, n, B, prefix = (int(x) for x in shape.split("x"))
+        L = prefix + n
+        c = make_inputs(H, n, B, prefix, 64)
+        attn = VerifyAttention(B, n, H, "cuda", kernel="hopper")
+        attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
+        outs, calls = {}, {}
+        for name, (kv, pt) in layouts(c, B, L).items():
+            out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+            calls[name] = (lambda kv=kv, pt=pt, out=out, lse=lse, q=c["q"], mask=c["tree_mask"], attn=attn:
+                           attn.run(q, kv, pt, mask, out=out, lse=lse))
+            calls[name]()
+            outs[name] = (out, lse)
+        names = list(calls)
+        best = {name: float("inf") for name in names}
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                best[name] = min(best[name], time_graph(calls[name], a.reps) * 1e6)
+        base = outs["page64"]
+        line = "  ".join(f"{name} {best[name]:9.1f} us ({best[name] / best['page64']:.3f})" for name in names)
+        same = all(torch.equal(outs[k][0], base[0]) and torch.equal(outs[k][1], base[1]) for k in names)
+        print(f"{shape}: {line}  outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
+        del c, attn, outs, calls
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
