@@ -446,8 +446,8 @@ if HAVE_GLUON:
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
         (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled
-        for sm_90a: 32 / 52 B of spill stores at page 64 / 1): Q ``[64, 512] + [64, 64]`` (its rope
-        columns later hold consumer 1's P), two K stages
+        for sm_90a: 16 / 36 B of spill stores at page 64 / 1, scalars kept across the partitions):
+        Q ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
         max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
         partitions joined: the grid barrier and the program's share of the merge of the split row
