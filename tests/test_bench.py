@@ -425,23 +425,25 @@ def test_measure_ceilings_arithmetic(fake_cuda):
     assert c.matmul_fps("bf16") == pytest.approx(c.matmul_tflops["bf16"] * 1e12)
 
 
-def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
-    """The sweep's CUDA code path (memory checks, set rotation, graph timing, ceilings, figures)
-    with CUDA's clock, streams and graphs stubbed: kernels really run (on the test device's tensors),
-    the fake clock charges 7 us a call."""
+def _sweep_on_fake_device(fake_cuda, monkeypatch, cost_us: float, before_call=None):
+    """The sweep's CUDA code path with CUDA's clock, streams, graphs and memory queries stubbed: the
+    fake device (returned) charges ``cost_us`` a timed call (``before_call(dev)`` first), and the
+    kernels really run, outside graph capture, on the test device's tensors (CPU tensors under the
+    interpreter without CUDA; on a CUDA machine CUDA tensors, which Triton needs, the clock stays
+    fake)."""
     from kdtree_engine.bench import runner
 
-    dev = fake_cuda(7.0)
+    dev = fake_cuda(cost_us)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 140 * 2**30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     real_build = runner.build_case
-    # inputs on the test device: CPU tensors under the interpreter without CUDA; on a CUDA machine the
-    # kernels run for real on CUDA tensors (Triton refuses CPU tensors there), the clock stays fake
     monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, DEVICE, **kw))
     real_time_cuda = runner.time_cuda
 
     def time_cuda(run, n_sets, **kw):
         def both(i):
+            if before_call is not None:
+                before_call(dev)
             dev.run(i)
             if dev.capturing is None:
                 run(i)
@@ -449,6 +451,13 @@ def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
         return real_time_cuda(both, n_sets, **kw)
 
     monkeypatch.setattr(runner, "time_cuda", time_cuda)
+    return dev
+
+
+def test_runner_cuda_branch_on_fake_device(fake_cuda, monkeypatch):
+    """The sweep's CUDA code path (memory checks, set rotation, graph timing, ceilings, figures) on
+    the fake device, 7 us a call."""
+    _sweep_on_fake_device(fake_cuda, monkeypatch, 7.0)
     ceilings = timing.Ceilings(copy_tbps=4.0, matmul_tflops={"bf16": 600.0}, copy_bytes=0, matmul_n=0)
     huge = Shape(16, 65, 128, 2**27)  # 2.4 TB of KV: must be skipped, not built
     shapes = [Shape(1, 9, 2, 16, 1), huge]
@@ -474,27 +483,13 @@ def test_runner_rounds_keep_ratios_under_a_drifting_clock(fake_cuda, monkeypatch
     """Two equal kernels on a GPU whose calls slow down as it runs (a clock sinking under its power
     limit): timed one after the other, the second reads slower; in rotated rounds the two read
     alike (the bench's ``--rounds``, default 3)."""
-    from kdtree_engine.bench import runner
-
     class Second(TorchSDPA):
         name = "torch-2"
 
-    dev = fake_cuda(10.0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2**30, 140 * 2**30))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    real_build = runner.build_case
-    monkeypatch.setattr(runner, "build_case", lambda shape, device, **kw: real_build(shape, DEVICE, **kw))
-    real_time_cuda = runner.time_cuda
+    def drift(dev):
+        dev.cost_us = 10.0 * (1 + dev.t / 2000.0)
 
-    def time_cuda(run, n_sets, **kw):
-        def drifting(i):
-            dev.cost_us = 10.0 * (1 + dev.t / 2000.0)
-            dev.run(i)
-            run(i)
-
-        return real_time_cuda(drifting, n_sets, **kw)
-
-    monkeypatch.setattr(runner, "time_cuda", time_cuda)
+    dev = _sweep_on_fake_device(fake_cuda, monkeypatch, 10.0, drift)
     ratio = {}
     for rounds in (1, 3):
         dev.t = 0.0
