@@ -9,9 +9,16 @@ copy must not make ptxas serialize the wgmmas, infos C7514 / C7515, or its timel
 check with ``scripts/hopper_sm90_compile.py --stamped``; the stamped main kernel compiles clean), adds a
 ``trace`` pointer to the kernel and the consumer partitions and a stamp (one ``%clock64`` read,
 stored by every thread of the warpgroup to the same address) at the points below, imports the
-copy from a temporary file and runs it on the plan of each shape (the combine kernel is not run:
-the stamps are the main kernel's). Every anchor must be found as often as ``EDITS`` says, else the
-script stops: the kernel changed (tests/test_verify_hopper.py checks the anchors on the CPU).
+copy from a temporary file and runs it on the plan of each shape as a real call does (where the
+plan's grid fits the GPU: one cooperative launch that merges its splits after a grid barrier).
+Every anchor must be found as often as ``EDITS`` says, else the script stops: the kernel changed
+(tests/test_verify_hopper.py checks the anchors on the CPU).
+
+Per program (``PHASES``, stamped by the kernel's default warps): its entry, the partitions' join,
+the grid barrier passed and its share of the merge done; with consumer 0's first step start and
+last step end, printed as the phases ``start`` (Q and the first tiles), ``loop``, ``end`` (row sums,
+stores, the other partitions finishing), ``barrier`` (waiting for the slowest program) and ``merge``:
+what a call spends outside the steps.
 
 Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
 s of both consumers is the same tile pair):
@@ -64,6 +71,9 @@ from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 NPOINTS = 12
+# per program, by the kernel's default warps (consumer 0's, which also merge): entry, partitions joined,
+# grid barrier passed, merge done (the last two where the plan split a row block and the kernel merges)
+PHASES = ("entry", "joined", "barrier", "merged")
 # the loader's points (trace index 2): the copy of each chunk of a step's two tiles issued (its last reader done)
 LOADER_POINTS = ("rope0", "left0", "right0", "rope1", "left1", "right1")
 CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
@@ -76,6 +86,12 @@ STAMP_FN = '''
         if steps < MAX_STEPS:
             t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
             gl.store(trace + ((gl.program_id(0) * 3 + WG) * MAX_STEPS + steps) * NPOINTS + POINT, t)
+
+    @gluon.jit
+    def _phase(trace, POINT: gl.constexpr):
+        """%clock64 into the program's phase POINT, after the steps' region of trace."""
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(trace + gl.num_programs(0) * 3 * MAX_STEPS * NPOINTS + gl.program_id(0) * NPHASES + POINT, t)
 
     @gluon.jit
     def _copy_rows('''
@@ -169,6 +185,13 @@ EDITS = [
     ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
      "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 8, WG)\n", 1),
     ("                steps += 1\n", "                _stamp(trace, steps, 9, WG)\n                steps += 1\n", 1),
+    # the program's phases (PHASES)
+    ("        gl.static_assert(num_warps == 4)\n", "        gl.static_assert(num_warps == 4)\n        _phase(trace, 0)\n", 1),
+    ("        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n",
+     "        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n        _phase(trace, 1)\n", 1),
+    ("                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
+     "                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n                _phase(trace, 2)\n", 1),
+    ("                                   BLOCK_R)\n", "                                   BLOCK_R)\n                _phase(trace, 3)\n", 1),
 ]
 
 
@@ -178,7 +201,8 @@ def stamped_source(max_steps: int, src: str | None = None) -> str:
     if src is None:
         src = Path(hopper.__file__).read_text()
     edits = EDITS + [("    _NUM_BARS = gl.constexpr(", f"    MAX_STEPS = gl.constexpr({max_steps})\n"
-                      f"    NPOINTS = gl.constexpr({NPOINTS})\n    _NUM_BARS = gl.constexpr(", 1)]
+                      f"    NPOINTS = gl.constexpr({NPOINTS})\n    NPHASES = gl.constexpr({len(PHASES)})\n"
+                      "    _NUM_BARS = gl.constexpr(", 1)]
     for anchor, new, count in edits:
         found = src.count(anchor)
         if found != count:
@@ -259,8 +283,9 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *t.group_rows, t.group_count,
             t.grid_barrier, *kernel_ints(*tensors), LOG2E / math.sqrt(576))
     extra = () if trace is None else (trace,)
-    consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=False, BLOCK_S=combine.SPLITS_PER_ROUND,
-                  BLOCK_R=combine.ROWS_PER_ITEM)
+    fused = combine.fuses(plan.tables, c["q"].device)  # as a real call: the merge in the kernel, one launch
+    consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=fused, BLOCK_S=combine.SPLITS_PER_ROUND,
+                  BLOCK_R=combine.ROWS_PER_ITEM, **({"launch_cooperative_grid": True} if fused else {}))
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)
 
@@ -307,6 +332,33 @@ def intervals(trace: torch.Tensor) -> dict:
     return res
 
 
+def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
+    """Per program (``stamps [P, len(PHASES)]``, -1: not reached; ``trace`` the steps' stamps):
+    cycles from entry to consumer 0's first step (``start``: Q and the first tiles), over its steps
+    (``loop``, whole only where no step went unstamped), from its last step's end to the partitions'
+    join (``end``: row sums, output or partial stores, the other partitions finishing), then the
+    grid barrier's wait (``barrier``) and the merge (``merge``). Median and largest over programs."""
+    c0 = trace[:, 0]  # [P, S, N]
+    rows = {k: [] for k in ("start", "loop", "end", "barrier", "merge", "total")}
+    for prog in range(stamps.shape[0]):
+        entry, joined, barrier, merged = stamps[prog].tolist()
+        starts, ends = c0[prog, :, 0], c0[prog, :, CHAIN - 1]
+        if entry < 0 or joined < 0 or not bool((starts >= 0).any()) or not bool((ends >= 0).any()):
+            continue  # no step (a program without work), or the kernel changed
+        first, last = int(starts[starts >= 0][0]), int(ends[ends >= 0][-1])
+        rows["start"].append(first - entry)
+        if int((starts >= 0).sum()) < c0.shape[1]:  # a slot left: every step was stamped
+            rows["loop"].append(last - first)
+            rows["end"].append(joined - last)
+        if barrier >= 0:
+            rows["barrier"].append(barrier - joined)
+        if merged >= 0:
+            rows["merge"].append(merged - barrier)
+        rows["total"].append(max(joined, barrier, merged) - entry)
+    return {k: ({"median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None)
+            for k, v in rows.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x33x4x16384x64,64x9x1x131072x64,128x33x1x16384x64,16x9x4x16384x64,"
@@ -326,17 +378,23 @@ def main() -> None:
         plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-        trace = torch.full((plan.num_programs, 3, a.steps, NPOINTS), -1, dtype=torch.int64, device="cuda")
+        P = plan.num_programs
+        buf = torch.full((P * (3 * a.steps * NPOINTS + len(PHASES)),), -1, dtype=torch.int64, device="cuda")
+        trace = buf[: P * 3 * a.steps * NPOINTS].view(P, 3, a.steps, NPOINTS)
         plain = launcher(base._hopper_verify_kernel, c, plan, out, lse, None, H, ps)
-        stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, trace, H, ps)
+        stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, buf, H, ps)
         plain_us, stamped_us = time_graph(plain) * 1e6, time_graph(stamped) * 1e6
-        trace.fill_(-1)
+        buf.fill_(-1)
         stamped()
         torch.cuda.synchronize()
         row = dict(shape=text, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
-                   **intervals(trace.cpu()))
+                   groups=plan.num_groups, **intervals(trace.cpu()),
+                   phases=phases(trace.cpu(), buf[P * 3 * a.steps * NPOINTS:].view(P, len(PHASES)).cpu()))
         results.append(row)
-        print(f"{text}: main kernel {plain_us:.1f} us, stamped {stamped_us:.1f} us, {plan.num_segments} segments")
+        print(f"{text}: main kernel {plain_us:.1f} us, stamped {stamped_us:.1f} us, {plan.num_segments} segments, "
+              f"{plan.num_groups} split groups")
+        print("  program phases, cycles (median / largest over programs): " + "  ".join(
+            f"{k} {v['median']:.0f} / {v['max']:.0f}" for k, v in row["phases"].items() if v is not None))
         for wg in range(2):
             r = row[f"consumer{wg}"]
             print(f"  consumer {wg} ({r['steps']} steps): " + "  ".join(

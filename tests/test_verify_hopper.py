@@ -171,3 +171,22 @@ def test_timeline_refuses_a_consumer_with_points_never_stamped():
     trace[:, 0, :, 10] = -1
     with pytest.raises(ValueError, match=r"consumer 0 never stamped points \[10\]"):
         timeline.intervals(trace)
+
+
+def test_timeline_phases_of_a_program():
+    """scripts/hopper_timeline.py's program phases: entry -> consumer 0's first step (start), its
+    steps (loop, only where every step was stamped), its last step's end -> the join (end), the grid
+    barrier's wait and the merge; a program that never reached its join is left out."""
+    timeline = _timeline_script()
+    n, steps = timeline.NPOINTS, 4
+    trace = torch.full((3, 3, steps, n), -1, dtype=torch.int64)
+    trace[0, 0, :2, 0] = torch.tensor([100, 300])  # program 0: two steps of 200 cycles, 2 of 4 slots stamped
+    trace[0, 0, :2, timeline.CHAIN - 1] = torch.tensor([280, 480])
+    trace[1, 0, :, 0] = torch.tensor([50, 60, 70, 80])  # program 1: every slot stamped (maybe more steps)
+    trace[1, 0, :, timeline.CHAIN - 1] = torch.tensor([59, 69, 79, 89])
+    stamps = torch.tensor([[10, 600, 900, 1000], [0, 200, 250, -1], [5, -1, -1, -1]])
+    ph = timeline.phases(trace, stamps)
+    assert ph["start"] == {"median": 70, "max": 90, "programs": 2}
+    assert ph["loop"] == {"median": 380, "max": 380, "programs": 1}  # program 1's steps may run past the slots
+    assert ph["end"]["median"] == 600 - 480 and ph["barrier"]["median"] == (300 + 50) / 2
+    assert ph["merge"] == {"median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990
