@@ -23,16 +23,17 @@ what a call spends outside the steps.
 Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
 s of both consumers is the same tile pair):
 
-- consumer 0: 0 step start, 1 first K chunk of its tile landed (after its PV on the last step's P1
-  was issued, in ``_qk_after_pv``), 2 S = QK^T done, 3 its row max m0 published, 4 consumer 1's
+- consumer 0: 0 step start, 1 first K chunk of its tile (the rope) landed (after its PV on the last
+  step's P1 was issued, in ``_qk_after_pv``), 2 S = QK^T done, 3 its row max m0 published, 4 consumer 1's
   max m1 received, 5 own PV issued (P0 and O rescaled to m1), 6 P0 published, 7 own PV retired, 8
   consumer 1's P received, 9 step end (its PV on P1 is issued at the next step's start); until run
   35 consumer 0 issued its PV before m1 arrived, and points 4 and 5 were in the other order;
-- consumer 1: 0 step start, 1 first K chunk landed, 2 QK done, 3 consumer 0's max m0 received,
+- consumer 1: 0 step start, 1 first K chunk (the rope) landed, 2 QK done, 3 consumer 0's max m0 received,
   4 m1 published, 5 P1 published, 6 own PV issued, 7 consumer 0's P received, 8 the first of its two
   PVs retired, 9 step end;
-- both, inside the QK: 10 its rope chunk landed, 11 its second latent half landed (the QK waits for
-  each K chunk just before that chunk's wgmma: 1 -> 10 -> 11 -> 2 says which chunk it waited on);
+- both, inside the QK: 10 its own latent half landed, 11 the other half landed (the QK waits for
+  each K chunk just before that chunk's wgmma, rope first since run 36: 1 -> 10 -> 11 -> 2 says
+  which chunk it waited on; until run 36, 1 was the own half and 10 the rope);
 - the loader, per step (its pair counter, the same numbering): the copy of each of the step's six K
   chunks issued, i.e. the chunk's last reader of the step before done (``rope0 left0 right0 rope1
   left1 right1``; stage 0 holds consumer 0's tile): where in the step the copies' shared-memory
@@ -125,15 +126,15 @@ EDITS = [
     ("                    zero = j >> 30\n",
      "                    zero = j >> 30\n"
      "                    if WG == 1:  # consumer 0 stamps it in _qk_after_pv, after issuing its pending PV\n"
-     "                        mbarrier.wait(bars[_FULL + 3 * WG + _LEFT + WG], own_uses & 1)\n"
+     "                        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], own_uses & 1)\n"
      "                        _stamp(trace, steps, 1, WG)\n", 1),
     ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
-    # inside the QK: its rope chunk and its second latent half landed
+    # inside the QK (chunks in the order rope, own latent half, other half): the two halves landed
     ("    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr,",
      "    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, trace, steps, WG: gl.constexpr,", 1),
     ("s_k_rope.index(WG + zero), bars, own_uses & 1, WG,", "s_k_rope.index(WG + zero), bars, own_uses & 1, trace, steps, WG,", 1),
-    ("        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)\n",
-     "        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], phase)\n        _stamp(trace, steps, 10, WG)\n", 1),
+    ("        mbarrier.wait(bars[_FULL + 3 * WG + FIRST], phase)\n",
+     "        mbarrier.wait(bars[_FULL + 3 * WG + FIRST], phase)\n        _stamp(trace, steps, 10, WG)\n", 1),
     ("        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n",
      "        mbarrier.wait(bars[_FULL + 3 * WG + SECOND], phase)\n        _stamp(trace, steps, 11, WG)\n", 1),
     # consumer 0's QK (behind its PV on the last step's P1): points 1, 10 and 11 at its waits
@@ -141,10 +142,10 @@ EDITS = [
      "    def _qk_after_pv(s_q, q_rope, k_lat, k_rope, bars, phase, acc, p1, v1, pending, trace, steps,\n", 1),
     ("s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending,\n",
      "s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending, trace, steps,\n", 1),
-    ("        mbarrier.wait(bars[_FULL + _LEFT], phase)\n",
-     "        mbarrier.wait(bars[_FULL + _LEFT], phase)\n        _stamp(trace, steps, 1, 0)\n", 1),
     ("        mbarrier.wait(bars[_FULL + _ROPE], phase)\n",
-     "        mbarrier.wait(bars[_FULL + _ROPE], phase)\n        _stamp(trace, steps, 10, 0)\n", 1),
+     "        mbarrier.wait(bars[_FULL + _ROPE], phase)\n        _stamp(trace, steps, 1, 0)\n", 1),
+    ("        mbarrier.wait(bars[_FULL + _LEFT], phase)\n",
+     "        mbarrier.wait(bars[_FULL + _LEFT], phase)\n        _stamp(trace, steps, 10, 0)\n", 1),
     ("        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n",
      "        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n        _stamp(trace, steps, 11, 0)\n", 1),
     # consumer 0
@@ -291,13 +292,13 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
 
 
 def intervals(trace: torch.Tensor) -> dict:
-    """Median cycles of each interval per consumer (the chain 0..9, and the QK's chunks: ``rope-1``,
-    ``second-rope``, ``2-second``), and the joint timeline: ``trace [P, 3, steps, NPOINTS]`` (-1:
+    """Median cycles of each interval per consumer (the chain 0..9, and the QK's chunks: ``own-1``,
+    ``other-own``, ``2-other``), and the joint timeline: ``trace [P, 3, steps, NPOINTS]`` (-1:
     not stamped; index 2 the loader, whose points 0-5 of step s are the issues of that step's chunk
     copies, ``LOADER_POINTS``)."""
     res = {}
     last = CHAIN - 1
-    qk = {"rope-1": (10, 1), "second-rope": (11, 10), "2-second": (2, 11)}
+    qk = {"own-1": (10, 1), "other-own": (11, 10), "2-other": (2, 11)}
     for wg in range(2):
         t = trace[:, wg]  # [P, S, N]
         never = [k for k in range(NPOINTS) if not bool((t[..., k] >= 0).any())]
