@@ -196,13 +196,18 @@ def estimate_call_s(shape: Shape, impl: Impl) -> float:
 
 
 def estimate(shape: Shape, impl: Impl, opts: SweepOptions) -> float:
-    """Rough wall seconds of one measurement (check, warm-up, timed samples, overheads)."""
+    """Rough wall seconds of one measurement (check, warm-up, timed samples, overheads; on CUDA in
+    ``opts.rounds`` rounds but for naive, each with its own check and warm-up)."""
     call = estimate_call_s(shape, impl)
     if is_slow_kind(impl) and call * 1e3 > opts.slow_max_ms:
         return 0.0
     n_sets = choose_sets(shape, l2_bytes=opts.l2_bytes, max_sets=opts.max_sets, free_bytes=130 * 2**30)
-    timed = call * n_samples(call * 1e6, repeats=opts.repeats, min_repeats=opts.min_repeats, budget_s=opts.budget_s)
-    return 0.25 + call * (1 + n_sets) + timed
+    rounds = 1 if _is_naive(impl) or torch.device(opts.device).type != "cuda" else max(1, opts.rounds)
+    timed = call * n_samples(call * 1e6, repeats=-(-opts.repeats // rounds), min_repeats=-(-opts.min_repeats // rounds),
+                             budget_s=opts.budget_s / rounds)
+    # a later round repeats the gate and the warm-up without the first one's compilation and set-up:
+    # ~0.1 s (H200 run 36: the issue-11 grid took 209 s in one round, ~265 s in three)
+    return 0.25 + 0.1 * (rounds - 1) + rounds * (call * (1 + n_sets) + timed)
 
 
 def is_slow_kind(impl: Impl) -> bool:
