@@ -2,7 +2,7 @@
 registers, spills, shared memory, partition barriers and whether ptxas serialised the wgmmas.
 
     PYTHONPATH=src python scripts/hopper_sm90_compile.py [VARIANT.py ...] [--page-size 64,1] [--heads 64]
-        [--stamped] [--sass DIR]
+        [--stamped] [--in-kernel] [--sass DIR]
 
 ``VARIANT.py``: a whole ``verify/hopper.py`` of another branch, as ``scripts/ab_hopper.py`` takes
 (default: this tree's). ``--stamped``: the copy ``scripts/hopper_timeline.py`` runs (its clock
@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--page-size", default="64,1")
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--stamped", action="store_true", help="the timeline's stamped copy")
+    ap.add_argument("--in-kernel", action="store_true", help="the variant that schedules a one-sequence step "
+                    "itself (IN_KERNEL; a kernel without that parameter compiles as it is)")
     ap.add_argument("--sass", type=Path, help="a folder for each case's SASS (case<i>.sass); also print the "
                     "sizes of the loops that issue wgmmas (the consumers' steps)")
     a = ap.parse_args()
@@ -58,8 +60,10 @@ def main() -> int:
         for page_size in (int(v) for v in a.page_size.split(",")):
             consts = dict(mod.kernel_constexprs(a.heads, page_size), FUSE_COMBINE=True,
                           BLOCK_S=combine.SPLITS_PER_ROUND, BLOCK_R=combine.ROWS_PER_ITEM)
-            cases.append((f"{path}{' (stamped)' if a.stamped else ''}, H {a.heads}, page size {page_size}", fn, types,
-                          consts, 4))
+            if "IN_KERNEL" in fn.arg_names:
+                consts["IN_KERNEL"] = a.in_kernel
+            cases.append((f"{path}{' (stamped)' if a.stamped else ''}{' (in kernel)' if a.in_kernel else ''}, "
+                          f"H {a.heads}, page size {page_size}", fn, types, consts, 4))
     if a.sass:
         a.sass.mkdir(parents=True, exist_ok=True)
     return 1 if report(cases, sass_dir=a.sass, divisible_ints=DIVISIBLE) else 0

@@ -108,10 +108,10 @@ EDITS = [
     ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                            1, H,",
      "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                            1, H,", 1),
     # the loader: when each K chunk's copy is issued (its last reader done), point 3 * stage + chunk
-    ("seg_kv_end,\n                   s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
-     "seg_kv_end,\n                   s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
-    ("seg_kv_end,\n                          s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
-     "seg_kv_end,\n                          s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
+    ("\n                   seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
+     "\n                   seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
+    ("\n                          seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars,\n",
+     "\n                          seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars, trace,\n", 1),
     ("m_n0, bars, 0,", "m_n0, bars, trace, pairs, 0,", 3),
     ("m_n1, bars, 1,", "m_n1, bars, trace, pairs, 1,", 3),
     ("    def _load_chunk(dst, p_row, m_row, bars, STAGE: gl.constexpr,",
@@ -286,7 +286,8 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     extra = () if trace is None else (trace,)
     fused = combine.fuses(plan.tables, c["q"].device)  # as a real call: the merge in the kernel, one launch
     consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=fused, BLOCK_S=combine.SPLITS_PER_ROUND,
-                  BLOCK_R=combine.ROWS_PER_ITEM, **({"launch_cooperative_grid": True} if fused else {}))
+                  BLOCK_R=combine.ROWS_PER_ITEM, IN_KERNEL=plan.tables.in_kernel,
+                  **({"launch_cooperative_grid": True} if fused else {}))
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)
 

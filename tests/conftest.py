@@ -37,3 +37,12 @@ def run_checked(c, kernel, dtype_name, **kw):
     assert res_out.ok, f"out: {res_out} {res_out.detail}"
     assert res_lse.ok, f"lse: {res_lse} {res_lse.detail}"
     return out, lse
+
+
+def unplanned_workspace(c: dict):
+    """The workspace ``verify_attention`` plans into for the case ``c`` when given no plan."""
+    from kdtree_engine.verify import api
+
+    q = c["q"]
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    return api._unplanned_workspace(c["kv_lens"].shape[0], min(q.shape[0], 1024), q.shape[1], q.device, stream)

@@ -1,21 +1,26 @@
 """The device scheduler (verify/scheduler.py, VerifyPlan.plan_on_device): the tables it writes from
 device lengths equal the host's tables of the line schedule on random ragged batches, a run on them
 matches the reference, bad lengths tensors are refused, and (GPU) a CUDA graph holding the plan and
-the run replays correctly after new lengths are written into the length tensors."""
+the run replays correctly after new lengths are written into the length tensors. The one-sequence
+schedule the kernels compute themselves covers every tile once, and an unplanned one-sequence call
+takes it where its parts fill the grid."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from conftest import DEVICE, requires_cuda
+from conftest import DEVICE, requires_cuda, run_checked, unplanned_workspace
 from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
                                    random_tree)
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
                                        rounds_apply, schedule, whole_segments_apply)
+from kdtree_engine.verify.scheduler import one_sequence_groups, schedules_in_kernel, work_range, work_segment
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -351,3 +356,114 @@ def test_cuda_graph_with_the_plan_replays_after_new_lengths():
         r_out, r_lse = reference(**c)
         assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, spec.name
         assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, spec.name
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence scheduled by the kernels themselves (VerifyPlan.plan_in_kernel)
+
+
+@triton.jit
+def _one_sequence_work(kv_lens, qo_indptr, stride_qo, H, work, groups, n_groups, K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program p's segments as the kernels see them (:func:`work_range`, :func:`work_segment` with
+    IN_KERNEL): ``work[p, k] = (segment, sequence, row0, kv_start, kv_end, partial)``, its k-th of at
+    most K, and its share of the groups."""
+    i_p = tl.program_id(0)
+    first, end, step, kv_len, R, T, S = work_range(i_p, tl.num_programs(0), kv_lens, kv_lens, qo_indptr, stride_qo,
+                                                   H, BLOCK_M, BLOCK_N, True)
+    k = 0
+    for i_s in range(first, end, step):
+        i_b, row0, kv_start, kv_end, part = work_segment(i_s, kv_len, R, T, S, kv_lens, kv_lens, kv_lens, kv_lens,
+                                                         kv_lens, BLOCK_M, BLOCK_N, True)
+        p = work + (i_p * K + k) * 6
+        tl.store(p, i_s)
+        tl.store(p + 1, i_b)
+        tl.store(p + 2, row0)
+        tl.store(p + 3, kv_start)
+        tl.store(p + 4, kv_end)
+        tl.store(p + 5, part)
+        k += 1
+    # the four group rows one after another, 128 entries each
+    one_sequence_groups(i_p, R, S, groups, groups + 128, groups + 256, groups + 384, n_groups, BLOCK_M)
+
+
+def one_sequence_work(kv_len: int, n: int, H: int, P: int, bm: int, bn: int):
+    """Run :func:`_one_sequence_work` on P programs (qo_indptr strided, starting at 0): its work
+    table (segments not run: -9) and groups ``[4, 128]`` with their count."""
+    K = 4 + -(-n * H // bm) // P
+    work = torch.full((P, K, 6), -9, dtype=torch.int32, device=DEVICE)
+    groups = torch.full((4 * 128,), -9, dtype=torch.int32, device=DEVICE)
+    count = torch.full((1,), -9, dtype=torch.int32, device=DEVICE)
+    qo = torch.tensor([0, 7, n, 7], dtype=torch.int32, device=DEVICE)[::2]
+    kv = torch.tensor([kv_len], dtype=torch.int32, device=DEVICE)
+    _one_sequence_work[(P,)](kv, qo, qo.stride(0), H, work, groups, count, K=K, BLOCK_M=bm, BLOCK_N=bn)
+    return work.cpu().numpy(), groups.cpu().numpy().reshape(4, 128), int(count[0])
+
+
+@pytest.mark.parametrize("kv_len, n, H, P, bm, bn", [
+    (1, 1, 1, 1, 64, 64), (64, 1, 1, 8, 64, 64), (200, 9, 16, 132, 64, 64), (131072 + 5, 9, 16, 132, 64, 64),
+    (16384, 33, 64, 132, 64, 64), (4096, 33, 128, 132, 64, 64), (1000, 9, 128, 132, 64, 64),
+    (77, 5, 3, 8, 32, 16), (3, 40, 8, 8, 32, 16), (40, 129, 128, 132, 64, 64), (500, 20, 16, 7, 32, 16),
+])
+def test_one_sequence_schedule_covers_every_tile_once(kv_len, n, H, P, bm, bn):
+    """Every (row block, KV tile) exactly once, in segments a part long; one segment a program
+    where 2 R <= P, else dealt round by round; a split row block's partial slots r S .. r S + S - 1,
+    one each, and its group written; nothing split when one part covers the KV."""
+    work, groups, count = one_sequence_work(kv_len, n, H, P, bm, bn)
+    R, T = -(-n * H // bm), max(1, -(-kv_len // bn))
+    S = max(1, min(P // R, T))
+    segs = work.reshape(-1, 6)
+    segs = segs[segs[:, 0] >= 0]
+    assert len(segs) == S * R and sorted(segs[:, 0].tolist()) == list(range(S * R))
+    per_program = (work[:, :, 0] >= 0).sum(1)
+    assert per_program.max() == -(-S * R // P) and (2 * R > P or per_program.max() == 1)
+    assert (segs[:, 1] == 0).all() and (segs[:, 2] % bm == 0).all() and (segs[:, 3] % bn == 0).all()
+    covered = np.zeros((R, T), dtype=np.int64)
+    for _, _, row0, start, end, _ in segs:
+        assert start < end <= kv_len or (kv_len <= 0 and start == 0)
+        covered[row0 // bm, start // bn: -(-end // bn)] += 1
+    assert (covered == 1).all()
+    lengths = -(-(segs[:, 4] - segs[:, 3]) // bn)
+    assert lengths.max() - lengths.min() <= 1 or kv_len % bn  # parts of T // S or T // S + 1 tiles
+    if S == 1:
+        assert (segs[:, 5] == -1).all() and count == 0
+    else:
+        r, part = segs[:, 2] // bm, segs[:, 0] // R
+        assert (segs[:, 5] == r * S + part).all() and count == R
+        assert groups[:, :R].tolist() == [[0] * R, [i * bm for i in range(R)], [i * S for i in range(R)], [S] * R]
+        assert (groups[:, R:] == -9).all()
+
+
+@pytest.mark.parametrize("R, P, applies", [(1, 132, True), (3, 132, True), (9, 132, True), (13, 132, True),
+                                           (18, 132, True), (33, 132, True), (34, 132, False), (44, 132, True),
+                                           (66, 132, True), (67, 132, False), (130, 132, False), (3, 8, False),
+                                           (4, 8, True), (1, 1, False)])
+def test_schedules_in_kernel_where_the_parts_fill_the_grid(R, P, applies):
+    assert schedules_in_kernel(R, P) == applies
+
+
+def test_unplanned_one_sequence_call_schedules_in_the_kernel(monkeypatch):
+    """An unplanned B = 1 call whose parts fill the grid leaves its schedule to the kernel: the
+    workspace's segment tables poisoned and its device scheduler refused, the results still right;
+    a batch of two, or one sequence of too many row blocks for the grid, is scheduled as before."""
+    g = torch.Generator().manual_seed(12)
+    H = 4
+    c = build_case(CaseSpec("one", H, [300], [random_tree(9, g)], page_size=16, seed=12), DEVICE)
+    ws = unplanned_workspace(c)
+    assert ws.schedules_in_kernel(9)
+    t = ws.tables
+    t.prog_first_seg.fill_(-(2**30))
+    t.segments.fill_(2**30)
+    monkeypatch.setattr(VerifyPlan, "launch_on_device", None)  # a call would raise
+    monkeypatch.setattr(VerifyPlan, "plan", None)
+    run_checked(c, "flash", "bf16")
+    assert ws.tables.in_kernel and ws.num_seqs == 1
+    monkeypatch.undo()
+    c2 = build_case(CaseSpec("two", H, [300, 20], [random_tree(9, g), [-1]], page_size=16, seed=13), DEVICE)
+    run_checked(c2, "flash", "bf16")
+    assert not unplanned_workspace(c2).tables.in_kernel
+    H_wide, n_wide = (4, 40) if DEVICE == "cpu" else (128, 80)  # more row blocks than half the programs
+    wide = build_case(CaseSpec("wide", H_wide, [50], [random_tree(n_wide, g)], page_size=16, seed=14), DEVICE)
+    assert not unplanned_workspace(wide).schedules_in_kernel(n_wide)
+    run_checked(wide, "flash", "bf16")
+    assert not unplanned_workspace(wide).tables.in_kernel

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE, run_checked
+from conftest import DEVICE, run_checked, unplanned_workspace
 from kdtree_engine import verify_attention
 from kdtree_engine.testing import CaseSpec, build_case, chain_tree, random_tree, star_tree
-from kdtree_engine.verify import available_kernels, combine, hopper, plan_verify
+from kdtree_engine.verify import api, available_kernels, combine, hopper, plan_verify
 from kdtree_engine.verify.op import resolve
 
 G = torch.Generator().manual_seed(4321)
@@ -81,6 +81,31 @@ def test_hopper_deterministic_and_nan_never_leaks(page_size):
     out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
+
+
+@requires_hopper
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "combine-kernel"])
+@pytest.mark.parametrize("heads, nodes, prefix, page_size", [
+    (16, 9, 131000, 1),  # 3 row blocks: 44 parts of 46-47 tiles
+    (128, 33, 20000, 64),  # 66 row blocks: 2 parts
+    (64, 9, 4097, 16),  # 9 row blocks, 14 parts, a partial last tile
+    (16, 9, 0, 64),  # the tree alone: one tile, one part, nothing split
+    (4, 1, 63, 1),  # one row block, one tile
+])
+def test_hopper_schedules_one_sequence_itself(heads, nodes, prefix, page_size, fused, monkeypatch):
+    """An unplanned one-sequence call whose KV parts fill the grid: the kernel's own schedule (the
+    workspace's segment tables poisoned: never read), its split groups merged in the kernel or by
+    the combine kernel, against the reference and bitwise equal over two calls."""
+    monkeypatch.setattr(api, "_UNPLANNED", {})  # a fresh workspace: its launches prepared here
+    monkeypatch.setattr(combine, "FUSED_COMBINE", fused)
+    c = build_case(CaseSpec("one", heads, [prefix], [random_tree(nodes, G)], page_size=page_size), "cuda")
+    ws = unplanned_workspace(c)
+    assert ws.schedules_in_kernel(nodes)
+    ws.tables.prog_first_seg.fill_(-(2**30))
+    ws.tables.segments.fill_(2**30)
+    out1, lse1 = run_checked(c, "hopper", "bf16")
+    out2, lse2 = run_checked(c, "hopper", "bf16")
+    assert ws.tables.in_kernel and torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
 @requires_hopper

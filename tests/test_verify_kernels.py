@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, HAS_CUDA, requires_cuda, run_checked
+from conftest import DEVICE, HAS_CUDA, requires_cuda, run_checked, unplanned_workspace
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
 from kdtree_engine.verify import available_kernels
@@ -326,6 +326,42 @@ def test_cuda_graph_capture_and_replay(kernel):
     r_out, r_lse = reference(**c)
     assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok
     assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", ["flash", "hopper"])
+def test_unplanned_one_sequence_graph_reschedules_on_replay(kernel):
+    """An unplanned one-sequence call captured in a CUDA graph schedules itself in the kernel from
+    the device KV length: replayed after other lengths (other tile counts, so other parts) and
+    inputs are written into the captured tensors, still right."""
+    if kernel not in available_kernels("cuda"):
+        pytest.skip(f"{kernel} does not run on this GPU")
+    tree = random_tree(9, G)
+    c = build_case(CaseSpec("long", 16, [6000], [tree], page_size=1), "cuda")
+    out = torch.empty(9, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(9, 16, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            verify_attention(**c, kernel=kernel, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        verify_attention(**c, kernel=kernel, out=out, lse=lse)
+    assert unplanned_workspace(c).tables.in_kernel
+    for prefix in (2500, 5300, 60):
+        step = build_case(CaseSpec("short", 16, [prefix], [tree], page_size=1, seed=prefix), "cuda")
+        for k in ("q", "tree_mask", "kv_lens", "qo_indptr"):
+            c[k].copy_(step[k])
+        c["page_table"][:, : step["page_table"].shape[1]].copy_(step["page_table"])
+        c["kv_cache"][: step["kv_cache"].shape[0]].copy_(step["kv_cache"])
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        r_out, r_lse = reference(**step)
+        assert compare(out, r_out, *TOLERANCES["bf16"]["out"]).ok, prefix
+        assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok, prefix
 
 
 @requires_cuda

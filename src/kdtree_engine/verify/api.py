@@ -5,8 +5,9 @@ The top layer of :mod:`kdtree_engine.verify` (contract <- plan <- kernels <- op 
     out, lse = verify_attention(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
                                 sm_scale=None, *, kernel="auto", out=None, lse=None)
 
-plans on every call (on a GPU with the device scheduler: one more launch, no sync); the fast
-path plans once per model step and runs per layer, FlashInfer's convention::
+plans on every call (on a GPU with the device scheduler: one more launch, no sync; one sequence
+whose KV parts fill the grid is scheduled by the kernel itself: one launch); the fast path plans
+once per model step and runs per layer, FlashInfer's convention::
 
     attn = VerifyAttention(max_batch, max_tree_nodes, num_heads, device)
     attn.plan(kv_lens, qo_indptr)                               # once per step (host or device)
@@ -122,10 +123,10 @@ class _Prepared:
 
 
 def _prepared(plan: VerifyPlan, sig: Signature, kernel: str, scale: float, tensors: tuple) -> _Prepared:
-    """``plan.prepared[(sig, kernel, scale)]``, made on first use from ``tensors`` (the call's
+    """``plan.prepared[(sig, kernel, scale, in_kernel)]``, made on first use from ``tensors`` (the call's
     eight, outputs allocated): the kernel resolved (``"auto"``: see
     :func:`~kdtree_engine.verify.op.resolve`) and its launches laid out for the signature."""
-    key = (sig, kernel, scale)
+    key = (sig, kernel, scale, plan.tables.in_kernel)
     call = plan.prepared.get(key)
     if call is None:
         q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse = tensors
@@ -198,10 +199,12 @@ def verify_attention(
             be captured in a CUDA graph. Without it one is made here, into a workspace kept per
             (device, heads, stream): on a GPU by the device scheduler from the device lengths (one
             launch, no sync, no length checks: see ``validate``), on the CPU from the host
-            lengths, checked. The fast path is :class:`VerifyAttention`. The plan must be made
-            from the call's lengths: where they are validated (CPU tensors, ``validate=True``) a
-            mismatch is a ``ValueError``; unvalidated, the kernels would run the plan's schedule
-            on the call's lengths.
+            lengths, checked; for one sequence whose KV parts fill the grid
+            (:meth:`~kdtree_engine.verify.plan.VerifyPlan.plan_in_kernel`) by the kernel itself
+            from the device lengths, no launch of its own. The fast path is
+            :class:`VerifyAttention`. The plan must be made from the call's lengths: where they
+            are validated (CPU tensors, ``validate=True``) a mismatch is a ``ValueError``;
+            unvalidated, the kernels would run the plan's schedule on the call's lengths.
         validate: content checks (page ids in range, kv_len >= n_b, self bit set, no stray bits).
             ``None`` (default): run the checks that cost no device sync, i.e. all of them for CPU
             tensors, the length checks (incl. mask width) when a given plan has host lengths.
@@ -232,15 +235,24 @@ def verify_attention(
         raise TypeError(f"plan must be a VerifyPlan from plan_verify, got {type(plan).__name__}{hint}")
     site = None  # where the launches go, when the scheduler's launch has read it
     if kernel != "naive" and not given:
-        if cuda:  # device lengths: the device scheduler, no sync; the launches go where it went
+        # one sequence whose KV parts fill the grid: the kernel schedules it (one launch); else on a
+        # GPU the device scheduler from the device lengths (no sync; the launches go where it went),
+        # on the CPU the host from the host lengths
+        if cuda:
             device = q.device
             plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
                                         torch._C._cuda_getCurrentRawStream(device.index))
-            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
-        else:  # host lengths (the CPU): checked and scheduled on the host
+            if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
+                plan.plan_in_kernel()
+            else:
+                site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
+        else:  # host lengths: checked first
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
-            ws = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
-            plan = ws.plan(kv, qo)
+            plan = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
+            if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
+                plan.plan_in_kernel()
+            else:
+                plan.plan(kv, qo)
     check_host_lengths = validate is None and cuda
     if validate is None:
         validate = not cuda

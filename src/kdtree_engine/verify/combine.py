@@ -182,7 +182,8 @@ def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, q
     prog_first_seg, 5 segment rows, partial_out, partial_lse, 4 group rows, group_count,
     grid_barrier, the contract's ints (:func:`~kdtree_engine.verify.contract.kernel_ints`),
     sm_scale * log2(e))`` then ``constexprs`` and ``FUSE_COMBINE``, ``BLOCK_S``, ``BLOCK_R`` (the
-    merge's tile, which ``constexprs`` may set)) on
+    merge's tile, which ``constexprs`` may set), ``IN_KERNEL`` (``plan.in_kernel``: the kernel
+    schedules a one-sequence step itself, :func:`~kdtree_engine.verify.scheduler.work_range`)) on
     ``plan.num_programs`` programs, then the combine kernel unless the kernel merges the splits itself
     (:func:`fuses`: a cooperative launch), for every call with the signature of these tensors
     (dtypes, 16-byte alignment, shapes and strides; inputs already checked). ``key``: what else
@@ -192,10 +193,12 @@ def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, q
     ints = kernel_ints(*tensors)
     fused = fuses(plan, q.device)
     g = plan.group_rows
-    main = Launch(launcher, (spec_key(tensors, ints), *key, fused), (plan.num_programs,), (), tuple(range(8)),
+    main = Launch(launcher, (spec_key(tensors, ints), *key, fused, plan.in_kernel), (plan.num_programs,), (),
+                  tuple(range(8)),
                   (plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *g, plan.group_count,
                    plan.grid_barrier, *ints, sm_scale * LOG2E),
-                  {"FUSE_COMBINE": fused, "BLOCK_S": SPLITS_PER_ROUND, "BLOCK_R": ROWS_PER_ITEM, **constexprs,
+                  {"FUSE_COMBINE": fused, "BLOCK_S": SPLITS_PER_ROUND, "BLOCK_R": ROWS_PER_ITEM,
+                   "IN_KERNEL": plan.in_kernel, **constexprs,
                    **({"launch_cooperative_grid": True} if fused else {})})
     if fused:
         return PlannedLaunch(main, None, True)

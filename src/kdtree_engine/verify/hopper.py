@@ -48,6 +48,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 from .combine import LN2, PlannedLaunch, grid_barrier, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
+from .scheduler import one_sequence_groups, one_sequence_shape, work_range, work_segment
 
 BLOCK_M, BLOCK_N = 64, 64
 # warps and registers per thread of the partitions: consumer 0 is the default partition (the launch's
@@ -87,16 +88,16 @@ if HAVE_GLUON:
                                                    mask=gl.expand_dims(m_row, 1))
 
     @gluon.jit
-    def _segment(i_s, seg_seq, seg_row0, seg_kv_start, seg_kv_end, qo_indptr, stride_qo):
-        """Segment ``i_s`` of the plan: its sequence, first packed row, KV range ``[kv_start, kv_end)``,
-        and the sequence's first query token and node count."""
-        i_b = gl.load(seg_seq + i_s)
-        row0 = gl.load(seg_row0 + i_s)
-        kv_start = gl.load(seg_kv_start + i_s)
-        kv_end = gl.load(seg_kv_end + i_s)
+    def _segment(i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, qo_indptr,
+                 stride_qo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IN_KERNEL: gl.constexpr):
+        """Segment ``i_s`` of the program's work (:func:`~kdtree_engine.verify.scheduler.work_segment`):
+        its sequence, first packed row, KV range ``[kv_start, kv_end)``, partial slot, and the
+        sequence's first query token and node count."""
+        i_b, row0, kv_start, kv_end, i_part = work_segment(i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start,
+                                                           seg_kv_end, seg_partial, BLOCK_M, BLOCK_N, IN_KERNEL)
         qo_start = gl.load(qo_indptr + i_b * stride_qo)
         n_nodes = gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start
-        return i_b, row0, kv_start, kv_end, qo_start, n_nodes
+        return i_b, row0, kv_start, kv_end, i_part, qo_start, n_nodes
 
     @gluon.jit
     def _packed_rows(row0, qo_start, n_nodes, H: gl.constexpr, BLOCK_M: gl.constexpr, L: gl.constexpr):
@@ -107,11 +108,11 @@ if HAVE_GLUON:
         return o_m, o_m < n_nodes * H, (qo_start + gl.minimum(o_m // H, n_nodes - 1)).to(gl.int64)
 
     @gluon.jit
-    def _ws_loader(q, kv, page_table, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
-                   s_q, s_q_rope, s_k_lat, s_k_rope, bars,
+    def _ws_loader(q, kv, page_table, kv_lens, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start,
+                   seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars,
                    stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
                    H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr):
+                   D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, IN_KERNEL: gl.constexpr):
         """Loader partition: per segment the Q rows, then the KV tiles in pairs (tile 2j into stage 0,
         2j + 1 into stage 1), chunk by chunk in the order the consumers release them, each chunk as soon
         as its last reader is done. cp.async
@@ -124,10 +125,12 @@ if HAVE_GLUON:
         n_seg = 0
         pairs = 0  # tiles loaded into stage 0 / stage 1 so far (the barriers' phases)
         singles1 = 0
-        i_p = gl.program_id(0)
-        for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
-            i_b, row0, kv_start, kv_end, qo_start, n_nodes = _segment(i_s, seg_seq, seg_row0, seg_kv_start,
-                                                                       seg_kv_end, qo_indptr, stride_qo)
+        first, end, step, kv_len, R, T, S = work_range(gl.program_id(0), gl.num_programs(0), prog_first_seg, kv_lens,
+                                                       qo_indptr, stride_qo, H, BLOCK_M, BLOCK_N, IN_KERNEL)
+        for i_s in range(first, end, step):
+            i_b, row0, kv_start, kv_end, _, qo_start, n_nodes = _segment(
+                i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, qo_indptr, stride_qo,
+                BLOCK_M, BLOCK_N, IN_KERNEL)
             p_pages = page_table + i_b.to(gl.int64) * stride_pt
 
             o_m, m_rows, o_t = _packed_rows(row0, qo_start, n_nodes, H, BLOCK_M, ROW_L)
@@ -274,7 +277,7 @@ if HAVE_GLUON:
                      stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                      stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
                      WG: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     D_LAT: gl.constexpr):
+                     D_LAT: gl.constexpr, IN_KERNEL: gl.constexpr):
         """Consumer partition ``WG`` (4 warps): the tiles ``2 j + WG`` of each segment, in stage WG.
 
         Per step j: S = Q K^T of its own tile (64 x 64; the K chunks waited one by one), then the max
@@ -305,11 +308,12 @@ if HAVE_GLUON:
         n_seg = 0
         steps = 0
         own_uses = 0
-        i_p = gl.program_id(0)
-        for i_s in range(gl.load(prog_first_seg + i_p), gl.load(prog_first_seg + i_p + 1)):
-            i_b, row0, kv_start, kv_end, qo_start, n_nodes = _segment(i_s, seg_seq, seg_row0, seg_kv_start,
-                                                                       seg_kv_end, qo_indptr, stride_qo)
-            i_part = gl.load(seg_partial + i_s)
+        first, end, step, kv_len, R, T, S = work_range(gl.program_id(0), gl.num_programs(0), prog_first_seg, kv_lens,
+                                                       qo_indptr, stride_qo, H, BLOCK_M, BLOCK_N, IN_KERNEL)
+        for i_s in range(first, end, step):
+            i_b, row0, kv_start, kv_end, i_part, qo_start, n_nodes = _segment(
+                i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, qo_indptr, stride_qo,
+                BLOCK_M, BLOCK_N, IN_KERNEL)
             prefix = gl.load(kv_lens + i_b * stride_kl) - n_nodes
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
             # tiles starting below clean_end hold prefix keys only and need no mask
@@ -440,9 +444,12 @@ if HAVE_GLUON:
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr, FUSE_COMBINE: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr,
-        FEW_S: gl.constexpr, FEW_R: gl.constexpr, num_warps: gl.constexpr,
+        IN_KERNEL: gl.constexpr, FEW_S: gl.constexpr, FEW_R: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan.
+        """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan
+        (with ``IN_KERNEL``: those of a one-sequence step, scheduled by each partition from the device
+        lengths, :func:`~kdtree_engine.verify.scheduler.work_range`; the split groups written after
+        the partitions joined, for the merge).
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
         (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled
@@ -490,20 +497,25 @@ if HAVE_GLUON:
                             s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
                             stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                             stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
-                            0, H, BLOCK_M, BLOCK_N, D_LAT)),
+                            0, H, BLOCK_M, BLOCK_N, D_LAT, IN_KERNEL)),
             (_ws_consumer, (kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
                             seg_kv_start, seg_kv_end, seg_partial, partial_out, partial_lse,
                             s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
                             stride_kl, stride_qo, stride_mt, stride_mw, mask_words,
                             stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
-                            1, H, BLOCK_M, BLOCK_N, D_LAT)),
-            (_ws_loader, (q, kv, page_table, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
-                          s_q, s_q_rope, s_k_lat, s_k_rope, bars,
+                            1, H, BLOCK_M, BLOCK_N, D_LAT, IN_KERNEL)),
+            (_ws_loader, (q, kv, page_table, kv_lens, qo_indptr, prog_first_seg, seg_seq, seg_row0, seg_kv_start,
+                          seg_kv_end, seg_partial, s_q, s_q_rope, s_k_lat, s_k_rope, bars,
                           stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_qo,
-                          H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LAT, D_ROPE, LOADER_WARPS)),
+                          H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LAT, D_ROPE, LOADER_WARPS, IN_KERNEL)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+        if IN_KERNEL:  # the split groups of the one sequence's schedule, for the merge
+            _, R, _, S = one_sequence_shape(kv_lens, qo_indptr, stride_qo, H, gl.num_programs(0), BLOCK_M, BLOCK_N)
+            n_groups = one_sequence_groups(gl.program_id(0), R, S, group_seq, group_row0, group_first, group_splits,
+                                           num_groups, BLOCK_M)
         if FUSE_COMBINE:
-            n_groups = gl.load(num_groups)
+            if not IN_KERNEL:
+                n_groups = gl.load(num_groups)
             if n_groups > 0:
                 grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
                 if n_groups * (BLOCK_M // BLOCK_R) <= 2 * gl.num_programs(0):

@@ -416,6 +416,9 @@ class FlashTables(NamedTuple):
     num_groups: int | None  # groups in use, when the host knows it (None: launch the combine anyway)
     segment_rows: tuple  # the 5 rows of segments as [S] views (made once: a view costs host time per launch)
     group_rows: tuple  # the 4 rows of groups as [G] views
+    # the kernels schedule a one-sequence step themselves from its device lengths and write the groups
+    # (VerifyPlan.plan_in_kernel): prog_first_seg and segments are not read
+    in_kernel: bool = False
 
     @property
     def num_programs(self) -> int:
@@ -522,6 +525,8 @@ class VerifyPlan:
             )
         self._scheduler = None  # the device scheduler's launch, made at the first device plan
         self._device_tables = self._tables._replace(num_groups=None)  # a device plan's group count stays there
+        self._kernel_tables = self._device_tables._replace(in_kernel=True)  # plan_in_kernel's
+        self._in_kernel: dict[int, bool] = {}  # schedules_in_kernel by T
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
         self.kv_lens_host = self.qo_indptr_host = None
@@ -679,16 +684,43 @@ class VerifyPlan:
             kept = self._device_launch(key, kv_lens, qo_indptr, schedule)
         launch, B = kept
         site = launch((kv_lens, qo_indptr), ptrs)
-        if B != self.num_seqs or self.num_rows is not None:  # another B, or a host plan before
+        self._planned_on_device(B, self._device_tables)
+        return site
+
+    def plan_in_kernel(self) -> VerifyPlan:
+        """Leave a one-sequence step's schedule to the kernels (no launch, no sync, nothing written
+        here): each program computes its segments from the call's own device lengths at entry (B = 1:
+        :func:`~kdtree_engine.verify.scheduler.one_sequence_shape`, the KV cut into ``min(P // R,
+        tiles)`` parts, each read by the R row blocks side by side) and the split groups are written
+        there for the merge; the plan's length buffers are not written. What the unplanned call does
+        at B = 1 where :func:`~kdtree_engine.verify.scheduler.schedules_in_kernel` says the parts fill
+        the grid: one launch instead of the scheduler's and the kernel's. Returns self."""
+        self._planned_on_device(1, self._kernel_tables)
+        return self
+
+    def schedules_in_kernel(self, num_rows: int) -> bool:
+        """Whether a one-sequence step of ``num_rows`` tree nodes (T) is best left to the kernels
+        (:meth:`plan_in_kernel`) on this plan's grid and heads
+        (:func:`~kdtree_engine.verify.scheduler.schedules_in_kernel`; kept by T)."""
+        hit = self._in_kernel.get(num_rows)
+        if hit is None:
+            from .scheduler import schedules_in_kernel  # (loads Triton)
+
+            R = -(-min(num_rows, MAX_TREE_NODES) * self.num_heads // self.config.block_m)
+            hit = self.keep(self._in_kernel, num_rows, schedules_in_kernel(R, self.num_programs))
+        return hit
+
+    def _planned_on_device(self, B: int, tables: FlashTables) -> None:
+        """The host's view of a plan whose lengths stay on the device: B sequences, ``tables``."""
+        if B != self.num_seqs or self.tables is not tables:  # another B, or another kind of plan before
             self.kv_lens = self.kv_lens_buf[:B]
             self.qo_indptr = self.qo_indptr_buf[: B + 1]
             self.num_seqs, self.num_rows, self.num_segments = B, None, None
             self.kv_lens_host = self.qo_indptr_host = None
             self.max_kv_len = self.max_nodes = None
-            self.tables = self._device_tables
+            self.tables = tables
             self.state = object()
         self._staged = None  # on the CPU the device buffer is the staging buffer
-        return site
 
     def _device_launch(self, key, kv_lens, qo_indptr, schedule: str) -> tuple:
         """``(launch, B)``: the scheduler's launch for device lengths of this signature and their

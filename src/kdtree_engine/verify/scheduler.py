@@ -53,8 +53,15 @@ Nothing here checks the lengths (that needs them on the host): a tree is clamped
 ``1..max_tree_nodes`` nodes and a KV length to at least one tile, so a malformed step cannot
 write past the tables; its results are then wrong (check with ``validate=True``).
 
-The layer below :mod:`.plan`: imports Triton and :mod:`.launch` only; loaded when a plan is
-first made from device lengths.
+A one-sequence step needs no tables at all: its KV parts schedule is arithmetic (the end of this
+module). The kernels compute it themselves at entry from the device lengths (``IN_KERNEL``,
+:func:`work_range` / :func:`work_segment`, the split groups written for the merge by
+:func:`one_sequence_groups`) where :func:`schedules_in_kernel` says its parts fill the grid: an
+unplanned B = 1 call is then one launch, and a captured one reschedules on every replay.
+
+The layer below :mod:`.plan`: imports Triton, :mod:`.launch` and :mod:`kdtree_engine.masks` only;
+loaded when a plan is first made from device lengths (or asked :meth:`VerifyPlan.schedules_in_kernel
+<kdtree_engine.verify.plan.VerifyPlan.schedules_in_kernel>`), and by the kernels.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..masks import MAX_TREE_NODES
 from .launch import Launch, Launcher, spec_key
 
 __all__ = ["DeviceScheduler"]
@@ -93,6 +101,7 @@ ROUNDS_MAX_SLACK_TENTHS = tl.constexpr(11)
 # the KV parts schedule runs in int32: taken only where the KV tiles of all sequences number fewer
 # (2**31 tiles of 64 tokens: more than any 64 sequences of int32 lengths hold), else the line
 PARTS_MAX_TILES = tl.constexpr(2**31)
+MAX_NODES = tl.constexpr(MAX_TREE_NODES)  # a one-sequence schedule's tree clamped to this (int32 row counts)
 
 
 @triton.jit
@@ -479,6 +488,7 @@ def _schedule_kernel(
 _SCHEDULE = Launcher(_schedule_kernel)
 
 
+
 class DeviceScheduler:
     """The scheduler launch of one plan: write the line (or KV parts) schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
@@ -522,3 +532,95 @@ class DeviceScheduler:
         return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule in ("parts", "auto"),
                               "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0,
                               "ROUNDS": schedule == "rounds" or (schedule == "auto" and self._auto_rounds)}
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence scheduled by the verify kernels themselves (no scheduler launch)
+
+
+def schedules_in_kernel(row_blocks: int, num_programs: int) -> bool:
+    """Whether a one-sequence step of ``row_blocks`` row blocks leaves its schedule to the kernel
+    (:func:`work_range`, ``IN_KERNEL``) on ``num_programs`` programs: where the KV parts of
+    :func:`one_sequence_shape` keep :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, as the
+    device's ``"auto"`` asks of its parts schedule (``2 R <= P``: at least two parts, one segment a
+    program); elsewhere the scheduler's line or rounds fit better."""
+    R, P = row_blocks, num_programs
+    return 2 * R <= P and (P // R) * R * 10 >= AUTO_MIN_FILL_TENTHS * P
+
+
+@triton.jit
+def one_sequence_shape(kv_lens, qo_indptr, stride_qo, H, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The schedule of a one-sequence step (B = 1) from its device lengths: ``(kv_len, R, T, S)``,
+    its KV length, row blocks R (of its nodes, clamped to ``1..MAX_TREE_NODES``), KV tiles T (at
+    least one) and KV parts ``S = max(1, min(P // R, T))``. Segment i is row block ``i % R`` against part
+    ``i // R`` (:func:`one_sequence_segment`), run by program ``i mod P``: the R row blocks of a
+    part side by side (their KV shared in L2), one segment a program where ``2 R <= P`` (then at
+    most ``P`` partials and ``P / 2`` split groups: within any plan's tables); where ``R > P / 2``
+    one part, so every row block against the whole KV, dealt round by round, nothing split."""
+    kv_len = tl.load(kv_lens)
+    q0 = tl.load(qo_indptr)
+    n = tl.minimum(tl.maximum(tl.load(qo_indptr + stride_qo) - q0, 1), MAX_NODES)
+    R = (n * H + BLOCK_M - 1) // BLOCK_M
+    T = tl.maximum(kv_len // BLOCK_N + (kv_len % BLOCK_N > 0).to(tl.int32), 1)
+    return kv_len, R, T, tl.maximum(tl.minimum(P // R, T), 1)
+
+
+@triton.jit
+def one_sequence_segment(i, kv_len, R, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Segment ``i`` of :func:`one_sequence_shape`'s schedule: ``(row0, kv_start, kv_end, partial
+    slot)``, row block ``r = i % R`` against part ``g = i // R``, KV tiles ``[g T // S, (g + 1) T // S)``
+    (never empty: ``S <= T``); partial slot ``r S + g`` (a row block's splits consecutive), -1 when
+    ``S = 1`` (the segment writes ``out`` / ``lse``)."""
+    r = i % R
+    g = i // R
+    t0 = g.to(tl.int64) * T // S
+    t1 = (g + 1).to(tl.int64) * T // S
+    return (r * BLOCK_M, (t0 * BLOCK_N).to(tl.int32), tl.minimum(t1 * BLOCK_N, kv_len).to(tl.int32),
+            tl.where(S > 1, r * S + g, -1))
+
+
+@triton.jit
+def one_sequence_groups(i_p, R, S, group_seq, group_row0, group_first, group_splits, num_groups,
+                        BLOCK_M: tl.constexpr):
+    """Program ``i_p``'s share of the split-group table of :func:`one_sequence_shape`'s schedule, for
+    the merge (visible to it after the grid barrier, or to the combine kernel launched after):
+    group ``i_p`` (row block ``i_p``, slots ``i_p S ..``, S splits) when ``i_p < R`` and ``S > 1``;
+    program 0 writes the count. Returns the count, R or 0."""
+    n_groups = tl.where(S > 1, R, 0)
+    if i_p < n_groups:
+        tl.store(group_seq + i_p, 0)
+        tl.store(group_row0 + i_p, i_p * BLOCK_M)
+        tl.store(group_first + i_p, i_p * S)
+        tl.store(group_splits + i_p, S)
+    if i_p == 0:
+        tl.store(num_groups, n_groups)
+    return n_groups
+
+
+@triton.jit
+def work_range(i_p, P, prog_first_seg, kv_lens, qo_indptr, stride_qo, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_KERNEL: tl.constexpr):
+    """Program ``i_p``'s segments as ``range(first, end, step)`` and the one sequence's schedule
+    ``(kv_len, R, T, S)`` for :func:`work_segment`: the plan's ``prog_first_seg[i_p] :
+    prog_first_seg[i_p + 1]``, or with ``IN_KERNEL`` those of :func:`one_sequence_shape` (``i_p, i_p
+    + P, ..`` below ``S R``; the schedule's values are unused otherwise)."""
+    if IN_KERNEL:
+        kv_len, R, T, S = one_sequence_shape(kv_lens, qo_indptr, stride_qo, H, P, BLOCK_M, BLOCK_N)
+        first, end, step = i_p, S * R, P
+    else:
+        first, end, step = tl.load(prog_first_seg + i_p), tl.load(prog_first_seg + i_p + 1), 1
+        kv_len, R, T, S = first, first, first, first
+    return first, end, step, kv_len, R, T, S
+
+
+@triton.jit
+def work_segment(i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_KERNEL: tl.constexpr):
+    """Segment ``i_s`` of :func:`work_range`: ``(sequence, row0, kv_start, kv_end, partial slot)``
+    from the plan's tables, or with ``IN_KERNEL`` from :func:`one_sequence_segment` (sequence 0)."""
+    if IN_KERNEL:
+        row0, kv_start, kv_end, part = one_sequence_segment(i_s, kv_len, R, T, S, BLOCK_M, BLOCK_N)
+        i_b = i_s * 0
+    else:
+        i_b, row0 = tl.load(seg_seq + i_s), tl.load(seg_row0 + i_s)
+        kv_start, kv_end, part = tl.load(seg_kv_start + i_s), tl.load(seg_kv_end + i_s), tl.load(seg_partial + i_s)
+    return i_b, row0, kv_start, kv_end, part

@@ -36,6 +36,7 @@ from .combine import PlannedLaunch, combine_items, grid_barrier, prepare_planned
 from .contract import D_QK, D_V
 from .launch import Launcher
 from .plan import FlashTables
+from .scheduler import one_sequence_groups, work_range, work_segment
 
 __all__ = ["prepare"]
 
@@ -189,22 +190,33 @@ def _verify_flash_kernel(
     FUSE_COMBINE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    IN_KERNEL: tl.constexpr,
 ):
-    """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``,
-    then with ``FUSE_COMBINE`` (a cooperative launch) the grid barrier and its share of the merge
-    of the split row blocks (:mod:`.combine`), when the plan split any."""
+    """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``
+    (with ``IN_KERNEL``: a one-sequence step's, scheduled here from its device lengths, see
+    :func:`~kdtree_engine.verify.scheduler.one_sequence_shape`; the program's split groups written
+    for the merge), then with ``FUSE_COMBINE`` (a cooperative launch) the grid barrier and its share
+    of the merge of the split row blocks (:mod:`.combine`), when the plan split any."""
     i_p = tl.program_id(0)
-    for i_s in range(tl.load(prog_first_seg + i_p), tl.load(prog_first_seg + i_p + 1)):
+    first, end, step, kv_len, R, T, S = work_range(i_p, tl.num_programs(0), prog_first_seg, kv_lens, qo_indptr,
+                                                   stride_qo, H, BLOCK_M, BLOCK_N, IN_KERNEL)
+    for i_s in range(first, end, step):
+        i_b, row0, kv_start, kv_end, i_part = work_segment(i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start,
+                                                           seg_kv_end, seg_partial, BLOCK_M, BLOCK_N, IN_KERNEL)
         _attend_segment(
             q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse, partial_out, partial_lse,
-            tl.load(seg_seq + i_s), tl.load(seg_row0 + i_s), tl.load(seg_kv_start + i_s),
-            tl.load(seg_kv_end + i_s), tl.load(seg_partial + i_s),
+            i_b, row0, kv_start, kv_end, i_part,
             stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
             stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,
             H, PAGE_SIZE, BLOCK_M, BLOCK_N, D_LATENT, D_ROPE, DOT_FP32,
         )
+    if IN_KERNEL:
+        n_groups = one_sequence_groups(i_p, R, S, group_seq, group_row0, group_first, group_splits, num_groups,
+                                       BLOCK_M)
     if FUSE_COMBINE:
-        if tl.load(num_groups) > 0:
+        if not IN_KERNEL:
+            n_groups = tl.load(num_groups)
+        if n_groups > 0:
             grid_barrier(barrier_word, i_p, tl.num_programs(0))
             combine_items(i_p, tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                           group_seq, group_row0, group_first, group_splits, num_groups,
