@@ -6,7 +6,7 @@ Ragged batch, page sizes 1 and 16, one program running every segment in turn and
 KV ranges mid-sequence (their splits merged: the Hopper kernel at 12 programs merges 2 split groups
 in its default tile, at 40 in its few-groups tile), a tree crossing a cut; checks the result against
 the float64 reference too. Then one sequence without a plan, which the flash and Hopper kernels
-schedule themselves (``VerifyPlan.plan_in_kernel``: 5 KV parts, their split groups written by the
+schedule themselves (``VerifyPlan._plan_in_kernel``: 5 KV parts, their split groups written by the
 kernel and merged).
 """
 

@@ -39,10 +39,13 @@ def run_checked(c, kernel, dtype_name, **kw):
     return out, lse
 
 
-def unplanned_workspace(c: dict):
-    """The workspace ``verify_attention`` plans into for the case ``c`` when given no plan."""
+
+def unplanned_workspace(c: dict, stream: int | None = None):
+    """The workspace ``verify_attention`` planned into for the case ``c`` when given no plan, on
+    ``stream`` (a raw CUDA stream; default: the current one), or None: a lookup that creates nothing."""
     from kdtree_engine.verify import api
 
     q = c["q"]
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    return api._unplanned_workspace(c["kv_lens"].shape[0], min(q.shape[0], 1024), q.shape[1], q.device, stream)
+    if stream is None:
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    return api._UNPLANNED.get((q.device, q.shape[1], stream))

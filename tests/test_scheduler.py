@@ -18,6 +18,7 @@ from kdtree_engine import VerifyAttention, reference
 from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
                                    random_tree)
+from kdtree_engine.verify import api
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
                                        rounds_apply, schedule, whole_segments_apply)
 from kdtree_engine.verify.scheduler import one_sequence_groups, schedules_in_kernel, work_range, work_segment
@@ -359,7 +360,7 @@ def test_cuda_graph_with_the_plan_replays_after_new_lengths():
 
 
 # ----------------------------------------------------------------------------------------------
-# One sequence scheduled by the kernels themselves (VerifyPlan.plan_in_kernel)
+# One sequence scheduled by the kernels themselves (VerifyPlan._plan_in_kernel)
 
 
 @triton.jit
@@ -390,7 +391,7 @@ def _one_sequence_work(kv_lens, qo_indptr, stride_qo, H, work, groups, n_groups,
 def one_sequence_work(kv_len: int, n: int, H: int, P: int, bm: int, bn: int):
     """Run :func:`_one_sequence_work` on P programs (qo_indptr strided, starting at 0): its work
     table (segments not run: -9) and groups ``[4, 128]`` with their count."""
-    K = 4 + -(-n * H // bm) // P
+    K = 4 + -(-min(max(n, 1), 1024) * H // bm) // P
     work = torch.full((P, K, 6), -9, dtype=torch.int32, device=DEVICE)
     groups = torch.full((4 * 128,), -9, dtype=torch.int32, device=DEVICE)
     count = torch.full((1,), -9, dtype=torch.int32, device=DEVICE)
@@ -404,13 +405,17 @@ def one_sequence_work(kv_len: int, n: int, H: int, P: int, bm: int, bn: int):
     (1, 1, 1, 1, 64, 64), (64, 1, 1, 8, 64, 64), (200, 9, 16, 132, 64, 64), (131072 + 5, 9, 16, 132, 64, 64),
     (16384, 33, 64, 132, 64, 64), (4096, 33, 128, 132, 64, 64), (1000, 9, 128, 132, 64, 64),
     (77, 5, 3, 8, 32, 16), (3, 40, 8, 8, 32, 16), (40, 129, 128, 132, 64, 64), (500, 20, 16, 7, 32, 16),
+    # malformed lengths (unchecked on a GPU without validate): no KV, a negative KV length, a tree of
+    # no nodes or of more than 1,024 (clamped: within the tables whatever the lengths)
+    (0, 9, 16, 132, 64, 64), (-5, 9, 16, 132, 64, 64), (300, -3, 16, 132, 64, 64), (300, 5000, 2, 132, 64, 64),
 ])
 def test_one_sequence_schedule_covers_every_tile_once(kv_len, n, H, P, bm, bn):
     """Every (row block, KV tile) exactly once, in segments a part long; one segment a program
     where 2 R <= P, else dealt round by round; a split row block's partial slots r S .. r S + S - 1,
-    one each, and its group written; nothing split when one part covers the KV."""
+    one each, and its group written; nothing split when one part covers the KV. Malformed lengths:
+    a tree clamped to 1..1024 nodes, a KV length <= 0 one empty segment a row block."""
     work, groups, count = one_sequence_work(kv_len, n, H, P, bm, bn)
-    R, T = -(-n * H // bm), max(1, -(-kv_len // bn))
+    R, T = -(-min(max(n, 1), 1024) * H // bm), max(1, -(-kv_len // bn))
     S = max(1, min(P // R, T))
     segs = work.reshape(-1, 6)
     segs = segs[segs[:, 0] >= 0]
@@ -418,9 +423,13 @@ def test_one_sequence_schedule_covers_every_tile_once(kv_len, n, H, P, bm, bn):
     per_program = (work[:, :, 0] >= 0).sum(1)
     assert per_program.max() == -(-S * R // P) and (2 * R > P or per_program.max() == 1)
     assert (segs[:, 1] == 0).all() and (segs[:, 2] % bm == 0).all() and (segs[:, 3] % bn == 0).all()
+    if kv_len <= 0:
+        assert S == 1 and (segs[:, 3] == 0).all() and (segs[:, 4] == kv_len).all()
+        assert sorted(segs[:, 2].tolist()) == [r * bm for r in range(R)] and count == 0
+        return
     covered = np.zeros((R, T), dtype=np.int64)
     for _, _, row0, start, end, _ in segs:
-        assert start < end <= kv_len or (kv_len <= 0 and start == 0)
+        assert start < end <= kv_len
         covered[row0 // bm, start // bn: -(-end // bn)] += 1
     assert (covered == 1).all()
     lengths = -(-(segs[:, 4] - segs[:, 3]) // bn)
@@ -449,21 +458,43 @@ def test_unplanned_one_sequence_call_schedules_in_the_kernel(monkeypatch):
     g = torch.Generator().manual_seed(12)
     H = 4
     c = build_case(CaseSpec("one", H, [300], [random_tree(9, g)], page_size=16, seed=12), DEVICE)
+    run_checked(c, "flash", "bf16")
     ws = unplanned_workspace(c)
-    assert ws.schedules_in_kernel(9)
-    t = ws.tables
-    t.prog_first_seg.fill_(-(2**30))
-    t.segments.fill_(2**30)
+    assert ws.tables.in_kernel and ws.num_seqs == 1 and ws.schedules_in_kernel(9)
+    ws.tables.prog_first_seg.fill_(-(2**30))
+    ws.tables.segments.fill_(2**30)
     monkeypatch.setattr(VerifyPlan, "launch_on_device", None)  # a call would raise
     monkeypatch.setattr(VerifyPlan, "plan", None)
     run_checked(c, "flash", "bf16")
-    assert ws.tables.in_kernel and ws.num_seqs == 1
+    assert unplanned_workspace(c) is ws and ws.tables.in_kernel
     monkeypatch.undo()
     c2 = build_case(CaseSpec("two", H, [300, 20], [random_tree(9, g), [-1]], page_size=16, seed=13), DEVICE)
     run_checked(c2, "flash", "bf16")
     assert not unplanned_workspace(c2).tables.in_kernel
     H_wide, n_wide = (4, 40) if DEVICE == "cpu" else (128, 80)  # more row blocks than half the programs
     wide = build_case(CaseSpec("wide", H_wide, [50], [random_tree(n_wide, g)], page_size=16, seed=14), DEVICE)
-    assert not unplanned_workspace(wide).schedules_in_kernel(n_wide)
     run_checked(wide, "flash", "bf16")
-    assert not unplanned_workspace(wide).tables.in_kernel
+    ws = unplanned_workspace(wide)
+    assert not ws.schedules_in_kernel(n_wide) and not ws.tables.in_kernel
+
+
+def test_unplanned_workspace_grows_by_doubling_and_keeps_the_outgrown(monkeypatch):
+    """verify_attention's workspace for (device, heads, stream) grows to at least twice its batch or
+    tree bound; the outgrown one stays alive (a graph captured around an earlier call keeps its
+    tables) and passes its partial buffers on; a plan of another grid cannot take them."""
+    monkeypatch.setattr(api, "_UNPLANNED", {})
+    monkeypatch.setattr(api, "_OUTGROWN", [])
+    g = torch.Generator().manual_seed(15)
+    one = build_case(CaseSpec("one", 2, [40], [random_tree(5, g)], page_size=16, seed=15), DEVICE)
+    run_checked(one, "flash", "bf16")
+    first = unplanned_workspace(one)
+    three = build_case(CaseSpec("three", 2, [40, 9, 30], [random_tree(6, g), [-1], random_tree(3, g)],
+                                page_size=16, seed=16), DEVICE)
+    run_checked(three, "flash", "bf16")
+    grown = unplanned_workspace(three)
+    assert api._OUTGROWN == [first] and (grown.max_batch, grown.max_tree_nodes) == (3, 10)
+    assert grown.tables.partial_out is first.tables.partial_out
+    assert grown.tables.partial_lse is first.tables.partial_lse
+    with pytest.raises(ValueError, match="partials_of is a plan for"):
+        VerifyPlan(1, 1, 2, DEVICE, num_programs=first.num_programs + 1, partials_of=first)
+

@@ -99,13 +99,13 @@ def test_hopper_schedules_one_sequence_itself(heads, nodes, prefix, page_size, f
     monkeypatch.setattr(api, "_UNPLANNED", {})  # a fresh workspace: its launches prepared here
     monkeypatch.setattr(combine, "FUSED_COMBINE", fused)
     c = build_case(CaseSpec("one", heads, [prefix], [random_tree(nodes, G)], page_size=page_size), "cuda")
+    out1, lse1 = run_checked(c, "hopper", "bf16")
     ws = unplanned_workspace(c)
-    assert ws.schedules_in_kernel(nodes)
+    assert ws.tables.in_kernel and ws.schedules_in_kernel(nodes)
     ws.tables.prog_first_seg.fill_(-(2**30))
     ws.tables.segments.fill_(2**30)
-    out1, lse1 = run_checked(c, "hopper", "bf16")
     out2, lse2 = run_checked(c, "hopper", "bf16")
-    assert ws.tables.in_kernel and torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert unplanned_workspace(c) is ws and torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
 @requires_hopper

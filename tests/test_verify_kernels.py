@@ -347,9 +347,9 @@ def test_unplanned_one_sequence_graph_reschedules_on_replay(kernel):
             verify_attention(**c, kernel=kernel, out=out, lse=lse)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: its workspace
         verify_attention(**c, kernel=kernel, out=out, lse=lse)
-    assert unplanned_workspace(c).tables.in_kernel
+    assert unplanned_workspace(c, stream.cuda_stream).tables.in_kernel
     for prefix in (2500, 5300, 60):
         step = build_case(CaseSpec("short", 16, [prefix], [tree], page_size=1, seed=prefix), "cuda")
         for k in ("q", "tree_mask", "kv_lens", "qo_indptr"):

@@ -73,8 +73,11 @@ def _check_backend(device: torch.device, name: str = "q is") -> None:
 # The workspaces verify_attention plans into when it is given no plan, one per (device, heads,
 # stream), grown to the largest batch and tree seen (on a GPU the tree bound is T, the host knowing
 # no tree size): an unplanned call costs its plan, not a workspace's allocations. Calls on one
-# stream run in order, so they may share one.
+# stream run in order, so they may share one. A workspace outgrown is kept (its int32 tables; the
+# partials pass to its successor), so that a CUDA graph captured around an earlier call never reads
+# freed memory; growth at least doubles the batch or the tree bound, so few are kept.
 _UNPLANNED: dict[tuple, VerifyPlan] = {}
+_OUTGROWN: list[VerifyPlan] = []
 
 
 def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.device, stream: int) -> VerifyPlan:
@@ -82,10 +85,19 @@ def _unplanned_workspace(B: int, max_nodes: int, num_heads: int, device: torch.d
     stream, 0 on the CPU) holding B sequences of max_nodes tree nodes."""
     key = (device, num_heads, stream)
     ws = _UNPLANNED.get(key)
-    if ws is None or B > ws.max_batch or max_nodes > ws.max_tree_nodes:
-        grown = (1, 1) if ws is None else (ws.max_batch, ws.max_tree_nodes)
-        ws = _UNPLANNED[key] = VerifyPlan(max(B, grown[0]), max(max_nodes, grown[1]), num_heads, device)
+    if ws is None:
+        ws = _UNPLANNED[key] = VerifyPlan(B, max_nodes, num_heads, device)
+    elif B > ws.max_batch or max_nodes > ws.max_tree_nodes:
+        _OUTGROWN.append(ws)
+        bounds = (_grown(B, ws.max_batch, 1 << 20), _grown(max_nodes, ws.max_tree_nodes, MAX_TREE_NODES))
+        ws = _UNPLANNED[key] = VerifyPlan(*bounds, num_heads, device, partials_of=ws)
     return ws
+
+
+def _grown(need: int, have: int, most: int) -> int:
+    """A workspace bound: ``have`` where it suffices, else ``need`` but at least twice ``have``
+    where ``most`` allows."""
+    return have if need <= have else max(need, min(2 * have, most))
 
 
 _CHECK = InputCheck()  # verify_attention's checks by signature
@@ -200,8 +212,8 @@ def verify_attention(
             (device, heads, stream): on a GPU by the device scheduler from the device lengths (one
             launch, no sync, no length checks: see ``validate``), on the CPU from the host
             lengths, checked; for one sequence whose KV parts fill the grid
-            (:meth:`~kdtree_engine.verify.plan.VerifyPlan.plan_in_kernel`) by the kernel itself
-            from the device lengths, no launch of its own. The fast path is
+            (:meth:`~kdtree_engine.verify.plan.VerifyPlan.schedules_in_kernel`) by the kernel
+            itself from the call's device lengths, no launch of its own. The fast path is
             :class:`VerifyAttention`. The plan must be made from the call's lengths: where they
             are validated (CPU tensors, ``validate=True``) a mismatch is a ``ValueError``;
             unvalidated, the kernels would run the plan's schedule on the call's lengths.
@@ -243,14 +255,14 @@ def verify_attention(
             plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
                                         torch._C._cuda_getCurrentRawStream(device.index))
             if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
-                plan.plan_in_kernel()
+                plan._plan_in_kernel()
             else:
                 site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
         else:  # host lengths: checked first
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             plan = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
             if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
-                plan.plan_in_kernel()
+                plan._plan_in_kernel()
             else:
                 plan.plan(kv, qo)
     check_host_lengths = validate is None and cuda

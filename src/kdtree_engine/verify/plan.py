@@ -417,7 +417,7 @@ class FlashTables(NamedTuple):
     segment_rows: tuple  # the 5 rows of segments as [S] views (made once: a view costs host time per launch)
     group_rows: tuple  # the 4 rows of groups as [G] views
     # the kernels schedule a one-sequence step themselves from its device lengths and write the groups
-    # (VerifyPlan.plan_in_kernel): prog_first_seg and segments are not read
+    # (VerifyPlan._plan_in_kernel): prog_first_seg and segments are not read
     in_kernel: bool = False
 
     @property
@@ -452,7 +452,9 @@ class VerifyPlan:
 
     ``schedule_cache``: schedules kept by (row blocks, KV tiles) per sequence (host memory only;
     0: compute every plan's schedule). ``costs``: the host schedule's cost model (default: that of
-    the kernel ``"auto"`` runs on the device, :func:`default_costs`).
+    the kernel ``"auto"`` runs on the device, :func:`default_costs`). ``partials_of``: a plan of the
+    same device, config and grid whose partial buffers this one shares instead of allocating its own
+    (for plans whose calls run one after another on one stream).
     """
 
     def __init__(
@@ -466,6 +468,7 @@ class VerifyPlan:
         num_programs: int | None = None,
         schedule_cache: int = SCHEDULE_CACHE,
         costs: ScheduleCosts | None = None,
+        partials_of: VerifyPlan | None = None,
     ):
         for name, v, hi in (("max_batch", max_batch, 1 << 20), ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
                             ("num_heads", num_heads, MAX_HEADS), ("num_programs", num_programs or 1, 1 << 20)):
@@ -491,6 +494,13 @@ class VerifyPlan:
         for name, size in sizes.items():
             offsets[name] = n
             n += _pad4(size)
+        if partials_of is None:
+            partial_out = partial_lse = None
+        elif (partials_of.device, partials_of.config, partials_of.num_programs) != (device, cfg, P):
+            raise ValueError(f"partials_of is a plan for {partials_of.device}, {partials_of.config}, "
+                             f"{partials_of.num_programs} programs; this one is for {device}, {cfg}, {P}")
+        else:
+            partial_out, partial_lse = partials_of.tables.partial_out, partials_of.tables.partial_lse
         # normal tensors even when built under torch.inference_mode(): a plan made there is
         # updated in place by later plans outside it (and the other way round)
         with torch.inference_mode(False):
@@ -503,6 +513,9 @@ class VerifyPlan:
             def view(buf, name, shape):
                 return buf[offsets[name] : offsets[name] + sizes[name]].reshape(shape)  # a view: contiguous
 
+            if partial_out is None:
+                partial_out = torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device)
+                partial_lse = torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device)
             self._h = {name: view(self._host_np, name, (-1,)) for name in sizes}
             self._h["segments"] = self._h["segments"].reshape(5, seg_cap)
             self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
@@ -517,15 +530,15 @@ class VerifyPlan:
                 groups=groups,
                 group_count=view(self._dev, "group_count", (1,)),
                 grid_barrier=view(self._dev, "grid_barrier", (1,)),
-                partial_out=torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device),
-                partial_lse=torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device),
+                partial_out=partial_out,
+                partial_lse=partial_lse,
                 num_groups=0,
                 segment_rows=segments.unbind(0),
                 group_rows=groups.unbind(0),
             )
         self._scheduler = None  # the device scheduler's launch, made at the first device plan
         self._device_tables = self._tables._replace(num_groups=None)  # a device plan's group count stays there
-        self._kernel_tables = self._device_tables._replace(in_kernel=True)  # plan_in_kernel's
+        self._kernel_tables = self._device_tables._replace(in_kernel=True)  # _plan_in_kernel's
         self._in_kernel: dict[int, bool] = {}  # schedules_in_kernel by T
         self.tables = self._tables  # with the host's group count of the current plan
         self.num_seqs = self.num_rows = self.num_segments = 0
@@ -687,20 +700,22 @@ class VerifyPlan:
         self._planned_on_device(B, self._device_tables)
         return site
 
-    def plan_in_kernel(self) -> VerifyPlan:
+    def _plan_in_kernel(self) -> VerifyPlan:
         """Leave a one-sequence step's schedule to the kernels (no launch, no sync, nothing written
         here): each program computes its segments from the call's own device lengths at entry (B = 1:
         :func:`~kdtree_engine.verify.scheduler.one_sequence_shape`, the KV cut into ``min(P // R,
         tiles)`` parts, each read by the R row blocks side by side) and the split groups are written
-        there for the merge; the plan's length buffers are not written. What the unplanned call does
-        at B = 1 where :func:`~kdtree_engine.verify.scheduler.schedules_in_kernel` says the parts fill
-        the grid: one launch instead of the scheduler's and the kernel's. Returns self."""
+        there for the merge. What ``verify_attention`` without a plan does at B = 1 where
+        :meth:`schedules_in_kernel`: one launch instead of the scheduler's and the kernel's.
+        Internal: the plan's length buffers are not written, so only a caller that passes the
+        kernels its own lengths may run on such a plan (not :class:`VerifyAttention.run
+        <kdtree_engine.verify.api.VerifyAttention>`, which passes the plan's). Returns self."""
         self._planned_on_device(1, self._kernel_tables)
         return self
 
     def schedules_in_kernel(self, num_rows: int) -> bool:
         """Whether a one-sequence step of ``num_rows`` tree nodes (T) is best left to the kernels
-        (:meth:`plan_in_kernel`) on this plan's grid and heads
+        (:meth:`_plan_in_kernel`) on this plan's grid and heads
         (:func:`~kdtree_engine.verify.scheduler.schedules_in_kernel`; kept by T)."""
         hit = self._in_kernel.get(num_rows)
         if hit is None:
