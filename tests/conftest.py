@@ -39,7 +39,6 @@ def run_checked(c, kernel, dtype_name, **kw):
     return out, lse
 
 
-
 def unplanned_workspace(c: dict, stream: int | None = None):
     """The workspace ``verify_attention`` planned into for the case ``c`` when given no plan, on
     ``stream`` (a raw CUDA stream; default: the current one), or None: a lookup that creates nothing."""
