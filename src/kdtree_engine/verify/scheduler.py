@@ -488,7 +488,6 @@ def _schedule_kernel(
 _SCHEDULE = Launcher(_schedule_kernel)
 
 
-
 class DeviceScheduler:
     """The scheduler launch of one plan: write the line (or KV parts) schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
@@ -552,8 +551,8 @@ def schedules_in_kernel(row_blocks: int, num_programs: int) -> bool:
 def one_sequence_shape(kv_lens, qo_indptr, stride_qo, H, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The schedule of a one-sequence step (B = 1) from its device lengths: ``(kv_len, R, T, S)``,
     its KV length, row blocks R (of its nodes, clamped to ``1..MAX_TREE_NODES``), KV tiles T (at
-    least one) and KV parts ``S = max(1, min(P // R, T))``. Segment i is row block ``i % R`` against part
-    ``i // R`` (:func:`one_sequence_segment`), run by program ``i mod P``: the R row blocks of a
+    least one) and KV parts ``S = max(1, min(P // R, T))``. Segment i is row block ``i % R`` against
+    part ``i // R`` (:func:`one_sequence_segment`), run by program ``i mod P``: the R row blocks of a
     part side by side (their KV shared in L2), one segment a program where ``2 R <= P`` (then at
     most ``P`` partials and ``P / 2`` split groups: within any plan's tables); where ``R > P / 2``
     one part, so every row block against the whole KV, dealt round by round, nothing split."""
@@ -598,7 +597,8 @@ def one_sequence_groups(i_p, R, S, group_seq, group_row0, group_first, group_spl
 
 
 @triton.jit
-def work_range(i_p, P, prog_first_seg, kv_lens, qo_indptr, stride_qo, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_KERNEL: tl.constexpr):
+def work_range(i_p, P, prog_first_seg, kv_lens, qo_indptr, stride_qo, H,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_KERNEL: tl.constexpr):
     """Program ``i_p``'s segments as ``range(first, end, step)`` and the one sequence's schedule
     ``(kv_len, R, T, S)`` for :func:`work_segment`: the plan's ``prog_first_seg[i_p] :
     prog_first_seg[i_p + 1]``, or with ``IN_KERNEL`` those of :func:`one_sequence_shape` (``i_p, i_p
