@@ -21,7 +21,7 @@ from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree,
 from kdtree_engine.verify import api
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
                                        rounds_apply, schedule, whole_segments_apply)
-from kdtree_engine.verify.scheduler import one_sequence_groups, schedules_in_kernel, work_range, work_segment
+from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -447,8 +447,8 @@ def test_one_sequence_schedule_covers_every_tile_once(kv_len, n, H, P, bm, bn):
                                            (18, 132, True), (33, 132, True), (34, 132, False), (44, 132, True),
                                            (66, 132, True), (67, 132, False), (130, 132, False), (3, 8, False),
                                            (4, 8, True), (1, 1, False)])
-def test_schedules_in_kernel_where_the_parts_fill_the_grid(R, P, applies):
-    assert schedules_in_kernel(R, P) == applies
+def test_parts_fill_rule_of_the_in_kernel_schedule(R, P, applies):
+    assert parts_fill(R, P) == applies
 
 
 def test_unplanned_one_sequence_call_schedules_in_the_kernel(monkeypatch):

@@ -184,12 +184,12 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     R, T = plan.blocks_and_tiles(kv_lens, tree_sizes)
     pe = programs_with_work(R, T, plan.num_programs)
     L = int(R.max())
-    from .verify.scheduler import AUTO_MIN_FILL_TENTHS, PARTS_MAX_TILES  # (loads Triton)
+    from .verify.scheduler import PARTS_MAX_TILES, parts_fill  # (loads Triton)
 
     parts = (schedule_kind in ("parts", "auto") and int(R.min()) == L and 2 * L <= pe
              and int(T.sum()) < PARTS_MAX_TILES.value)
     if schedule_kind == "auto":
-        parts = parts and (pe // L) * L * 10 >= AUTO_MIN_FILL_TENTHS * pe
+        parts = parts and parts_fill(L, pe)
     if schedule_kind == "auto" and whole_segments_apply(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     elif parts:

@@ -254,17 +254,15 @@ def verify_attention(
             device = q.device
             plan = _unplanned_workspace(info.num_seqs, min(info.num_rows, MAX_TREE_NODES), info.num_heads, device,
                                         torch._C._cuda_getCurrentRawStream(device.index))
-            if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
-                plan._plan_in_kernel()
-            else:
-                site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
         else:  # host lengths: checked first
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             plan = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
-            if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
-                plan._plan_in_kernel()
-            else:
-                plan.plan(kv, qo)
+        if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
+            plan._plan_in_kernel()
+        elif cuda:
+            site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
+        else:
+            plan.plan(kv, qo)
     check_host_lengths = validate is None and cuda
     if validate is None:
         validate = not cuda

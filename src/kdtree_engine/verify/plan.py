@@ -716,13 +716,13 @@ class VerifyPlan:
     def schedules_in_kernel(self, num_rows: int) -> bool:
         """Whether a one-sequence step of ``num_rows`` tree nodes (T) is best left to the kernels
         (:meth:`_plan_in_kernel`) on this plan's grid and heads
-        (:func:`~kdtree_engine.verify.scheduler.schedules_in_kernel`; kept by T)."""
+        (:func:`~kdtree_engine.verify.scheduler.parts_fill`; kept by T)."""
         hit = self._in_kernel.get(num_rows)
         if hit is None:
-            from .scheduler import schedules_in_kernel  # (loads Triton)
+            from .scheduler import parts_fill  # (loads Triton)
 
             R = -(-min(num_rows, MAX_TREE_NODES) * self.num_heads // self.config.block_m)
-            hit = self.keep(self._in_kernel, num_rows, schedules_in_kernel(R, self.num_programs))
+            hit = self.keep(self._in_kernel, num_rows, parts_fill(R, self.num_programs))
         return hit
 
     def _planned_on_device(self, B: int, tables: FlashTables) -> None:

@@ -56,7 +56,7 @@ write past the tables; its results are then wrong (check with ``validate=True``)
 A one-sequence step needs no tables at all: its KV parts schedule is arithmetic (the end of this
 module). The kernels compute it themselves at entry from the device lengths (``IN_KERNEL``,
 :func:`work_range` / :func:`work_segment`, the split groups written for the merge by
-:func:`one_sequence_groups`) where :func:`schedules_in_kernel` says its parts fill the grid: an
+:func:`one_sequence_groups`) where :func:`parts_fill` says its parts fill the grid: an
 unplanned B = 1 call is then one launch, and a captured one reschedules on every replay.
 
 The layer below :mod:`.plan`: imports Triton, :mod:`.launch` and :mod:`kdtree_engine.masks` only;
@@ -537,12 +537,13 @@ class DeviceScheduler:
 # One sequence scheduled by the verify kernels themselves (no scheduler launch)
 
 
-def schedules_in_kernel(row_blocks: int, num_programs: int) -> bool:
-    """Whether a one-sequence step of ``row_blocks`` row blocks leaves its schedule to the kernel
-    (:func:`work_range`, ``IN_KERNEL``) on ``num_programs`` programs: where the KV parts of
-    :func:`one_sequence_shape` keep :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, as the
-    device's ``"auto"`` asks of its parts schedule (``2 R <= P``: at least two parts, one segment a
-    program); elsewhere the scheduler's line or rounds fit better."""
+def parts_fill(row_blocks: int, num_programs: int) -> bool:
+    """The device ``"auto"``'s rule for a KV parts schedule of ``row_blocks`` row blocks a sequence
+    on ``num_programs`` programs (with work): ``2 R <= P`` (at least two parts) and its ``P // R``
+    parts of R programs keep :data:`AUTO_MIN_FILL_TENTHS` of the programs busy (the host's side of
+    the condition in :func:`_schedule_kernel`). A one-sequence step where it holds leaves its
+    schedule to the kernel (:func:`work_range`, ``IN_KERNEL``; one segment a program); elsewhere the
+    scheduler's line or rounds fit better."""
     R, P = row_blocks, num_programs
     return 2 * R <= P and (P // R) * R * 10 >= AUTO_MIN_FILL_TENTHS * P
 
