@@ -6,7 +6,7 @@
 #                                        pass options; TESTS: the test files or ids of stage tests (default: the
 #                                        whole suite), TEST_SHARDS: its processes (default 12);
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
-# Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), JSON files,
+# Results go to $OUT (default ./gpu_out): machine.txt, log.txt (every stage's output), tests.txt, JSON files,
 # bench/ (JSON, CSV, PNG).
 # Runs from the source tree (PYTHONPATH=src): nothing is installed.
 set -uo pipefail
@@ -38,7 +38,8 @@ for stage in "${stages[@]}"; do
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       echo "$(wc -l < "$shards/ids") cases in ${#pids[@]} processes" | tee -a "$OUT/log.txt"
-      for f in "$shards"/shard_*.log; do grep -E "^(FAILED|ERROR)|passed|failed|error" "$f"; done | tee -a "$OUT/log.txt" ;;
+      for f in "$shards"/shard_*.log; do grep -E "^(FAILED|ERROR)|passed|failed|error" "$f"; done | tee -a "$OUT/log.txt"
+      cat "$shards"/shard_*.log > "$OUT/tests.txt" ;;  # (the failures' tracebacks)
     refs)
       refs=$(mktemp -d)
       python3 -m kdtree_engine.cli refs generate "$refs" --device cuda > /dev/null &&
