@@ -276,7 +276,8 @@ def test_flash_long_prefix_many_heads_gpu():
 @pytest.mark.parametrize("kernel", ["flash", "hopper"])
 def test_no_recompile_as_a_decode_loop_changes_its_shapes(kernel):
     """Page-table width, mask words, tree sizes, prefixes and the batch change step to step in a
-    decode loop: one compiled kernel (issue 11: no rebuild or recompile during a decode)."""
+    decode loop: one compiled kernel for each of the two schedules (issue 11: no rebuild or
+    recompile during a decode)."""
     if kernel not in available_kernels("cuda"):
         pytest.skip(f"{kernel} does not run on this GPU")
     from kdtree_engine.verify import hopper
@@ -291,7 +292,7 @@ def test_no_recompile_as_a_decode_loop_changes_its_shapes(kernel):
         pt[:, : c["page_table"].shape[1]] = c["page_table"]
         c["page_table"] = pt
         run_checked(c, kernel, "bf16")
-        if step == 0:
+        if step == 1:  # one sequence (the kernel schedules it) and a batch (planned): both variants built
             compiled = len(cache)
     assert len(cache) == compiled
 

@@ -513,9 +513,9 @@ class VerifyPlan:
             def view(buf, name, shape):
                 return buf[offsets[name] : offsets[name] + sizes[name]].reshape(shape)  # a view: contiguous
 
-            if partial_out is None:
-                partial_out = torch.empty(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device)
-                partial_lse = torch.empty(self._part_cap, cfg.block_m, dtype=torch.float32, device=device)
+            if partial_out is None:  # zeroed once: a merge reads whole blocks, rows never written too
+                partial_out = torch.zeros(self._part_cap, cfg.block_m, D_V, dtype=torch.float32, device=device)
+                partial_lse = torch.zeros(self._part_cap, cfg.block_m, dtype=torch.float32, device=device)
             self._h = {name: view(self._host_np, name, (-1,)) for name in sizes}
             self._h["segments"] = self._h["segments"].reshape(5, seg_cap)
             self._h["groups"] = self._h["groups"].reshape(4, grp_cap)
