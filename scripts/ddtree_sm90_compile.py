@@ -183,7 +183,10 @@ def report(cases, sass_dir: Path | None = None, **compile_kw) -> int:
                   flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
-            cause = f"\n  caused by {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
+            inner = exc  # a Gluon error inside a partition nests: the innermost cause names the line
+            while inner.__cause__ is not None:
+                inner = inner.__cause__
+            cause = f"\n  caused by {type(inner).__name__}: {str(inner)[-2000:]}" if inner is not exc else ""
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}{cause}", flush=True)
     return failed
 
