@@ -76,8 +76,8 @@ def combine_items(
     softmax). Latency, not bandwidth, bounds a merge on few programs (a fused kernel's: one per SM),
     so an item waits for one round trip to L2 per ``BLOCK_S`` splits and no more: its group's table
     entries were loaded by the item before, and rows past the sequence's last are read (their slots
-    exist: zeroed when the plan made them, or left by earlier calls) and only their stores masked. The partials are read past L1 (``.cg``): in a
-    fused kernel other programs wrote them."""
+    exist: zeroed when the plan made them, or left by earlier calls) and only their stores masked.
+    The partials are read past L1 (``.cg``): in a fused kernel other programs wrote them."""
     o_d = tl.arange(0, D_LATENT)
     o_s = tl.arange(0, BLOCK_S)
     chunks: tl.constexpr = BLOCK_M // BLOCK_R
