@@ -1,0 +1,91 @@
+"""Issue 11's targets read from a bench JSON of its grid (``kdtree bench --grid issue11 --kernels
+hopper --flashmla DIR``), and with ``--before`` our times against an earlier run's, shape by shape.
+
+    python scripts/issue11_targets.py docs/results/bench_h200_..._issue11.json [--before OLD.json]
+
+A shape is (B, H, nodes, prefix). The targets, each printed with the shapes that miss it:
+
+- chain trees, page 64, ours / FlashMLA: every shape <= 1.10 at prefix >= 16k, their median
+  <= 1.05; <= 1.5 at 4k;
+- random / chain tree, page 64: within 5% at every shape;
+- random trees, page 64, prefix >= 16k, H x nodes >= 512: median >= 85% of the roofline floor
+  (FlashMLA's chain rows at those shapes beside it);
+- random trees, page 1 scattered / page 64: within 10% at every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def _times(rows, kernel, tree, page_size, key="median_us"):
+    return {(r["batch"], r["heads"], r["q_len"], r["prefix"]): r[key] for r in rows
+            if r["kernel"] == kernel and r["tree"] == tree and r["page_size"] == page_size and r["status"] == "ok"}
+
+
+def _name(shape):
+    return "x".join(str(x) for x in shape)
+
+
+def _misses(ratios, ok):
+    bad = [f"{_name(s)} {r:.3f}" for s, r in sorted(ratios.items()) if not ok(r)]
+    return f"{len(ratios) - len(bad)} of {len(ratios)}" + (f"; misses: {', '.join(bad)}" if bad else "")
+
+
+def report(rows) -> list[str]:
+    chain, flashmla = _times(rows, "hopper", "chain", 64), _times(rows, "flashmla", "chain", 64)
+    random64, random1 = _times(rows, "hopper", "random", 64), _times(rows, "hopper", "random", 1)
+    vs_flashmla = {s: chain[s] / flashmla[s] for s in chain if s in flashmla}
+    long = {s: r for s, r in vs_flashmla.items() if s[3] >= 16384}
+    short = {s: r for s, r in vs_flashmla.items() if s[3] < 16384}
+    lines = []
+    if long:
+        lines.append(f"chain / FlashMLA, prefix >= 16k: median {statistics.median(long.values()):.3f} (target 1.05), "
+                     f"range {min(long.values()):.3f}-{max(long.values()):.3f}, <= 1.10 at "
+                     + _misses(long, lambda r: r <= 1.10))
+    if short:
+        lines.append("chain / FlashMLA, prefix < 16k: <= 1.5 at " + _misses(short, lambda r: r <= 1.5))
+    same = {s: random64[s] / chain[s] for s in random64 if s in chain}
+    lines.append("random / chain, page 64: within 5% at " + _misses(same, lambda r: abs(r - 1) <= 0.05))
+    floor_ours = _times(rows, "hopper", "random", 64, "pct_floor")
+    floor_theirs = _times(rows, "flashmla", "chain", 64, "pct_floor")
+    big = [s for s in floor_ours if s[3] >= 16384 and s[1] * s[2] >= 512]
+    if big:
+        theirs = [floor_theirs[s] for s in big if s in floor_theirs]
+        lines.append(f"random trees, prefix >= 16k, H x n >= 512 ({len(big)} shapes): median "
+                     f"{statistics.median(floor_ours[s] for s in big):.1f}% of the floor (target 85; range "
+                     f"{min(floor_ours[s] for s in big):.1f}-{max(floor_ours[s] for s in big):.1f})"
+                     + (f", FlashMLA's chain rows {statistics.median(theirs):.1f}%" if theirs else ""))
+    scattered = {s: random1[s] / random64[s] for s in random1 if s in random64}
+    lines.append("random trees, page 1 / page 64: within 10% at " + _misses(scattered, lambda r: r <= 1.10))
+    return lines
+
+
+def compare(rows, before) -> list[str]:
+    lines = []
+    for kernel, tree, page_size in (("hopper", "chain", 64), ("flashmla", "chain", 64), ("hopper", "random", 64),
+                                    ("hopper", "random", 1)):
+        now, then = _times(rows, kernel, tree, page_size), _times(before, kernel, tree, page_size)
+        ratios = sorted(now[s] / then[s] for s in now if s in then)
+        if ratios:
+            lines.append(f"{kernel} {tree} page {page_size}, now / before at {len(ratios)} shapes: median "
+                         f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="the bench JSON of the issue-11 grid")
+    ap.add_argument("--before", help="an earlier run's bench JSON of the same grid")
+    args = ap.parse_args()
+    rows = json.load(open(args.json))["rows"]
+    lines = report(rows)
+    if args.before:
+        lines += compare(rows, json.load(open(args.before))["rows"])
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
