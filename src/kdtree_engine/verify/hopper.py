@@ -151,7 +151,8 @@ if HAVE_GLUON:
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
             # prefetch only where a sequence has few row blocks: the programs of a part read each tile
             # together, so with many of them the tile is in L2 already and the prefetches only cost
-            # (perf log run 38: 2-5% faster at 3 row blocks, 4-8% slower at 33 when every segment did)
+            # (perf log run 38: 1-3% faster at 3 row blocks; prefetching in every segment was 4-8% slower
+            # at 33)
             pf_here = n_nodes * H <= PF_MAX_ROWS
             pf_end = kv_start + (kv_end - kv_start) * pf_here.to(gl.int32)
             for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
