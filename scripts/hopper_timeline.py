@@ -73,8 +73,10 @@ from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 NPOINTS = 12
 # per program, by the kernel's default warps (consumer 0's, which also merge): entry, partitions joined,
-# grid barrier passed, merge done (the last two where the plan split a row block and the kernel merges)
-PHASES = ("entry", "joined", "barrier", "merged")
+# grid barrier passed, merge done (the last two where the plan split a row block and the kernel merges);
+# and in its last segment's epilogue: its last PV retired, the row sums swapped with consumer 1, its
+# output (or partial) stores issued
+PHASES = ("entry", "joined", "barrier", "merged", "last_pv", "swapped", "stored")
 # the loader's points (trace index 2): the copy of each chunk of a step's two tiles issued (its last reader done)
 LOADER_POINTS = ("rope0", "left0", "right0", "rope1", "left1", "right1")
 CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
@@ -193,6 +195,12 @@ EDITS = [
     ("                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
      "                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n                _phase(trace, 2)\n", 1),
     ("                                   BLOCK_R)\n", "                                   BLOCK_R)\n                _phase(trace, 3)\n", 1),
+    ("            mbarrier.arrive(bars[_Q_EMPTY])\n",
+     "            mbarrier.arrive(bars[_Q_EMPTY])\n            if WG == 0:\n                _phase(trace, 4)\n", 1),
+    ("l_i, WG, ROW_S)\n", "l_i, WG, ROW_S)\n            if WG == 0:\n                _phase(trace, 5)\n", 1),
+    ("                    gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)\n",
+     "                    gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)\n            if WG == 0:\n"
+     "                _phase(trace, 6)\n", 1),
 ]
 
 
@@ -338,12 +346,15 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     """Per program (``stamps [P, len(PHASES)]``, -1: not reached; ``trace`` the steps' stamps):
     cycles from entry to consumer 0's first step (``start``: Q and the first tiles), over its steps
     (``loop``, whole only where no step went unstamped), from its last step's end to the partitions'
-    join (``end``: row sums, output or partial stores, the other partitions finishing), then the
-    grid barrier's wait (``barrier``) and the merge (``merge``). Median and largest over programs."""
+    join (``end``: row sums, output or partial stores, the other partitions finishing; split into
+    ``end_pv``, its last PV, ``end_swap``, the wait for consumer 1's row sums, ``end_store``, its
+    stores issued, and ``end_join``, the other partitions finishing), then the grid barrier's wait
+    (``barrier``) and the merge (``merge``). Median and largest over programs."""
     c0 = trace[:, 0]  # [P, S, N]
-    rows = {k: [] for k in ("start", "loop", "end", "barrier", "merge", "total")}
+    rows = {k: [] for k in ("start", "loop", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier",
+                            "merge", "total")}
     for prog in range(stamps.shape[0]):
-        entry, joined, barrier, merged = stamps[prog].tolist()
+        entry, joined, barrier, merged, last_pv, swapped, stored = stamps[prog].tolist()
         starts, ends = c0[prog, :, 0], c0[prog, :, CHAIN - 1]
         if entry < 0 or joined < 0 or not bool((starts >= 0).any()) or not bool((ends >= 0).any()):
             continue  # no step (a program without work), or the kernel changed
@@ -352,6 +363,10 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
         if int((starts >= 0).sum()) < c0.shape[1]:  # a slot left: every step was stamped
             rows["loop"].append(last - first)
             rows["end"].append(joined - last)
+            if min(last_pv, swapped, stored) >= 0:
+                for k, (a, b) in {"end_pv": (last, last_pv), "end_swap": (last_pv, swapped),
+                                  "end_store": (swapped, stored), "end_join": (stored, joined)}.items():
+                    rows[k].append(b - a)
         if barrier >= 0:
             rows["barrier"].append(barrier - joined)
         if merged >= 0:

@@ -1,0 +1,59 @@
+"""Each kernel of a FlashMLA call and of ours (the Hopper kernel unfused: kernel + combine kernel;
+and fused: one kernel that merges its splits itself), timed apart by Nsight Compute.
+
+    ncu [--clock-control none --cache-control none] --metrics gpu__time_duration.sum --csv \
+        -k regex:"mla|verify|combine" python3 scripts/ncu_kernels.py 16x9x4x16384,... > ncu.csv
+
+(``PYTHONPATH=src``; FlashMLA's loader in ``.peers/flashmla``, see ``kdtree bench --flashmla``.)
+Shapes ``H x nodes x B x prefix``, page 64, random inputs (``scripts/tune_flash.make_inputs``);
+FlashMLA runs its causal mask (a chain tree) on the same KV, ours the inputs' random trees (the same
+work, perf log run 31). Per shape, twice: FlashMLA (metadata once, then its main and combine
+kernels), ours unfused, ours fused. The bench's graph replay cannot split a call into its
+kernels; ncu can (serialised, so FlashMLA's combine no longer overlaps its main kernel's tail
+through PDL: the sum of its two kernels is an upper bound of its call). With ncu's default
+``--clock-control base`` every kernel runs at the same locked clock (cycles compared); with
+``none`` at the clock it gets (perf log run 39).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / ".peers" / "flashmla"))
+from ab_hopper import planned_call  # noqa: E402
+from tune_flash import make_inputs  # noqa: E402
+
+from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify.plan import plan_verify  # noqa: E402
+
+
+def main() -> None:
+    from flashmla_peer import load_flashmla
+    fm = load_flashmla()
+    for text in sys.argv[1].split(","):
+        H, n, B, prefix = (int(x) for x in text.split("x"))
+        c = make_inputs(H, n, B, prefix, 64)
+        meta, num_splits = fm.get_mla_metadata(c["kv_lens"], n, H, 1)
+        num_pages = c["kv_cache"].shape[0]
+        plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
+        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        unfused = planned_call(hopper, c, plan, out, lse, fused=False)
+        fused = planned_call(hopper, c, plan, out, lse, fused=True)
+        for _ in range(2):
+            fm.dense_decode_fwd(c["q"].view(B, n, H, -1), c["kv_cache"].view(num_pages, 64, 1, -1), 512,
+                                c["kv_lens"], c["page_table"], 1 / math.sqrt(576), True, meta, num_splits)
+            unfused()
+            fused()
+        torch.cuda.synchronize()
+        print(f"shape {text}: FlashMLA splits {int(num_splits[-1])}, our plan's split groups {plan.num_groups}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
