@@ -17,8 +17,10 @@ Every anchor must be found as often as ``EDITS`` says, else the script stops: th
 Per program (``PHASES``, stamped by the kernel's default warps): its entry, the partitions' join,
 the grid barrier passed and its share of the merge done; with consumer 0's first step start and
 last step end, printed as the phases ``start`` (Q and the first tiles), ``loop``, ``end`` (row sums,
-stores, the other partitions finishing), ``barrier`` (waiting for the slowest program) and ``merge``:
-what a call spends outside the steps.
+stores, the other partitions finishing; split by three more stamps of consumer 0 in its last
+segment into ``end_pv`` (its last PV), ``end_swap`` (consumer 1's row sums), ``end_store`` (its output
+or partial stores issued) and ``end_join``), ``barrier`` (waiting for the slowest program) and
+``merge``: what a call spends outside the steps.
 
 Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
 s of both consumers is the same tile pair):
