@@ -20,7 +20,8 @@ last step end, printed as the phases ``start`` (Q and the first tiles), ``loop``
 stores, the other partitions finishing; split by three more stamps of consumer 0 in its last
 segment into ``end_pv`` (its last PV), ``end_swap`` (consumer 1's row sums), ``end_store`` (its output
 or partial stores issued) and ``end_join``), ``barrier`` (waiting for the slowest program) and
-``merge``: what a call spends outside the steps.
+``merge`` (with two stamps in its first item: ``merge_round1``, the barrier to its first round of
+splits accumulated, and ``merge_item1``, to its stores issued): what a call spends outside the steps.
 
 Points per consumer and step (``steps``: the consumer's step counter over all its segments, so step
 s of both consumers is the same tile pair):
@@ -77,8 +78,9 @@ NPOINTS = 12
 # per program, by the kernel's default warps (consumer 0's, which also merge): entry, partitions joined,
 # grid barrier passed, merge done (the last two where the plan split a row block and the kernel merges);
 # and in its last segment's epilogue: its last PV retired, the row sums swapped with consumer 1, its
-# output (or partial) stores issued
-PHASES = ("entry", "joined", "barrier", "merged", "last_pv", "swapped", "stored")
+# output (or partial) stores issued; and in the merge, its first item's first round of splits
+# accumulated (their loads returned) and that item's stores issued
+PHASES = ("entry", "joined", "barrier", "merged", "last_pv", "swapped", "stored", "item_round", "item_stored")
 # the loader's points (trace index 2): the copy of each chunk of a step's two tiles issued (its last reader done)
 LOADER_POINTS = ("rope0", "left0", "right0", "rope1", "left1", "right1")
 CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
@@ -203,6 +205,15 @@ EDITS = [
     ("                    gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)\n",
      "                    gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)\n            if WG == 0:\n"
      "                _phase(trace, 6)\n", 1),
+    ("out, lse, qo_indptr,\n                       group_seq",
+     "out, lse, qo_indptr, trace,\n                       group_seq", 1),
+    ("out, lse,\n                                   qo_indptr, group_seq",
+     "out, lse,\n                                   qo_indptr, trace, group_seq", 2),
+    ("                b_m = b_m_new\n", "                b_m = b_m_new\n                if item == first_item:\n"
+     "                    if s0 == 0:\n                        _phase(trace, 7)\n", 1),
+    ("            gl.store(p_out, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(row_d < n_rows, 1))\n",
+     "            gl.store(p_out, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(row_d < n_rows, 1))\n"
+     "            if item == first_item:\n                _phase(trace, 8)\n", 1),
 ]
 
 
@@ -351,12 +362,14 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     join (``end``: row sums, output or partial stores, the other partitions finishing; split into
     ``end_pv``, its last PV, ``end_swap``, the wait for consumer 1's row sums, ``end_store``, its
     stores issued, and ``end_join``, the other partitions finishing), then the grid barrier's wait
-    (``barrier``) and the merge (``merge``). Median and largest over programs."""
+    (``barrier``) and the merge (``merge``; of it, from the barrier to the first item's first round
+    of splits accumulated, ``merge_round1``, and to that item's stores issued, ``merge_item1``).
+    Median and largest over programs."""
     c0 = trace[:, 0]  # [P, S, N]
     rows = {k: [] for k in ("start", "loop", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier",
-                            "merge", "total")}
+                            "merge", "merge_round1", "merge_item1", "total")}
     for prog in range(stamps.shape[0]):
-        entry, joined, barrier, merged, last_pv, swapped, stored = stamps[prog].tolist()
+        entry, joined, barrier, merged, last_pv, swapped, stored, item_round, item_stored = stamps[prog].tolist()
         starts, ends = c0[prog, :, 0], c0[prog, :, CHAIN - 1]
         if entry < 0 or joined < 0 or not bool((starts >= 0).any()) or not bool((ends >= 0).any()):
             continue  # no step (a program without work), or the kernel changed
@@ -373,6 +386,9 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
             rows["barrier"].append(barrier - joined)
         if merged >= 0:
             rows["merge"].append(merged - barrier)
+            if min(item_round, item_stored) >= 0:
+                rows["merge_round1"].append(item_round - barrier)
+                rows["merge_item1"].append(item_stored - barrier)
         rows["total"].append(max(joined, barrier, merged) - entry)
     return {k: ({"median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None)
             for k, v in rows.items()}

@@ -201,7 +201,8 @@ def test_timeline_refuses_a_consumer_with_points_never_stamped():
 def test_timeline_phases_of_a_program():
     """scripts/hopper_timeline.py's program phases: entry -> consumer 0's first step (start), its
     steps (loop, only where every step was stamped), its last step's end -> the join (end, and its
-    four parts), the grid barrier's wait and the merge; a program that never reached its join is left out."""
+    four parts), the grid barrier's wait and the merge (and its first item's two stamps); a program
+    that never reached its join is left out."""
     timeline = _timeline_script()
     n, steps = timeline.NPOINTS, 4
     trace = torch.full((3, 3, steps, n), -1, dtype=torch.int64)
@@ -209,12 +210,14 @@ def test_timeline_phases_of_a_program():
     trace[0, 0, :2, timeline.CHAIN - 1] = torch.tensor([280, 480])
     trace[1, 0, :, 0] = torch.tensor([50, 60, 70, 80])  # program 1: every slot stamped (maybe more steps)
     trace[1, 0, :, timeline.CHAIN - 1] = torch.tensor([59, 69, 79, 89])
-    # entry, joined, barrier, merged, then consumer 0's epilogue: last PV, row sums swapped, stores issued
-    stamps = torch.tensor([[10, 600, 900, 1000, 500, 540, 580], [0, 200, 250, -1, -1, -1, -1],
-                           [5, -1, -1, -1, -1, -1, -1]])
+    # entry, joined, barrier, merged, consumer 0's epilogue (last PV, row sums swapped, stores issued),
+    # the merge's first item (first round accumulated, stores issued)
+    stamps = torch.tensor([[10, 600, 900, 1000, 500, 540, 580, 930, 950], [0, 200, 250, -1, -1, -1, -1, -1, -1],
+                           [5, -1, -1, -1, -1, -1, -1, -1, -1]])
     ph = timeline.phases(trace, stamps)
     assert ph["start"] == {"median": 70, "max": 90, "programs": 2}
     assert ph["loop"] == {"median": 380, "max": 380, "programs": 1}  # program 1's steps may run past the slots
     assert ph["end"]["median"] == 600 - 480 and ph["barrier"]["median"] == (300 + 50) / 2
     assert [ph[k]["median"] for k in ("end_pv", "end_swap", "end_store", "end_join")] == [20, 40, 40, 20]
+    assert ph["merge_round1"]["median"] == 30 and ph["merge_item1"] == {"median": 50, "max": 50, "programs": 1}
     assert ph["merge"] == {"median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990
