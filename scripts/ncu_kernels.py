@@ -2,9 +2,10 @@
 and fused: one kernel that merges its splits itself), timed apart by Nsight Compute.
 
     ncu [--clock-control none --cache-control none] --metrics gpu__time_duration.sum --csv \
-        -k regex:"mla|verify|combine" python3 scripts/ncu_kernels.py 16x9x4x16384,... > ncu.csv
+        -k regex:"mla|verify|combine" python3 scripts/ncu_kernels.py 16x9x4x16384,... [--flashmla DIR] > ncu.csv
 
-(``PYTHONPATH=src``; FlashMLA's loader in ``.peers/flashmla``, see ``kdtree bench --flashmla``.)
+(``PYTHONPATH=src``; ``--flashmla``: the folder of FlashMLA's loader, as ``kdtree bench --flashmla``
+takes it, default ``.peers/flashmla``.)
 Shapes ``H x nodes x B x prefix``, page 64, random inputs (``scripts/tune_flash.make_inputs``);
 FlashMLA runs its causal mask (a chain tree) on the same KV, ours the inputs' random trees (the same
 work, perf log run 31). Per shape, twice: FlashMLA (metadata once, then its main and combine
@@ -17,6 +18,7 @@ through PDL: the sum of its two kernels is an upper bound of its call). With ncu
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -24,18 +26,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / ".peers" / "flashmla"))
 from ab_hopper import planned_call  # noqa: E402
 from tune_flash import make_inputs  # noqa: E402
 
+from kdtree_engine.bench.flashmla import load_flashmla_module  # noqa: E402
+from kdtree_engine.bench.peers import Unavailable  # noqa: E402
 from kdtree_engine.verify import hopper  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 
 def main() -> None:
-    from flashmla_peer import load_flashmla
-    fm = load_flashmla()
-    for text in sys.argv[1].split(","):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", help="H x nodes x B x prefix, comma-separated")
+    p.add_argument("--flashmla", default=".peers/flashmla", help="folder holding flashmla_peer.py")
+    a = p.parse_args()
+    try:
+        fm = load_flashmla_module(a.flashmla)
+    except Unavailable as e:
+        p.error(str(e))
+    for text in a.shapes.split(","):
         H, n, B, prefix = (int(x) for x in text.split("x"))
         c = make_inputs(H, n, B, prefix, 64)
         meta, num_splits = fm.get_mla_metadata(c["kv_lens"], n, H, 1)
