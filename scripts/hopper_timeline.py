@@ -196,9 +196,10 @@ EDITS = [
     ("        gl.static_assert(num_warps == 4)\n", "        gl.static_assert(num_warps == 4)\n        _phase(trace, 0)\n", 1),
     ("        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n",
      "        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n        _phase(trace, 1)\n", 1),
-    ("                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
-     "                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n                _phase(trace, 2)\n", 1),
-    ("                                   BLOCK_R)\n", "                                   BLOCK_R)\n                _phase(trace, 3)\n", 1),
+    ("        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
+     "        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n        _phase(trace, 2)\n", 1),
+    ("                                   BLOCK_S, BLOCK_R)\n",
+     "                                   BLOCK_S, BLOCK_R)\n                _phase(trace, 3)\n", 1),
     ("            mbarrier.arrive(bars[_Q_EMPTY])\n",
      "            mbarrier.arrive(bars[_Q_EMPTY])\n            if WG == 0:\n                _phase(trace, 4)\n", 1),
     ("l_i, WG, ROW_S)\n", "l_i, WG, ROW_S)\n            if WG == 0:\n                _phase(trace, 5)\n", 1),
@@ -207,8 +208,7 @@ EDITS = [
      "                _phase(trace, 6)\n", 1),
     ("out, lse, qo_indptr,\n                       group_seq",
      "out, lse, qo_indptr, trace,\n                       group_seq", 1),
-    ("out, lse,\n                                   qo_indptr, group_seq",
-     "out, lse,\n                                   qo_indptr, trace, group_seq", 2),
+    ("lse, qo_indptr, group_seq", "lse, qo_indptr, trace, group_seq", 2),
     ("                b_m = b_m_new\n", "                b_m = b_m_new\n                if item == first_item:\n"
      "                    if s0 == 0:\n                        _phase(trace, 7)\n", 1),
     ("            gl.store(p_out, b_o.to(out.dtype.element_ty), mask=gl.expand_dims(row_d < n_rows, 1))\n",
@@ -364,7 +364,7 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     stores issued, and ``end_join``, the other partitions finishing), then the grid barrier's wait
     (``barrier``) and the merge (``merge``; of it, from the barrier to the first item's first round
     of splits accumulated, ``merge_round1``, and to that item's stores issued, ``merge_item1``).
-    Median and largest over programs."""
+    Smallest, median and largest over programs."""
     c0 = trace[:, 0]  # [P, S, N]
     rows = {k: [] for k in ("start", "loop", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier",
                             "merge", "merge_round1", "merge_item1", "total")}
@@ -390,7 +390,7 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
                 rows["merge_round1"].append(item_round - barrier)
                 rows["merge_item1"].append(item_stored - barrier)
         rows["total"].append(max(joined, barrier, merged) - entry)
-    return {k: ({"median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None)
+    return {k: ({"min": min(v), "median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None)
             for k, v in rows.items()}
 
 
@@ -428,8 +428,8 @@ def main() -> None:
         results.append(row)
         print(f"{text}: main kernel {plain_us:.1f} us, stamped {stamped_us:.1f} us, {plan.num_segments} segments, "
               f"{plan.num_groups} split groups")
-        print("  program phases, cycles (median / largest over programs): " + "  ".join(
-            f"{k} {v['median']:.0f} / {v['max']:.0f}" for k, v in row["phases"].items() if v is not None))
+        print("  program phases, cycles (smallest / median / largest over programs): " + "  ".join(
+            f"{k} {v['min']:.0f} / {v['median']:.0f} / {v['max']:.0f}" for k, v in row["phases"].items() if v is not None))
         for wg in range(2):
             r = row[f"consumer{wg}"]
             print(f"  consumer {wg} ({r['steps']} steps): " + "  ".join(

@@ -215,9 +215,10 @@ def test_timeline_phases_of_a_program():
     stamps = torch.tensor([[10, 600, 900, 1000, 500, 540, 580, 930, 950], [0, 200, 250, -1, -1, -1, -1, -1, -1],
                            [5, -1, -1, -1, -1, -1, -1, -1, -1]])
     ph = timeline.phases(trace, stamps)
-    assert ph["start"] == {"median": 70, "max": 90, "programs": 2}
-    assert ph["loop"] == {"median": 380, "max": 380, "programs": 1}  # program 1's steps may run past the slots
+    assert ph["start"] == {"min": 50, "median": 70, "max": 90, "programs": 2}
+    assert ph["loop"] == {"min": 380, "median": 380, "max": 380, "programs": 1}  # program 1's steps may run past the slots
     assert ph["end"]["median"] == 600 - 480 and ph["barrier"]["median"] == (300 + 50) / 2
+    assert ph["barrier"]["min"] == 50  # the last arrival's wait: the barrier's own latency
     assert [ph[k]["median"] for k in ("end_pv", "end_swap", "end_store", "end_join")] == [20, 40, 40, 20]
-    assert ph["merge_round1"]["median"] == 30 and ph["merge_item1"] == {"median": 50, "max": 50, "programs": 1}
-    assert ph["merge"] == {"median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990
+    assert ph["merge_round1"]["median"] == 30 and ph["merge_item1"] == {"min": 50, "median": 50, "max": 50, "programs": 1}
+    assert ph["merge"] == {"min": 100, "median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990

@@ -562,27 +562,36 @@ if HAVE_GLUON:
             if not IN_KERNEL:
                 n_groups = gl.load(num_groups)
             if n_groups > 0:
-                grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
                 if n_groups * (BLOCK_M // BLOCK_R) <= 2 * gl.num_programs(0):
-                    _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse,
-                                   qo_indptr, group_seq, group_row0, group_first, group_splits, num_groups,
-                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, FEW_S,
-                                   FEW_R)
+                    _combine_items(gl.program_id(0), gl.num_programs(0), n_groups, barrier_word, partial_out,
+                                   partial_lse, out, lse, qo_indptr, group_seq, group_row0, group_first, group_splits,
+                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, IN_KERNEL,
+                                   FEW_S, FEW_R)
                 else:
-                    _combine_items(gl.program_id(0), gl.num_programs(0), partial_out, partial_lse, out, lse,
-                                   qo_indptr, group_seq, group_row0, group_first, group_splits, num_groups,
-                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, BLOCK_S,
-                                   BLOCK_R)
+                    _combine_items(gl.program_id(0), gl.num_programs(0), n_groups, barrier_word, partial_out,
+                                   partial_lse, out, lse, qo_indptr, group_seq, group_row0, group_first, group_splits,
+                                   stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, IN_KERNEL,
+                                   BLOCK_S, BLOCK_R)
 
     @gluon.jit
-    def _combine_items(first_item, item_step, partial_out, partial_lse, out, lse, qo_indptr,
-                       group_seq, group_row0, group_first, group_splits, num_groups,
+    def _group_entries(i_g, group_first, group_splits, group_seq, group_row0):
+        """Split group ``i_g``'s entries: its first partial slot, split count, sequence and first packed row."""
+        return (gl.load(group_first + i_g), gl.load(group_splits + i_g), gl.load(group_seq + i_g),
+                gl.load(group_row0 + i_g))
+
+    @gluon.jit
+    def _combine_items(first_item, item_step, n_groups, barrier_word, partial_out, partial_lse, out, lse, qo_indptr,
+                       group_seq, group_row0, group_first, group_splits,
                        stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
-                       H: gl.constexpr, BLOCK_M: gl.constexpr, D_LAT: gl.constexpr, BLOCK_S: gl.constexpr,
-                       BLOCK_R: gl.constexpr):
-        """:func:`kdtree_engine.verify.combine.combine_items` in Gluon, for the kernel's 4 warps after
-        the partitions joined (Triton's ops need layouts here; same loads, same order of the sums
-        over the splits): a thread holds 4 columns of every (split, row) of a round."""
+                       H: gl.constexpr, BLOCK_M: gl.constexpr, D_LAT: gl.constexpr, IN_KERNEL: gl.constexpr,
+                       BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr):
+        """The grid barrier, then :func:`kdtree_engine.verify.combine.combine_items` in Gluon on the
+        ``n_groups`` split groups, for the kernel's 4 warps after the partitions joined (Triton's ops
+        need layouts here; same loads, same order of the sums over the splits): a thread holds 4
+        columns of every (split, row) of a round. The first item's group entries are read before the
+        barrier where a plan wrote them (without ``IN_KERNEL``; with it, this kernel's programs write
+        them before the barrier), so the partials' loads follow the barrier at once (perf log run 40:
+        0.984-0.999 of the call's time at 11 of 12 shapes)."""
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 4], [2, 1, 0])  # [S, R, 512]
         SR: gl.constexpr = gl.SliceLayout(2, L3)
         RD: gl.constexpr = gl.SliceLayout(0, L3)
@@ -592,18 +601,21 @@ if HAVE_GLUON:
         o_d3 = gl.expand_dims(gl.expand_dims(o_d, 0), 0)
         o_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, SR))
         chunks: gl.constexpr = BLOCK_M // BLOCK_R
-        n_items = gl.load(num_groups) * chunks
+        n_items = n_groups * chunks
         i_g = first_item // chunks * (first_item < n_items)
-        first, count = gl.load(group_first + i_g), gl.load(group_splits + i_g)
-        i_b, row0 = gl.load(group_seq + i_g), gl.load(group_row0 + i_g)
+        if not IN_KERNEL:
+            first, count, i_b, row0 = _group_entries(i_g, group_first, group_splits, group_seq, group_row0)
+        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
+        if IN_KERNEL:
+            first, count, i_b, row0 = _group_entries(i_g, group_first, group_splits, group_seq, group_row0)
         for item in range(first_item, n_items, item_step):
             o_r = (item % chunks) * BLOCK_R + gl.arange(0, BLOCK_R, layout=ROW_SR)
             qo_start = gl.load(qo_indptr + i_b * stride_qo)
             n_rows = (gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start) * H
             row = row0 + o_r
             g_next = (item + item_step) // chunks * (item + item_step < n_items)
-            first_next, count_next = gl.load(group_first + g_next), gl.load(group_splits + g_next)
-            i_b_next, row0_next = gl.load(group_seq + g_next), gl.load(group_row0 + g_next)
+            first_next, count_next, i_b_next, row0_next = _group_entries(g_next, group_first, group_splits, group_seq,
+                                                                         group_row0)
             b_m = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=ROW_SR)
             b_l = gl.zeros([BLOCK_R], gl.float32, layout=ROW_SR)
             b_acc = gl.zeros([BLOCK_R, D_LAT], gl.float32, layout=RD)
