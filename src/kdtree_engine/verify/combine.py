@@ -62,6 +62,12 @@ def grid_barrier(word, me, parties):
 
 
 @triton.jit
+def group_entries(i_g, group_first, group_splits, group_seq, group_row0):
+    """Split group ``i_g``'s entries: its first partial slot, split count, sequence and first packed row."""
+    return tl.load(group_first + i_g), tl.load(group_splits + i_g), tl.load(group_seq + i_g), tl.load(group_row0 + i_g)
+
+
+@triton.jit
 def combine_items(
     first_item, item_step, partial_out, partial_lse, out, lse, qo_indptr,
     group_seq, group_row0, group_first, group_splits, num_groups,
@@ -85,16 +91,15 @@ def combine_items(
     # the group entries of the program's first item; each item loads its successor's (past the
     # last: group 0's) before its own data, so those loads wait for nothing the item waits for
     i_g = first_item // chunks * (first_item < n_items)
-    first, count = tl.load(group_first + i_g), tl.load(group_splits + i_g)
-    i_b, row0 = tl.load(group_seq + i_g), tl.load(group_row0 + i_g)
+    first, count, i_b, row0 = group_entries(i_g, group_first, group_splits, group_seq, group_row0)
     for item in range(first_item, n_items, item_step):
         o_r = (item % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the block
         qo_start = tl.load(qo_indptr + i_b * stride_qo)
         n_rows = (tl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start) * H
         row = row0 + o_r
         g_next = (item + item_step) // chunks * (item + item_step < n_items)
-        first_next, count_next = tl.load(group_first + g_next), tl.load(group_splits + g_next)
-        i_b_next, row0_next = tl.load(group_seq + g_next), tl.load(group_row0 + g_next)
+        first_next, count_next, i_b_next, row0_next = group_entries(g_next, group_first, group_splits, group_seq,
+                                                                    group_row0)
         b_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_R], tl.float32)
         b_acc = tl.zeros([BLOCK_R, D_LATENT], tl.float32)
