@@ -118,15 +118,17 @@ if HAVE_GLUON:
         as its last reader is done. cp.async
         row gathers through the page table (any page size; rows past the segment zero-filled), completion
         signalled per thread on the chunk's mbarrier. A pair's page ids are loaded before waiting on its
-        first chunk, so their latency hides behind the wait. Where a sequence has at most 16 row blocks,
-        the rows of the pair two ahead are prefetched into L2 after a pair's copies (one
-        ``cp.async.bulk.prefetch.L2`` per run of rows within a page), so the copies find them there."""
+        first chunk, so their latency hides behind the wait. After a pair's copies the rows of the pair
+        two ahead are prefetched into L2 (one ``cp.async.bulk.prefetch.L2`` per run of rows within a
+        page), so the copies find them there; a sequence's row blocks share that prefetch, row block
+        ``rb`` of ``n_rb`` taking the rows ``[rb * 128 // n_rb, (rb + 1) * 128 // n_rb)`` of each pair:
+        the programs of a KV part run its row blocks together, so each row is prefetched once, not
+        once per row block (perf log run 42: each row block prefetching every row made 3-4x the L2
+        lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1)."""
         HALF: gl.constexpr = D_LAT // 2
-        # the L2 prefetch: rows one prefetch covers (never crossing a page): a tile where pages hold
-        # whole tiles, else a page where tiles hold whole pages, else a row; and the largest packed
-        # rows (16 row blocks) of a sequence whose segments prefetch
+        # the L2 prefetch: rows one prefetch covers at most (never crossing a page): a tile where pages
+        # hold whole tiles, else a page where tiles hold whole pages, else a row
         PF_RUN: gl.constexpr = BLOCK_N if PAGE_SIZE % BLOCK_N == 0 else (PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else 1)
-        PF_MAX_ROWS: gl.constexpr = 16 * BLOCK_M
         L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])  # 16-byte vectors
         ROW_L: gl.constexpr = gl.SliceLayout(1, L)
         n_seg = 0
@@ -149,17 +151,17 @@ if HAVE_GLUON:
             n_seg += 1
 
             n_tiles = gl.cdiv(kv_end - kv_start, BLOCK_N)
-            # prefetch only where a sequence has few row blocks: the programs of a part read each tile
-            # together, so with many of them the tile is in L2 already and the prefetches only cost
-            # (perf log run 38: 1-3% faster at 3 row blocks; prefetching in every segment was 4-8% slower
-            # at 33)
-            pf_here = n_nodes * H <= PF_MAX_ROWS
-            pf_end = kv_start + (kv_end - kv_start) * pf_here.to(gl.int32)
+            # this row block's share of each pair's rows in the L2 prefetch (offsets from the pair's start)
+            n_rb = gl.cdiv(n_nodes * H, BLOCK_M)
+            rb = row0 // BLOCK_M
+            pf_lo = rb * (2 * BLOCK_N) // n_rb
+            pf_hi = (rb + 1) * (2 * BLOCK_N) // n_rb
             for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
                 # the page ids of the pair two ahead (tiles 2j + 4, 2j + 5), loaded here so their
                 # latency hides behind this pair's waits; its rows prefetched into L2 after this pair's copies
-                pf_pos, pf_page, pf_ok = _pages_ahead(p_pages, kv_start + (2 * j + 4) * BLOCK_N, pf_end, stride_pp,
-                                                      PAGE_SIZE, BLOCK_N, PF_RUN, LOADER_WARPS)
+                pf_pos, pf_page, pf_ok, pf_n = _pages_ahead(p_pages, kv_start + (2 * j + 4) * BLOCK_N, kv_end,
+                                                            pf_lo, pf_hi, stride_pp, PAGE_SIZE, BLOCK_N, PF_RUN,
+                                                            LOADER_WARPS)
                 has1 = 2 * j + 1 < n_tiles
                 o_n0 = kv_start + 2 * j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROW_L)
                 o_n1 = o_n0 + BLOCK_N
@@ -182,29 +184,32 @@ if HAVE_GLUON:
                 _load_chunk(s_k_lat.index(0).slice(HALF, HALF, dim=1), p_row0 + HALF, m_n0, bars, 0, _RIGHT, phase0,
                             True, HALF, L)
                 _load_chunk(s_k_lat.index(1).slice(0, HALF, dim=1), p_row1, m_n1, bars, 1, _LEFT, phase1, has1, HALF, L)
-                if pf_here:
-                    _prefetch_runs(kv, pf_pos, pf_page, pf_ok, kv_end, stride_kvp, stride_kvs, PAGE_SIZE, PF_RUN,
-                                   D_LAT + D_ROPE)
+                _prefetch_runs(kv, pf_pos, pf_page, pf_ok, pf_n, kv_end, stride_kvp, stride_kvs, PAGE_SIZE,
+                               D_LAT + D_ROPE)
                 pairs += 1
                 singles1 += has1.to(gl.int32)
 
     @gluon.jit
-    def _pages_ahead(p_pages, start, kv_end, stride_pp, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _pages_ahead(p_pages, start, kv_end, lo, hi, stride_pp, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                      RUN: gl.constexpr, LOADER_WARPS: gl.constexpr):
-        """The runs of the two tiles from KV position ``start`` (a ``BLOCK_N`` boundary), one a loader
-        thread: their first positions, page ids and whether they exist (before ``kv_end``)."""
+        """The runs of the two tiles from KV position ``start`` (a ``BLOCK_N`` boundary) cut to the
+        offsets ``[lo, hi)`` of those ``2 * BLOCK_N`` rows, one a loader thread: their first positions,
+        page ids, whether they exist (not empty, starting before ``kv_end``) and their row counts."""
         LANES: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0])
         gl.static_assert(2 * BLOCK_N // RUN <= 32 * LOADER_WARPS)
         o_e = gl.arange(0, 32 * LOADER_WARPS, layout=LANES)
-        pos = start + o_e * RUN
-        ok = (o_e < 2 * BLOCK_N // RUN) & (pos < kv_end)
-        return pos, gl.load(p_pages + (pos // PAGE_SIZE) * stride_pp, mask=ok, other=0), ok
+        first = gl.maximum(o_e * RUN, lo)
+        last = gl.minimum(o_e * RUN + RUN, hi)
+        pos = start + first
+        ok = (o_e < 2 * BLOCK_N // RUN) & (first < last) & (pos < kv_end)
+        return pos, gl.load(p_pages + (pos // PAGE_SIZE) * stride_pp, mask=ok, other=0), ok, last - first
 
     @gluon.jit
-    def _prefetch_runs(kv, pos, page, ok, kv_end, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
-                       RUN: gl.constexpr, D: gl.constexpr):
-        """One ``cp.async.bulk.prefetch.L2`` a run of :func:`_pages_ahead` (rows past ``kv_end``: none)."""
-        n = gl.minimum(kv_end - pos, RUN)
+    def _prefetch_runs(kv, pos, page, ok, count, kv_end, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
+                       D: gl.constexpr):
+        """One ``cp.async.bulk.prefetch.L2`` a run of :func:`_pages_ahead` (``count`` rows, none past
+        ``kv_end``)."""
+        n = gl.minimum(kv_end - pos, count)
         p_first = kv + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE).to(gl.int64) * stride_kvs
         # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
         size = ((n - 1) * stride_kvs + D) * 2
