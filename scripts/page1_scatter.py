@@ -12,6 +12,13 @@ the order, the fastest round per layout reported with its ratio to ``page64``. `
 near 1.0 and ``page1-scattered`` above it: the cost is the scatter (the memory system), not page
 1's loader. All three outputs are compared (same rows, same order of the sums: bitwise equal).
 
+Beside each layout, its read floor: the time a plain Triton kernel takes to read every KV row of
+the sequences once through that layout's row addresses (in token order, 16-byte vectors, nothing
+else done; timed the same way), and the bandwidth that makes. The Hopper kernel reads each row from
+HBM at least once, so its time over this floor says how close to the memory system's limit for
+that layout it runs: where the scattered floor itself is the larger part of the kernel's time, page 1
+cannot match page 64 at that shape by any kernel that reads the rows where they lie.
+
     PYTHONPATH=src python3 scripts/page1_scatter.py [--shapes 64x9x4x131072,64x9x4x16384] [--rounds 3]
 """
 
@@ -27,7 +34,36 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_flash import make_inputs, time_graph  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kdtree_engine import VerifyAttention  # noqa: E402
+
+
+@triton.jit
+def _read_rows(kv, rows, n_rows, out, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Read rows ``kv[rows[i]]`` (``D`` = 9 x 64 columns) for i in ``[0, n_rows)``, programs striding
+    over blocks of ``BLOCK``; one float a program stored (their sum), so nothing but the reads costs."""
+    pid = tl.program_id(0)
+    o_c = tl.arange(0, 64)
+    acc = tl.zeros([BLOCK, 64], tl.float32)
+    for start in range(pid * BLOCK, n_rows, tl.num_programs(0) * BLOCK):
+        o_r = start + tl.arange(0, BLOCK)
+        m_r = o_r < n_rows
+        p_row = kv + tl.load(rows + o_r, mask=m_r, other=0) * D
+        for c in tl.static_range(D // 64):
+            acc += tl.load(p_row[:, None] + c * 64 + o_c[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    tl.store(out + pid, tl.sum(acc))
+
+
+def read_floor(kv: torch.Tensor, pt: torch.Tensor, B: int, L: int, reps: int) -> float:
+    """Seconds to read the ``B x L`` tokens' rows of ``kv [slots / page, page, 576]`` once through the
+    page table ``pt [B, pages]`` (:func:`_read_rows` on the rows' flat slot indices, graph replay)."""
+    page = kv.shape[1]
+    tok = torch.arange(L, device="cuda")
+    rows = (pt.long()[:, tok // page] * page + tok % page).reshape(-1)  # [B * L] flat slots
+    out = torch.empty(torch.cuda.get_device_properties(0).multi_processor_count * 8, device="cuda")
+    return time_graph(lambda: _read_rows[(out.numel(),)](kv, rows, rows.numel(), out, D=576, BLOCK=16), reps)
 
 
 def layouts(c: dict, B: int, L: int) -> dict:
@@ -57,8 +93,9 @@ def main() -> None:
         c = make_inputs(H, n, B, prefix, 64)
         attn = VerifyAttention(B, n, H, "cuda", kernel="hopper")
         attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
-        outs, calls = {}, {}
+        outs, calls, floors = {}, {}, {}
         for name, (kv, pt) in layouts(c, B, L).items():
+            floors[name] = read_floor(kv, pt, B, L, a.reps) * 1e6
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
             calls[name] = (lambda kv=kv, pt=pt, out=out, lse=lse, q=c["q"], mask=c["tree_mask"], attn=attn:
@@ -74,6 +111,10 @@ def main() -> None:
         line = "  ".join(f"{name} {best[name]:9.1f} us ({best[name] / best['page64']:.3f})" for name in names)
         same = all(torch.equal(outs[k][0], base[0]) and torch.equal(outs[k][1], base[1]) for k in names)
         print(f"{shape}: {line}  outputs {'bitwise equal' if same else 'DIFFER'}", flush=True)
+        pool = B * L * 576 * 2
+        print("  read floor: " + "  ".join(f"{name} {floors[name]:9.1f} us ({pool / floors[name] / 1e6:.2f} TB/s, "
+                                           f"kernel / floor {best[name] / floors[name]:.2f})" for name in names),
+              flush=True)
         del c, attn, outs, calls
         torch.cuda.empty_cache()
 
