@@ -123,7 +123,7 @@ if HAVE_GLUON:
         page), so the copies find them there; a sequence's row blocks share that prefetch, row block
         ``rb`` of ``n_rb`` taking the rows ``[rb * 128 // n_rb, (rb + 1) * 128 // n_rb)`` of each pair:
         the programs of a KV part run its row blocks together, so each row is prefetched once, not
-        once per row block (perf log run 42: each row block prefetching every row made 3-4x the L2
+        once per row block (perf log run 42: each row block prefetching every row made 4x the L2
         lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1)."""
         HALF: gl.constexpr = D_LAT // 2
         # the L2 prefetch: rows one prefetch covers at most (never crossing a page): a tile where pages
