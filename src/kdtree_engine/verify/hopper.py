@@ -45,7 +45,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import LN2, PlannedLaunch, grid_barrier, prepare_planned
+from .combine import LN2, PlannedLaunch, grid_barrier, group_entries, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
 from .scheduler import one_sequence_groups, one_sequence_shape, work_range, work_segment
@@ -579,12 +579,6 @@ if HAVE_GLUON:
                                    BLOCK_S, BLOCK_R)
 
     @gluon.jit
-    def _group_entries(i_g, group_first, group_splits, group_seq, group_row0):
-        """Split group ``i_g``'s entries: its first partial slot, split count, sequence and first packed row."""
-        return (gl.load(group_first + i_g), gl.load(group_splits + i_g), gl.load(group_seq + i_g),
-                gl.load(group_row0 + i_g))
-
-    @gluon.jit
     def _combine_items(first_item, item_step, n_groups, barrier_word, partial_out, partial_lse, out, lse, qo_indptr,
                        group_seq, group_row0, group_first, group_splits,
                        stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -609,17 +603,17 @@ if HAVE_GLUON:
         n_items = n_groups * chunks
         i_g = first_item // chunks * (first_item < n_items)
         if not IN_KERNEL:
-            first, count, i_b, row0 = _group_entries(i_g, group_first, group_splits, group_seq, group_row0)
+            first, count, i_b, row0 = group_entries(i_g, group_first, group_splits, group_seq, group_row0)
         grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))
         if IN_KERNEL:
-            first, count, i_b, row0 = _group_entries(i_g, group_first, group_splits, group_seq, group_row0)
+            first, count, i_b, row0 = group_entries(i_g, group_first, group_splits, group_seq, group_row0)
         for item in range(first_item, n_items, item_step):
             o_r = (item % chunks) * BLOCK_R + gl.arange(0, BLOCK_R, layout=ROW_SR)
             qo_start = gl.load(qo_indptr + i_b * stride_qo)
             n_rows = (gl.load(qo_indptr + (i_b + 1) * stride_qo) - qo_start) * H
             row = row0 + o_r
             g_next = (item + item_step) // chunks * (item + item_step < n_items)
-            first_next, count_next, i_b_next, row0_next = _group_entries(g_next, group_first, group_splits, group_seq,
+            first_next, count_next, i_b_next, row0_next = group_entries(g_next, group_first, group_splits, group_seq,
                                                                          group_row0)
             b_m = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=ROW_SR)
             b_l = gl.zeros([BLOCK_R], gl.float32, layout=ROW_SR)
