@@ -30,12 +30,11 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_flash import make_inputs, time_graph  # noqa: E402
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from kdtree_engine import VerifyAttention  # noqa: E402
 
