@@ -2,12 +2,12 @@
 for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_flash.py
-Ragged batch, page sizes 1 and 16, one program running every segment in turn and grids that cut
-KV ranges mid-sequence (their splits merged: the Hopper kernel at 12 programs merges 2 split groups
-in its default tile, at 40 in its few-groups tile), a tree crossing a cut; checks the result against
-the float64 reference too. Then one sequence without a plan, which the flash and Hopper kernels
-schedule themselves (``VerifyPlan._plan_in_kernel``: 5 KV parts, their split groups written by the
-kernel and merged).
+Ragged batch, page sizes 1, 16 and 64 (the Hopper loader's L2 prefetch runs of a row, a page and a
+tile), one program running every segment in turn and grids that cut KV ranges mid-sequence (their
+splits merged: the Hopper kernel at 12 programs merges 2 split groups in its default tile, at 40 in
+its few-groups tile), a tree crossing a cut; checks the result against the float64 reference too.
+Then one sequence without a plan, which the flash and Hopper kernels schedule themselves
+(``VerifyPlan._plan_in_kernel``: 5 KV parts, their split groups written by the kernel and merged).
 """
 
 import torch
@@ -26,7 +26,7 @@ def check(c, kernel, plan, r_out, r_lse, what):
 
 
 gen = torch.Generator().manual_seed(0)
-for page_size in (1, 16):
+for page_size in (1, 16, 64):
     spec = CaseSpec("sanitize", 5, [300, 0, 70], [random_tree(9, gen), random_tree(40, gen), [-1]],
                     page_size=page_size)
     c = build_case(spec, "cuda")
