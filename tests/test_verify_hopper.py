@@ -72,6 +72,24 @@ def test_hopper_matches_reference(shape, num_programs):
 
 
 @requires_hopper
+@pytest.mark.parametrize("num_programs", [6, 12, None])
+def test_hopper_first_tile_invisible_and_logits_far_below_zero(num_programs):
+    """Consumer 0 brings its P to the step's joint max by ``exp2(m0 - m1)``. A row that has seen no
+    key yet in its segment and none in consumer 0's tile (``m0 = -inf``) while its keys in consumer
+    1's tile score far below zero (``m1 < -128`` in log2 units) made that factor overflow and the
+    row NaN. A star tree of 192 nodes after 64 prefix tokens, split so that the segments of nodes
+    128-191 start at the tile of nodes 64-127, which none of them sees; every key entry 1 and every
+    query entry -8, so each row's logits are -192 (its exact output: the keys' latent part)."""
+    spec = CaseSpec("far-below-zero", 1, [64], [star_tree(192)], page_size=64)
+    c = build_case(spec, "cuda")
+    c["kv_cache"].fill_(1.0)
+    c["q"].fill_(-8.0)
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 1, "cuda", num_programs=num_programs)
+    out, _ = run_checked(c, "hopper", "bf16", plan=plan)
+    assert torch.equal(out, torch.ones_like(out))
+
+
+@requires_hopper
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_hopper_deterministic_and_nan_never_leaks(page_size):
     spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=page_size, spare_pages=5)

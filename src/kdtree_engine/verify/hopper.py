@@ -412,7 +412,9 @@ if HAVE_GLUON:
                     mbarrier.wait(bars[_M_READY + 1], steps & 1)
                     m1 = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
                     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                    corr = gl.exp2(m0_use - m1_use)
+                    # P0's factor to m1; where m0 = -inf P0 is zero and any finite factor does (m0_use's
+                    # 0 would make exp2(-m1) overflow to inf, and 0 * inf NaN, for m1 below -128)
+                    corr = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_use - m1_use))
                     alpha = gl.exp2(m_i - m1_use)
                     m_i = m1
                     l_i = l_i * alpha + l_s * corr
