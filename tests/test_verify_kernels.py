@@ -266,6 +266,29 @@ def test_row_with_no_visible_key(kernel):
     assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
 
 
+@pytest.mark.parametrize("kernel", ["naive", "flash", "hopper"])
+@pytest.mark.parametrize("num_programs", [None, 1, 6, 13])
+def test_logits_far_below_zero(kernel, num_programs):
+    """Every logit near -192 (-277 in log2 units, a spread of a few units): no running max, rescale
+    or merge may take 0 for a max it has not seen (``exp2(277)`` overflows fp32), on segments that
+    begin at a tile their rows do not see (star trees: the segment of nodes 128-191 at 6 programs),
+    split KV ranges and ragged trees. The naive kernel takes no plan: once."""
+    if kernel not in available_kernels(DEVICE):
+        pytest.skip(f"{kernel} does not run here")
+    if kernel == "naive" and num_programs is not None:
+        pytest.skip("the naive kernel takes no plan")
+    spec = CaseSpec("far-below-zero", 3, [64, P, 0], [star_tree(192), star_tree(70), random_tree(9, G)],
+                    page_size=16)
+    c = build_case(spec, DEVICE)
+    g = torch.Generator().manual_seed(7)
+    c["q"].copy_(-8 + 0.5 * torch.randn(c["q"].shape, generator=g))
+    c["kv_cache"].copy_(1 + 0.1 * torch.randn(c["kv_cache"].shape, generator=g))
+    plan = None if kernel == "naive" else plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 3, DEVICE,
+                                                      num_programs=num_programs)
+    _, lse = run_checked(c, kernel, "bf16", plan=plan)
+    assert bool((lse < -150).all())
+
+
 @requires_cuda
 def test_flash_long_prefix_many_heads_gpu():
     spec = CaseSpec("long", 64, [20000, 4097], [random_tree(33, G), random_tree(33, G)], page_size=1)
