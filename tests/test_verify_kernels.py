@@ -270,9 +270,10 @@ def test_row_with_no_visible_key(kernel):
 @pytest.mark.parametrize("num_programs", [None, 1, 6, 13])
 def test_logits_far_below_zero(kernel, num_programs):
     """Every logit near -192 (-277 in log2 units, a spread of a few units): no running max, rescale
-    or merge may take 0 for a max it has not seen (``exp2(277)`` overflows fp32), on segments that
-    begin at a tile their rows do not see (star trees: the segment of nodes 128-191 at 6 programs),
-    split KV ranges and ragged trees. The naive kernel takes no plan: once."""
+    or merge may take 0 for a max it has not seen (``exp2(277)`` overflows fp32), on split KV ranges
+    and ragged trees, where segments can begin at a tile their rows do not see (a star's later nodes
+    see none of the nodes before them but the root; test_verify_hopper.py builds that case exactly).
+    The naive kernel takes no plan: once."""
     if kernel not in available_kernels(DEVICE):
         pytest.skip(f"{kernel} does not run here")
     if kernel == "naive" and num_programs is not None:
