@@ -616,7 +616,7 @@ if HAVE_GLUON:
             row = row0 + o_r
             g_next = (item + item_step) // chunks * (item + item_step < n_items)
             first_next, count_next, i_b_next, row0_next = group_entries(g_next, group_first, group_splits, group_seq,
-                                                                         group_row0)
+                                                                        group_row0)
             b_m = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=ROW_SR)
             b_l = gl.zeros([BLOCK_R], gl.float32, layout=ROW_SR)
             b_acc = gl.zeros([BLOCK_R, D_LAT], gl.float32, layout=RD)
