@@ -11,7 +11,10 @@ applied to this tree's kernel (stops if a hunk does not fit: the kernel changed)
 this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
-sequence (bf16 tolerances) after its first call and again after its last replay (``REPLAYS DIFFER``
+sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's
+partial buffers: a kernel whose merge read partials before its own writes were visible would
+otherwise read the last kernel's equal values and pass, as run 44's ``tmapart`` did here while the
+GPU suite failed it), and again after its last replay (``REPLAYS DIFFER``
 where those two outputs are not bitwise equal: a race), each variant's last outputs compared with
 the base's (bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
 CUDA-graph replay median each, after an untimed round (the GPU's clock settles under its power
@@ -93,10 +96,14 @@ def main() -> None:
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
             call = planned_call(module, c, plan, out, lse, fused)
+            plan.tables.partial_out.fill_(float("nan"))
+            plan.tables.partial_lse.fill_(float("nan"))
             call()
             torch.cuda.synchronize()
             res[name] = dict(call=call, out=out, lse=lse, ok=matches(out[:n], lse[:n], ref_out, ref_lse),
                              first=(out.clone(), lse.clone()), us=[])
+        plan.tables.partial_out.zero_()  # as the plan made them (a merge reads rows never written)
+        plan.tables.partial_lse.zero_()
         # a first round untimed, then each round in another order: after the checks' idle time the
         # GPU runs its first long kernels at a higher clock than under its power limit later (run
         # 35: the base's first round 3-11% faster than its others at 5 of 7 shapes), which a fixed
