@@ -8,6 +8,9 @@ split top-K's slice of 16384 columns and K = 512 and 1023) and runs the bundled 
 
     PYTHONPATH=src python scripts/ddtree_sm90_compile.py
 
+(``TRITON_PTXAS_PATH`` names another ptxas, e.g. a CUDA toolkit's, for this and for every script
+that compiles through :func:`compile_sm90`; the SASS is still disassembled by the bundled cuobjdump.)
+
 Needs a Triton with the NVIDIA backend (no GPU, no CUDA driver); exit status 1 if one fails.
 """
 
@@ -51,13 +54,14 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
     src = source(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                  attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    ptxas = Path(triton.knobs.nvidia.ptxas.path)  # the bundled one, or TRITON_PTXAS_PATH
     with tempfile.TemporaryDirectory() as d:
         Path(d, "k.ptx").write_text(ck.asm["ptx"])
         r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                            capture_output=True, text=True, check=True)
         if sass is not None:
-            sass.write_text(subprocess.run([str(ptxas.with_name("cuobjdump")), "-sass", f"{d}/k.cubin"],
+            cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+            sass.write_text(subprocess.run([str(cuobjdump), "-sass", f"{d}/k.cubin"],
                                            capture_output=True, text=True, check=True).stdout)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
