@@ -1,0 +1,584 @@
+// Spike: the Hopper verify kernel's step (one 64-row query block against KV tiles of 64 rows) in
+// CUDA C++, to measure what a step costs outside Gluon (docs/perf_log.md, run 45). Not the
+// library's kernel: no tree mask, no page table below 64, no split merge. Each CTA (256 threads,
+// two math warpgroups, no loader) runs query block q_block[cta] against the n_tiles KV tiles whose
+// first rows are tile_rows[cta, :], and writes its normalised output [64, 512] (fp32) and the
+// log-sum-exp of its scores (natural log) for each row.
+//
+// Step j (tiles 2j and 2j+1; warpgroup w owns K stage w, i.e. tile 2j + w, and output columns
+// [256w, 256w + 256)):
+//   wg 0: softmax of S0 against the running row max -> publishes m0 and its factor; O0 += P0 V0[:, :256]
+//         (P0 from registers); waits for wg 1's max; brings P0 to it and stores it (sP0); O0 rescaled,
+//         O0 += P1 V1[:, :256] (P1 from shared memory); QK of tile 2j+2 chunk by chunk.
+//   wg 1: waits for m0; softmax of S1 against max(m0, its rows) -> publishes m1; stores P1 (over Q's
+//         rope columns, which both warpgroups hold in registers); O1 += P1 V1[:, 256:]; waits for
+//         sP0; O1 += P0 V0[:, 256:]; QK of tile 2j+3.
+// Each 64-column chunk of a K stage has its own mbarrier and is refilled by TMA, by the warpgroup
+// that read it last, as soon as that read retired.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int BM = 64;           // query rows a CTA
+constexpr int BN = 64;           // KV rows a tile
+constexpr int D_QK = 576;        // latent 512 + rope 64
+constexpr int D_V = 512;
+constexpr int CHUNKS = D_QK / 64;  // 64-column chunks of a tile (one 128-byte swizzle atom wide)
+constexpr int CHUNK_BYTES = BN * 64 * 2;
+constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
+constexpr int THREADS = 256;
+
+struct __align__(1024) Smem {
+    uint8_t q[TILE_BYTES];        // Q in 9 chunks; chunk 8 (rope) holds wg 1's P once loaded to registers
+    uint8_t k[2][TILE_BYTES];     // K stages
+    uint8_t p0[CHUNK_BYTES];      // wg 0's P
+    float row_max[BM];            // running row max (log2 units, scaled)
+    float factor0[BM], factor1[BM];
+    float row_sum[2][BM];
+    uint64_t k_full[2][CHUNKS];
+    uint64_t q_full;
+};
+
+// named barriers (0 is __syncthreads)
+enum { BAR_FACTOR0 = 1, BAR_FACTOR1 = 2, BAR_P0 = 3, BAR_P1 = 4 };
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void named_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "n"(THREADS) : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(THREADS) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+        :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row) : "memory");
+}
+
+#ifndef KD_EVICT_FIRST
+#define KD_EVICT_FIRST 0  // K tiles loaded with an L2 evict-first hint
+#endif
+#ifndef KD_PREFETCH
+#define KD_PREFETCH 0  // the part's CTAs prefetch the tiles of two pairs ahead into L2, a share each
+#endif
+#ifndef KD_L2_PROMOTION
+#define KD_L2_PROMOTION 256  // bytes an L2 miss of a TMA load fetches (128 or 256)
+#endif
+#ifndef KD_P1_AFTER_BOTH
+#define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
+#endif
+
+__device__ __forceinline__ void tma_load_chunk_evict_first(void* dst, const CUtensorMap* map, uint64_t* bar, int col,
+                                                           int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4}], [%2], %5;"
+        :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "l"(0x12F0000000000000ull)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_chunk(const CUtensorMap* map, int col, int row) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(col), "r"(row)
+                 : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+// keeps the compiler from moving accesses of an accumulator across an asynchronous wgmma boundary
+template <int N>
+__device__ __forceinline__ void hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t leading, uint32_t stride) {
+    return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) | (uint64_t(stride >> 4) << 32)
+           | (uint64_t(1) << 62);
+}
+// K-major operand ([rows, 64] chunk, 16-column step at +32 B): 8-row groups 1024 B apart
+__device__ __forceinline__ uint64_t k_major(uint32_t addr) { return sw128_desc(addr, 16, 1024); }
+// V as the B operand of P V ([64 keys, 256 columns] over 4 chunks): 64 columns a chunk (8 KB apart),
+// 8 keys 1024 B apart; a 16-key step at +2048 B
+__device__ __forceinline__ uint64_t mn_major_v(uint32_t addr) { return sw128_desc(addr, CHUNK_BYTES, 1024); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// address of this lane's row for ldmatrix / stmatrix x4 of the 16 x 16 block (k16 step ks) of a
+// [64, 64] swizzled chunk: lanes 0-15 rows 0-15 at column 16ks, lanes 16-31 the same rows at +8
+__device__ __forceinline__ uint32_t frag_row_addr(uint32_t chunk, int warp, int lane, int ks) {
+    int row = warp * 16 + (lane & 15);
+    int col16 = ks * 2 + (lane >> 4);
+    return chunk + row * 128 + ((col16 ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void stmatrix_x4(const uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// wgmma.mma_async m64nNk16, bf16 in, fp32 accumulators d (N/2 a thread); rs: A from registers; the
+// last immediate transposes B (1 for V, whose columns are contiguous)
+__device__ __forceinline__ void wgmma_qk_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+        " %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_qk_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+        " {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        " %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"
+        " {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+          "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+          "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+          "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        " %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"
+        " %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+          "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+          "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+          "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+struct Params {
+    const int* tile_rows;  // [num_cta, n_tiles]: first KV row of each tile
+    const int* q_block;    // [num_cta]: the CTA's query block (rows 64 q_block + [0, 64))
+    float* out;            // [num_cta, 64, 512]
+    float* lse;            // [num_cta, 64]
+    int n_tiles;           // even, >= 2
+    int part_ctas;         // CTAs that read the same tiles (adjacent in blockIdx), sharing the L2 prefetch
+    float scale_log2;      // softmax scale x log2(e)
+};
+
+// k16 step ks of this thread's P (its S values after the softmax) as an A operand
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[32], int ks) {
+    a[0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
+    a[1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
+    a[2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
+    a[3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
+}
+
+// the max of each of this thread's two rows over the quad that holds it
+__device__ __forceinline__ void row_max(const float (&s)[32], float (&mx)[2]) {
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+}
+
+// s <- exp2(s * scale_log2 - m[row]); returns this thread's part of each row's sum
+__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float scale_log2, float (&sum)[2]) {
+    sum[0] = sum[1] = 0.f;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        int r = (k >> 1) & 1;
+        s[k] = fast_exp2(fmaf(s[k], scale_log2, -m[r]));
+        sum[r] += s[k];
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&x)[N], const float (&f)[2]) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] *= f[(k >> 1) & 1];
+}
+
+// a descriptor moved by a byte offset (the address field cannot carry over: shared memory < 256 KB)
+__device__ __forceinline__ uint64_t at(uint64_t desc, uint32_t offset) { return desc + (offset >> 4); }
+
+// S (+)= Q[:, chunk c] K[:, chunk c]^T, 4 k16 steps (zero_init: S = ..); dq, dk: K-major descriptors
+// of the Q and K stage buffers
+__device__ __forceinline__ void qk_chunk(float (&s)[32], uint64_t dq, uint64_t dk, int c, bool zero_init) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        wgmma_qk_ss(s, at(dq, c * CHUNK_BYTES + ks * 32), at(dk, c * CHUNK_BYTES + ks * 32),
+                    (zero_init && ks == 0) ? 0 : 1);
+}
+
+// S += Q_rope K_rope^T, Q's rope columns from registers
+__device__ __forceinline__ void qk_rope(float (&s)[32], const uint32_t (&qr)[4][4], uint64_t dk) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_qk_rs(s, qr[ks], at(dk, 8 * CHUNK_BYTES + ks * 32), 1);
+}
+
+// wait for chunk c of a stage, issue its QK, commit it as one group
+__device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], uint64_t dq,
+                                                     uint64_t dk,
+                                                     uint64_t* full, int c, int parity, bool zero_init) {
+    mbar_wait(&full[c], parity);
+    hold(s);
+    wgmma_fence();
+    if (c == CHUNKS - 1)
+        qk_rope(s, qr, dk);
+    else
+        qk_chunk(s, dq, dk, c, zero_init);
+    wgmma_commit();
+    hold(s);
+}
+
+template <int C0, int C1>
+__device__ __forceinline__ void load_chunks(Smem* sm, const CUtensorMap* kv_map, int stage, int row) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c) {
+        mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+        if (KD_EVICT_FIRST)
+            tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+        else
+            tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+    }
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map, const Params p) {
+    extern __shared__ uint8_t smem_raw[];
+    Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
+    const bool issuer = t == 0;
+    const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles;
+    const uint32_t q = smem_addr(sm->q), k0 = smem_addr(sm->k[0]), k1 = smem_addr(sm->k[1]);
+    const uint32_t p0 = smem_addr(sm->p0), p1 = q + 8 * CHUNK_BYTES;
+    const uint64_t dq = k_major(q), dk0 = k_major(k0), dk1 = k_major(k1), dp0 = k_major(p0), dp1 = k_major(p1);
+    const uint64_t dv0 = mn_major_v(k0), dv1 = mn_major_v(k1);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s)
+            for (int c = 0; c < CHUNKS; ++c) mbar_init(&sm->k_full[s][c], 1);
+        mbar_init(&sm->q_full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&sm->q_full, TILE_BYTES);
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_load_chunk(sm->q + c * CHUNK_BYTES, &q_map, &sm->q_full, c * 64, p.q_block[blockIdx.x] * BM);
+    }
+    if (issuer) load_chunks<0, CHUNKS>(sm, &kv_map, wg, rows[wg]);
+
+    // Q's rope columns to registers (A fragments), then chunk 8 is free for wg 1's P
+    mbar_wait(&sm->q_full, 0);
+    uint32_t qr[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(qr[ks], frag_row_addr(p1, warp, lane, ks));
+    __syncthreads();
+
+    float s[32], o[128], rsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 128; ++k) o[k] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        qk_chunk_when_landed(s, qr, dq, wg == 0 ? dk0 : dk1, sm->k_full[wg], c, 0, c == 0);
+    wgmma_wait<0>();
+    hold(s);
+
+    const float sl2 = p.scale_log2;
+    const int steps = p.n_tiles / 2;
+    for (int j = 0; j < steps; ++j) {
+        const bool more = j + 1 < steps;
+        const int parity = (j + 1) & 1;
+        float mx[2], sum[2];
+        uint32_t pa[4][4];
+        // the next pair's page rows, read now: a load issued at the refill would wait there
+        const int next0 = more ? __ldg(rows + 2 * j + 2) : 0, next1 = more ? __ldg(rows + 2 * j + 3) : 0;
+        if (KD_PREFETCH && wg == 0 && issuer && j + 2 < steps)
+            for (int c = blockIdx.x % p.part_ctas; c < 2 * CHUNKS; c += p.part_ctas)
+                tma_prefetch_chunk(&kv_map, (c % CHUNKS) * 64, rows[2 * j + 4 + c / CHUNKS]);
+        row_max(s, mx);
+        if (wg == 0) {
+            float m_old[2] = {sm->row_max[row0], sm->row_max[row1]}, m_new[2], f0[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                m_new[r] = fmaxf(m_old[r], mx[r] * sl2);
+                f0[r] = fast_exp2(m_old[r] - m_new[r]);
+            }
+            if ((lane & 3) == 0) {
+                sm->row_max[row0] = m_new[0], sm->row_max[row1] = m_new[1];
+                sm->factor0[row0] = f0[0], sm->factor0[row1] = f0[1];
+            }
+            exponentiate(s, m_new, sl2, sum);
+            for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
+            scale_rows(o, f0);
+            named_arrive(BAR_FACTOR0);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
+            hold(o);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(dv0, ks * 2048), 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+            hold(o);
+            if (more && issuer) load_chunks<0, 4>(sm, &kv_map, 0, next0);
+            named_sync(BAR_FACTOR1);
+            float f1[2] = {sm->factor1[row0], sm->factor1[row1]};
+            scale_rows(s, f1);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                p_fragment(pa[ks], s, ks);
+                stmatrix_x4(pa[ks], frag_row_addr(p0, warp, lane, ks));
+            }
+            fence_proxy_async();
+            named_arrive(BAR_P0);
+            scale_rows(o, f1);
+            for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
+            named_sync(BAR_P1);
+            hold(o);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(dp1, ks * 32), at(dv1, ks * 2048), 1);
+            wgmma_commit();
+            if (more) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, dq, dk0, sm->k_full[0], c, parity, c == 0);
+                wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
+                if (issuer) load_chunks<0, 4>(sm, &kv_map, 1, next1);
+#pragma unroll
+                for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, dq, dk0, sm->k_full[0], c, parity, false);
+            }
+            wgmma_wait<0>();
+            hold(o);
+            hold(s);
+        } else {
+            named_sync(BAR_FACTOR0);
+            float m0[2] = {sm->row_max[row0], sm->row_max[row1]}, f0[2] = {sm->factor0[row0], sm->factor0[row1]};
+            float m_new[2], f[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                m_new[r] = fmaxf(m0[r], mx[r] * sl2);
+                f[r] = fast_exp2(m0[r] - m_new[r]);  // wg 0's max to the joint one
+            }
+            if ((lane & 3) == 0) {
+                sm->row_max[row0] = m_new[0], sm->row_max[row1] = m_new[1];
+                sm->factor1[row0] = f[0], sm->factor1[row1] = f[1];
+            }
+            exponentiate(s, m_new, sl2, sum);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                f[r] *= f0[r];  // this warpgroup's previous max to the joint one
+                rsum[r] = rsum[r] * f[r] + sum[r];
+            }
+            scale_rows(o, f);
+            named_arrive(BAR_FACTOR1);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                p_fragment(pa[ks], s, ks);
+                stmatrix_x4(pa[ks], frag_row_addr(p1, warp, lane, ks));
+            }
+            fence_proxy_async();
+            hold(o);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(dv1, 4 * CHUNK_BYTES + ks * 2048), 1);
+            wgmma_commit();
+            if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+            named_sync(BAR_P0);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                wgmma_pv_ss(o, at(dp0, ks * 32), at(dv0, 4 * CHUNK_BYTES + ks * 2048), 1);
+            wgmma_commit();
+            if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+            if (more) {
+                wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
+                if (issuer) load_chunks<4, CHUNKS>(sm, &kv_map, 1, next1);
+                wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
+                if (issuer) load_chunks<4, CHUNKS>(sm, &kv_map, 0, next0);
+#pragma unroll
+                for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, dq, dk1, sm->k_full[1], c, parity, c == 4);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, dq, dk1, sm->k_full[1], c, parity, false);
+            }
+            wgmma_wait<0>();
+            hold(o);
+            hold(s);
+        }
+    }
+
+    // row sums: this thread's parts -> the quad's -> both warpgroups'
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 1);
+        rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 2);
+    }
+    if ((lane & 3) == 0) sm->row_sum[wg][row0] = rsum[0], sm->row_sum[wg][row1] = rsum[1];
+    __syncthreads();
+    const int rr[2] = {row0, row1};
+    float* out = p.out + size_t(blockIdx.x) * BM * D_V + wg * 256 + 2 * (lane & 3);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = sm->row_sum[0][rr[r]] + sm->row_sum[1][rr[r]], inv = 1.f / l;
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            *reinterpret_cast<float2*>(out + rr[r] * D_V + 8 * i) =
+                make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+        if (wg == 0 && (lane & 3) == 0)
+            p.lse[blockIdx.x * BM + rr[r]] = (sm->row_max[rr[r]] + __log2f(l)) * 0.6931471805599453f;
+    }
+}
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// a [rows, 576] bf16 tensor (rows 1152 B apart) read in [64, 64] boxes, 128-byte swizzled
+int make_map(CUtensorMap* map, const void* base, unsigned long long rows) {
+    static EncodeTiled encode = nullptr;
+    if (!encode) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found)
+                != cudaSuccess || fn == nullptr)
+            return 1;
+        encode = reinterpret_cast<EncodeTiled>(fn);
+    }
+    cuuint64_t dims[2] = {D_QK, rows}, strides[1] = {D_QK * 2};
+    cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  KD_L2_PROMOTION == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : 2;
+}
+
+}  // namespace
+
+extern "C" int kd_step_smem_bytes() { return int(sizeof(Smem) + 1024); }
+
+extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const void* kv, unsigned long long kv_rows,
+                              const int* tile_rows, const int* q_block, float* out, float* lse, int num_cta,
+                              int n_tiles, int part_ctas, float scale_log2, void* stream) {
+    if (n_tiles < 2 || n_tiles % 2) return 3;
+    CUtensorMap q_map, kv_map;
+    if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
+    const int smem = kd_step_smem_bytes();
+    if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 4;
+    Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2};
+    step_kernel<<<num_cta, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(q_map, kv_map, p);
+    return cudaGetLastError() == cudaSuccess ? 0 : 2;
+}
