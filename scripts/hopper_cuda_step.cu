@@ -20,6 +20,23 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// variants (-D flags), measured in docs/perf_log.md run 45
+#ifndef KD_EVICT_FIRST
+#define KD_EVICT_FIRST 0  // K tiles loaded with an L2 evict-first hint
+#endif
+#ifndef KD_PREFETCH
+#define KD_PREFETCH 0  // the part's CTAs prefetch the tiles of two pairs ahead into L2, a share each
+#endif
+#ifndef KD_WAIT_HINT
+#define KD_WAIT_HINT 0  // mbarrier waits suspend the thread until the phase completes (a time hint), not poll
+#endif
+#ifndef KD_L2_PROMOTION
+#define KD_L2_PROMOTION 256  // bytes an L2 miss of a TMA load fetches (128 or 256)
+#endif
+#ifndef KD_P1_AFTER_BOTH
+#define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
+#endif
+
 namespace {
 
 constexpr int BM = 64;           // query rows a CTA
@@ -67,11 +84,18 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 }
 
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+    if (KD_WAIT_HINT)
+        asm volatile(
+            "{\n.reg .pred done;\n"
+            "WAIT_%=:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+            "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity), "r"(10000000) : "memory");
+    else
+        asm volatile(
+            "{\n.reg .pred done;\n"
+            "WAIT_%=:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+            "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
 __device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
@@ -80,18 +104,6 @@ __device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map
         :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row) : "memory");
 }
 
-#ifndef KD_EVICT_FIRST
-#define KD_EVICT_FIRST 0  // K tiles loaded with an L2 evict-first hint
-#endif
-#ifndef KD_PREFETCH
-#define KD_PREFETCH 0  // the part's CTAs prefetch the tiles of two pairs ahead into L2, a share each
-#endif
-#ifndef KD_L2_PROMOTION
-#define KD_L2_PROMOTION 256  // bytes an L2 miss of a TMA load fetches (128 or 256)
-#endif
-#ifndef KD_P1_AFTER_BOTH
-#define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
-#endif
 
 __device__ __forceinline__ void tma_load_chunk_evict_first(void* dst, const CUtensorMap* map, uint64_t* bar, int col,
                                                            int row) {
