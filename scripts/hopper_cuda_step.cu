@@ -14,7 +14,8 @@
 //         rope columns, which both warpgroups hold in registers); O1 += P1 V1[:, 256:]; waits for
 //         sP0; O1 += P0 V0[:, 256:]; QK of tile 2j+3.
 // Each 64-column chunk of a K stage has its own mbarrier and is refilled by TMA, by the warpgroup
-// that read it last, as soon as that read retired.
+// that read it last, as soon as that read retired. Each warpgroup runs its own loop, the last step
+// apart (no branch inside a step). Fastest measured: -DKD_P1_AFTER_BOTH=1 -DKD_EVICT_FIRST=1.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -32,6 +33,9 @@
 #endif
 #ifndef KD_L2_PROMOTION
 #define KD_L2_PROMOTION 256  // bytes an L2 miss of a TMA load fetches (128 or 256)
+#endif
+#ifndef KD_RUNTIME_MORE
+#define KD_RUNTIME_MORE 0  // one loop over every step, whether a next pair exists tested at run time in the step
 #endif
 #ifndef KD_P1_AFTER_BOTH
 #define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
@@ -366,6 +370,155 @@ __device__ __forceinline__ void load_chunks(Smem* sm, const CUtensorMap* kv_map,
     }
 }
 
+// what a warpgroup's step reads besides its registers
+struct StepContext {
+    Smem* sm;
+    const CUtensorMap* kv_map;
+    const int* rows;
+    uint64_t dq, dk0, dk1, dp0, dp1, dv0, dv1;  // descriptors of Q, the K stages, the P tiles, V
+    uint32_t p0, p1;
+    int row0, row1, warp, lane, part_ctas, steps;
+    bool issuer;
+    float sl2;
+};
+
+// wg 0's step j (tile 2j in stage 0; see the file's head); MORE_STATIC: a next pair exists (more: the same,
+// known at run time, taken with KD_RUNTIME_MORE)
+template <bool MORE_STATIC>
+__device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool more, float (&s)[32], float (&o)[128],
+                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
+    const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
+    const int parity = (j + 1) & 1;
+    float mx[2], sum[2];
+    uint32_t pa[4][4];
+    // the next pair's page rows, read now: a load issued at the refill would wait there
+    const int next0 = MORE ? __ldg(ctx.rows + 2 * j + 2) : 0, next1 = MORE ? __ldg(ctx.rows + 2 * j + 3) : 0;
+    row_max(s, mx);
+    if (KD_PREFETCH && ctx.issuer && j + 2 < ctx.steps)
+        for (int k = blockIdx.x % ctx.part_ctas; k < 2 * CHUNKS; k += ctx.part_ctas)
+            tma_prefetch_chunk(ctx.kv_map, (k % CHUNKS) * 64, ctx.rows[2 * j + 4 + k / CHUNKS]);
+    float m_old[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]}, m_new[2], f0[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m_old[r], mx[r] * ctx.sl2);
+        f0[r] = fast_exp2(m_old[r] - m_new[r]);
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor0[ctx.row0] = f0[0], ctx.sm->factor0[ctx.row1] = f0[1];
+    }
+    exponentiate(s, m_new, ctx.sl2, sum);
+    for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
+    scale_rows(o, f0);
+    named_arrive(BAR_FACTOR0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv0, ks * 2048), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    hold(o);
+    if (MORE && ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 0, next0);
+    named_sync(BAR_FACTOR1);
+    float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
+    scale_rows(s, f1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        p_fragment(pa[ks], s, ks);
+        stmatrix_x4(pa[ks], frag_row_addr(ctx.p0, ctx.warp, ctx.lane, ks));
+    }
+    fence_proxy_async();
+    named_arrive(BAR_P0);
+    scale_rows(o, f1);
+    for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
+    named_sync(BAR_P1);
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1, ks * 32), at(ctx.dv1, ks * 2048), 1);
+    wgmma_commit();
+    if (MORE) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk0, ctx.sm->k_full[0], c, parity, c == 0);
+        wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
+        if (ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 1, next1);
+#pragma unroll
+        for (int c = 4; c < CHUNKS; ++c)
+            qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk0, ctx.sm->k_full[0], c, parity, false);
+    }
+    wgmma_wait<0>();
+    hold(o);
+    hold(s);
+}
+
+// wg 1's step j (tile 2j + 1 in stage 1)
+template <bool MORE_STATIC>
+__device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool more, float (&s)[32], float (&o)[128],
+                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
+    const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
+    const int parity = (j + 1) & 1;
+    float mx[2], sum[2];
+    uint32_t pa[4][4];
+    // the next pair's page rows, read now: a load issued at the refill would wait there
+    const int next0 = MORE ? __ldg(ctx.rows + 2 * j + 2) : 0, next1 = MORE ? __ldg(ctx.rows + 2 * j + 3) : 0;
+    row_max(s, mx);
+    named_sync(BAR_FACTOR0);
+    float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
+    float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
+    float m_new[2], f[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m0[r], mx[r] * ctx.sl2);
+        f[r] = fast_exp2(m0[r] - m_new[r]);  // wg 0's max to the joint one
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor1[ctx.row0] = f[0], ctx.sm->factor1[ctx.row1] = f[1];
+    }
+    exponentiate(s, m_new, ctx.sl2, sum);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        f[r] *= f0[r];  // this warpgroup's previous max to the joint one
+        rsum[r] = rsum[r] * f[r] + sum[r];
+    }
+    scale_rows(o, f);
+    named_arrive(BAR_FACTOR1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        p_fragment(pa[ks], s, ks);
+        stmatrix_x4(pa[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
+    }
+    fence_proxy_async();
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv1, 4 * CHUNK_BYTES + ks * 2048), 1);
+    wgmma_commit();
+    if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+    named_sync(BAR_P0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        wgmma_pv_ss(o, at(ctx.dp0, ks * 32), at(ctx.dv0, 4 * CHUNK_BYTES + ks * 2048), 1);
+    wgmma_commit();
+    if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+    if (MORE) {
+        wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
+        if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next1);
+        wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
+        if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next0);
+#pragma unroll
+        for (int c = 4; c < CHUNKS; ++c)
+            qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk1, ctx.sm->k_full[1], c, parity, c == 4);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk1, ctx.sm->k_full[1], c, parity, false);
+    }
+    wgmma_wait<0>();
+    hold(o);
+    hold(s);
+}
+
 __global__ void __launch_bounds__(THREADS, 1)
 step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map, const Params p) {
     extern __shared__ uint8_t smem_raw[];
@@ -411,126 +564,26 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     wgmma_wait<0>();
     hold(s);
 
-    const float sl2 = p.scale_log2;
-    const int steps = p.n_tiles / 2;
-    for (int j = 0; j < steps; ++j) {
-        const bool more = j + 1 < steps;
-        const int parity = (j + 1) & 1;
-        float mx[2], sum[2];
-        uint32_t pa[4][4];
-        // the next pair's page rows, read now: a load issued at the refill would wait there
-        const int next0 = more ? __ldg(rows + 2 * j + 2) : 0, next1 = more ? __ldg(rows + 2 * j + 3) : 0;
-        if (KD_PREFETCH && wg == 0 && issuer && j + 2 < steps)
-            for (int c = blockIdx.x % p.part_ctas; c < 2 * CHUNKS; c += p.part_ctas)
-                tma_prefetch_chunk(&kv_map, (c % CHUNKS) * 64, rows[2 * j + 4 + c / CHUNKS]);
-        row_max(s, mx);
+    const StepContext ctx{sm, &kv_map, rows, dq, dk0, dk1, dp0, dp1, dv0, dv1, p0, p1, row0, row1, warp, lane,
+                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2};
+    // each warpgroup its own loop, the last step apart: no branch on the warpgroup or on a next pair
+    // inside a step (FlashMLA's layout of the two loops)
+    if (KD_RUNTIME_MORE) {
         if (wg == 0) {
-            float m_old[2] = {sm->row_max[row0], sm->row_max[row1]}, m_new[2], f0[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                m_new[r] = fmaxf(m_old[r], mx[r] * sl2);
-                f0[r] = fast_exp2(m_old[r] - m_new[r]);
-            }
-            if ((lane & 3) == 0) {
-                sm->row_max[row0] = m_new[0], sm->row_max[row1] = m_new[1];
-                sm->factor0[row0] = f0[0], sm->factor0[row1] = f0[1];
-            }
-            exponentiate(s, m_new, sl2, sum);
-            for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
-            scale_rows(o, f0);
-            named_arrive(BAR_FACTOR0);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
-            hold(o);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(dv0, ks * 2048), 1);
-            wgmma_commit();
-            wgmma_wait<0>();
-            hold(o);
-            if (more && issuer) load_chunks<0, 4>(sm, &kv_map, 0, next0);
-            named_sync(BAR_FACTOR1);
-            float f1[2] = {sm->factor1[row0], sm->factor1[row1]};
-            scale_rows(s, f1);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                p_fragment(pa[ks], s, ks);
-                stmatrix_x4(pa[ks], frag_row_addr(p0, warp, lane, ks));
-            }
-            fence_proxy_async();
-            named_arrive(BAR_P0);
-            scale_rows(o, f1);
-            for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
-            named_sync(BAR_P1);
-            hold(o);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(dp1, ks * 32), at(dv1, ks * 2048), 1);
-            wgmma_commit();
-            if (more) {
-#pragma unroll
-                for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, dq, dk0, sm->k_full[0], c, parity, c == 0);
-                wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
-                if (issuer) load_chunks<0, 4>(sm, &kv_map, 1, next1);
-#pragma unroll
-                for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, dq, dk0, sm->k_full[0], c, parity, false);
-            }
-            wgmma_wait<0>();
-            hold(o);
-            hold(s);
+#pragma unroll 1
+            for (int j = 0; j < ctx.steps; ++j) wg0_step<true>(ctx, j, j + 1 < ctx.steps, s, o, rsum, qr);
         } else {
-            named_sync(BAR_FACTOR0);
-            float m0[2] = {sm->row_max[row0], sm->row_max[row1]}, f0[2] = {sm->factor0[row0], sm->factor0[row1]};
-            float m_new[2], f[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                m_new[r] = fmaxf(m0[r], mx[r] * sl2);
-                f[r] = fast_exp2(m0[r] - m_new[r]);  // wg 0's max to the joint one
-            }
-            if ((lane & 3) == 0) {
-                sm->row_max[row0] = m_new[0], sm->row_max[row1] = m_new[1];
-                sm->factor1[row0] = f[0], sm->factor1[row1] = f[1];
-            }
-            exponentiate(s, m_new, sl2, sum);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                f[r] *= f0[r];  // this warpgroup's previous max to the joint one
-                rsum[r] = rsum[r] * f[r] + sum[r];
-            }
-            scale_rows(o, f);
-            named_arrive(BAR_FACTOR1);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                p_fragment(pa[ks], s, ks);
-                stmatrix_x4(pa[ks], frag_row_addr(p1, warp, lane, ks));
-            }
-            fence_proxy_async();
-            hold(o);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(dv1, 4 * CHUNK_BYTES + ks * 2048), 1);
-            wgmma_commit();
-            if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
-            named_sync(BAR_P0);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks)
-                wgmma_pv_ss(o, at(dp0, ks * 32), at(dv0, 4 * CHUNK_BYTES + ks * 2048), 1);
-            wgmma_commit();
-            if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
-            if (more) {
-                wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
-                if (issuer) load_chunks<4, CHUNKS>(sm, &kv_map, 1, next1);
-                wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
-                if (issuer) load_chunks<4, CHUNKS>(sm, &kv_map, 0, next0);
-#pragma unroll
-                for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, dq, dk1, sm->k_full[1], c, parity, c == 4);
-#pragma unroll
-                for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, dq, dk1, sm->k_full[1], c, parity, false);
-            }
-            wgmma_wait<0>();
-            hold(o);
-            hold(s);
+#pragma unroll 1
+            for (int j = 0; j < ctx.steps; ++j) wg1_step<true>(ctx, j, j + 1 < ctx.steps, s, o, rsum, qr);
         }
+    } else if (wg == 0) {
+#pragma unroll 1
+        for (int j = 0; j < ctx.steps - 1; ++j) wg0_step<true>(ctx, j, true, s, o, rsum, qr);
+        wg0_step<false>(ctx, ctx.steps - 1, false, s, o, rsum, qr);
+    } else {
+#pragma unroll 1
+        for (int j = 0; j < ctx.steps - 1; ++j) wg1_step<true>(ctx, j, true, s, o, rsum, qr);
+        wg1_step<false>(ctx, ctx.steps - 1, false, s, o, rsum, qr);
     }
 
     // row sums: this thread's parts -> the quad's -> both warpgroups'
