@@ -125,16 +125,21 @@ EDITS = [
     ("            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)\n",
      "            mbarrier.wait(bars[_EMPTY + 3 * STAGE + CHUNK], phase)\n            _stamp(trace, pairs, 3 * STAGE + CHUNK, 2)\n",
      1),
+    # the consumers' step (_consumer_step) takes the trace
+    ("                       s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,\n                       WG: gl.constexpr, FULL",
+     "                       s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars, trace,\n                       WG: gl.constexpr, FULL", 1),
+    ("s_p0, s_rows, bars, WG, False,", "s_p0, s_rows, bars, trace, WG, False,", 1),
+    ("s_p0, s_rows, bars, WG, True,", "s_p0, s_rows, bars, trace, WG, True,", 1),
     # step start; first chunk of the own tile (a second wait on a completed phase returns at once)
-    ("                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n",
-     "                _stamp(trace, steps, 0, WG)\n"
-     "                b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n", 1),
-    ("                    zero = j >> 30\n",
-     "                    zero = j >> 30\n"
-     "                    if WG == 1:  # consumer 0 stamps it in _qk_after_pv, after issuing its pending PV\n"
-     "                        mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], own_uses & 1)\n"
-     "                        _stamp(trace, steps, 1, WG)\n", 1),
-    ("                    own_uses += 1\n", "                    own_uses += 1\n                    _stamp(trace, steps, 2, WG)\n", 1),
+    ("        b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n",
+     "        _stamp(trace, steps, 0, WG)\n"
+     "        b_s = gl.full([BLOCK_M, BLOCK_N], float(\"-inf\"), gl.float32, layout=S_L)\n", 1),
+    ("            zero = j >> 30\n",
+     "            zero = j >> 30\n"
+     "            if WG == 1:  # consumer 0 stamps it in _qk_after_pv, after issuing its pending PV\n"
+     "                mbarrier.wait(bars[_FULL + 3 * WG + _ROPE], own_uses & 1)\n"
+     "                _stamp(trace, steps, 1, WG)\n", 1),
+    ("            own_uses += 1\n", "            own_uses += 1\n            _stamp(trace, steps, 2, WG)\n", 1),
     # inside the QK (chunks in the order rope, own latent half, other half): the two halves landed
     ("    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr,",
      "    def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, trace, steps, WG: gl.constexpr,", 1),
@@ -155,43 +160,43 @@ EDITS = [
     ("        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n",
      "        mbarrier.wait(bars[_FULL + _RIGHT], phase)\n        _stamp(trace, steps, 11, 0)\n", 1),
     # consumer 0
-    ("                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
-     "                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n                    _stamp(trace, steps, 3, WG)\n",
+    ("            _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n",
+     "            _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)\n            _stamp(trace, steps, 3, WG)\n",
      1),
-    ("                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
-     "                    mbarrier.wait(bars[_M_READY + 1], steps & 1)\n                    _stamp(trace, steps, 4, WG)\n", 1),
-    ("                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n",
-     "                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n"
-     "                    _stamp(trace, steps, 5, WG)\n", 1),
+    ("            mbarrier.wait(bars[_M_READY + 1], steps & 1)\n",
+     "            mbarrier.wait(bars[_M_READY + 1], steps & 1)\n            _stamp(trace, steps, 4, WG)\n", 1),
+    ("            acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n",
+     "            acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)\n"
+     "            _stamp(trace, steps, 5, WG)\n", 1),
     # (before the arrive: stamped after it, with point 7 behind, ptxas serialised the wgmmas, C7515)
-    ("                    mbarrier.arrive(bars[_P_READY + 0])\n",
-     "                    _stamp(trace, steps, 6, WG)\n                    mbarrier.arrive(bars[_P_READY + 0])\n", 1),
-    ("                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n",
-     "                    acc = warpgroup_mma_wait(0, deps=[acc])\n                    _stamp(trace, steps, 7, WG)\n"
-     "                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n", 1),
-    ("                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n",
-     "                    mbarrier.wait(bars[_P_READY + 1], steps & 1)\n                    _stamp(trace, steps, 8, WG)\n", 1),
+    ("            mbarrier.arrive(bars[_P_READY + 0])\n",
+     "            _stamp(trace, steps, 6, WG)\n            mbarrier.arrive(bars[_P_READY + 0])\n", 1),
+    ("            acc = warpgroup_mma_wait(0, deps=[acc])\n            mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n",
+     "            acc = warpgroup_mma_wait(0, deps=[acc])\n            _stamp(trace, steps, 7, WG)\n"
+     "            mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])\n", 1),
+    ("            mbarrier.wait(bars[_P_READY + 1], steps & 1)\n",
+     "            mbarrier.wait(bars[_P_READY + 1], steps & 1)\n            _stamp(trace, steps, 8, WG)\n", 1),
     # consumer 1
-    ("                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n",
-     "                    mbarrier.wait(bars[_M_READY + 0], steps & 1)\n                    _stamp(trace, steps, 3, WG)\n", 1),
-    ("                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n",
-     "                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n"
-     "                    _stamp(trace, steps, 4, WG)\n", 1),
-    ("                    mbarrier.arrive(bars[_P_READY + 1])\n",
-     "                    mbarrier.arrive(bars[_P_READY + 1])\n                    _stamp(trace, steps, 5, WG)\n", 1),
-    ("                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
-     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",
-     "                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
-     "                        _stamp(trace, steps, 6, WG)\n"
-     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 7, WG)\n",
+    ("            mbarrier.wait(bars[_M_READY + 0], steps & 1)\n",
+     "            mbarrier.wait(bars[_M_READY + 0], steps & 1)\n            _stamp(trace, steps, 3, WG)\n", 1),
+    ("            _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n",
+     "            _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)\n"
+     "            _stamp(trace, steps, 4, WG)\n", 1),
+    ("            mbarrier.arrive(bars[_P_READY + 1])\n",
+     "            mbarrier.arrive(bars[_P_READY + 1])\n            _stamp(trace, steps, 5, WG)\n", 1),
+    ("                acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",
+     "                acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)\n"
+     "                _stamp(trace, steps, 6, WG)\n"
+     "                mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                _stamp(trace, steps, 7, WG)\n",
      1),
-    ("                    else:\n                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",  # no own tile
-     "                    else:\n                        _stamp(trace, steps, 6, WG)\n"
-     "                        mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                        _stamp(trace, steps, 7, WG)\n",
+    ("            else:\n                mbarrier.wait(bars[_P_READY + 0], steps & 1)\n",  # no own tile
+     "            else:\n                _stamp(trace, steps, 6, WG)\n"
+     "                mbarrier.wait(bars[_P_READY + 0], steps & 1)\n                _stamp(trace, steps, 7, WG)\n",
      1),
-    ("                        acc = warpgroup_mma_wait(1, deps=[acc])\n",
-     "                        acc = warpgroup_mma_wait(1, deps=[acc])\n                        _stamp(trace, steps, 8, WG)\n", 1),
-    ("                steps += 1\n", "                _stamp(trace, steps, 9, WG)\n                steps += 1\n", 1),
+    ("                acc = warpgroup_mma_wait(1, deps=[acc])\n",
+     "                acc = warpgroup_mma_wait(1, deps=[acc])\n                _stamp(trace, steps, 8, WG)\n", 1),
+    ("        steps += 1\n", "        _stamp(trace, steps, 9, WG)\n        steps += 1\n", 1),
     # the program's phases (PHASES)
     ("        gl.static_assert(num_warps == 4)\n", "        gl.static_assert(num_warps == 4)\n        _phase(trace, 0)\n", 1),
     ("        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n",

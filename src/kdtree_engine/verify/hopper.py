@@ -293,13 +293,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _qk_after_pv(s_q, q_rope, k_lat, k_rope, bars, phase, acc, p1, v1, pending,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr,
+                     PENDING: gl.constexpr):
         """Consumer 0's QK of its next tile (as :func:`_qk_chunks`), with its PV on the previous
         step's P1 (``pending``) issued ahead of it and retired once the QK's first two wgmmas are
         issued (then stage 1's left half is released), so the tensor cores have the QK queued
-        behind the PV, as FlashMLA's warpgroup 0 does."""
+        behind the PV, as FlashMLA's warpgroup 0 does. ``PENDING``: known to be pending (no branch)."""
         acc = warpgroup_mma_init(acc)
-        if pending:
+        if PENDING or pending:
             acc = warpgroup_mma(p1, v1, acc, is_async=True)
         mbarrier.wait(bars[_FULL + _ROPE], phase)
         fence_async_shared()
@@ -310,7 +311,7 @@ if HAVE_GLUON:
         b_s = warpgroup_mma(s_q.slice(0, HALF, dim=1), k_lat.slice(0, HALF, dim=1).permute((1, 0)), b_s,
                             is_async=True)
         acc = warpgroup_mma_wait(2, deps=[acc])  # the PV (when issued) has retired
-        if pending:
+        if PENDING or pending:
             mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
         mbarrier.wait(bars[_FULL + _RIGHT], phase)
         fence_async_shared()
@@ -319,6 +320,100 @@ if HAVE_GLUON:
         b_s = warpgroup_mma_wait(1, deps=[b_s])
         mbarrier.arrive(bars[_EMPTY + _ROPE])
         return warpgroup_mma_wait(0, deps=[b_s]), acc
+
+    @gluon.jit
+    def _consumer_step(j, acc, m_i, l_i, steps, own_uses, pending, kv_start, n_tiles, clean_end, kv_end, prefix,
+                       p_mask_rows, m_rows_s, mask_words, stride_mw, q_rope, scale_log2,
+                       s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars,
+                       WG: gl.constexpr, FULL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       HALF: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+        """Consumer ``WG``'s step j of a segment (see :func:`_ws_consumer`); returns the updated
+        ``acc, m_i, l_i, steps, own_uses, pending``. ``FULL``: the pair's two tiles exist and hold
+        prefix keys only, and consumer 0 has a PV pending (j > 0): the step then has no branch."""
+        P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        dt: gl.constexpr = s_q.dtype
+        start = kv_start + (2 * j + WG) * BLOCK_N
+        has_own = 2 * j + WG < n_tiles  # always true for consumer 0
+        has_other = 2 * j + 1 - WG < n_tiles  # always true for consumer 1
+        b_s = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, layout=S_L)
+        if FULL or has_own:
+            # zero, but not a constant to the compiler: with constant buffers the 72 wgmma descriptors
+            # of the QK are hoisted out of the loop and spilled (1 KB of local memory reloaded
+            # before every QK: 10.6k instead of 6.3k cycles per step on the H200, perf log run 17)
+            zero = j >> 30
+            if WG == 0:
+                b_s, acc = _qk_after_pv(s_q.index(zero), q_rope, s_k_lat.index(zero), s_k_rope.index(zero), bars,
+                                        own_uses & 1, acc, s_q_rope.index(zero),
+                                        s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending,
+                                        BLOCK_M, BLOCK_N, HALF, S_L, FULL)
+            else:
+                b_s = _qk_chunks(s_q.index(zero), q_rope, s_k_lat.index(WG + zero),
+                                 s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
+            own_uses += 1
+            if not FULL:
+                b_s = _mask_scores(b_s, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
+                                   mask_words, stride_mw, BLOCK_N, S_L)
+        v_own = s_k_lat.index(WG).slice(WG * HALF, HALF, dim=1)
+        v_other = s_k_lat.index(1 - WG).slice(WG * HALF, HALF, dim=1)
+        if WG == 0:
+            # m0 = running max with tile 2j; P0 against m0; then consumer 1's max m1 (>= m0)
+            # arrives, P0 is rescaled to it and O0 once (old max -> m1), and the PV issued
+            m0 = gl.maximum(m_i, gl.max(b_s, axis=1) * scale_log2)  # = max of the scaled scores
+            _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)
+            m0_use = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with nothing visible yet
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m0_use, 1))  # one FFMA a score
+            l_s = gl.sum(b_p, axis=1)
+            mbarrier.wait(bars[_M_READY + 1], steps & 1)
+            m1 = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
+            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+            # P0's factor to m1; where m0 = -inf P0 is zero and any finite factor does (m0_use's
+            # 0 would make exp2(-m1) overflow to inf, and 0 * inf NaN, for m1 below -128)
+            corr = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_use - m1_use))
+            alpha = gl.exp2(m_i - m1_use)
+            m_i = m1
+            l_i = l_i * alpha + l_s * corr
+            b_p = (b_p * gl.expand_dims(corr, 1)).to(dt)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)
+            s_p0.store(b_p)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars[_P_READY + 0])
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
+            mbarrier.wait(bars[_P_READY + 1], steps & 1)
+            pending = has_other  # its PV on P1 (over Q's rope columns): issued ahead of the next QK
+        else:
+            # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
+            mbarrier.wait(bars[_M_READY + 0], steps & 1)
+            m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1) * scale_log2)
+            _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
+            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+            alpha = gl.exp2(m_i - m1_use)
+            m_i = m1
+            b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m1_use, 1))
+            l_i = l_i * alpha + gl.sum(b_p, axis=1)
+            if FULL or has_own:
+                s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
+                fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars[_P_READY + 1])
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            if FULL or has_own:
+                acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
+                mbarrier.wait(bars[_P_READY + 0], steps & 1)
+                acc = warpgroup_mma(s_p0, v_other, acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                mbarrier.arrive(bars[_EMPTY + 3 * 1 + _RIGHT])
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                mbarrier.wait(bars[_P_READY + 0], steps & 1)
+                acc = warpgroup_mma(s_p0, v_other, acc)
+            mbarrier.arrive(bars[_EMPTY + 3 * 0 + _RIGHT])
+        steps += 1
+        return acc, m_i, l_i, steps, own_uses, pending
 
     @gluon.jit
     def _ws_consumer(kv_lens, qo_indptr, tree_mask, out, lse, prog_first_seg, seg_seq, seg_row0,
@@ -378,85 +473,24 @@ if HAVE_GLUON:
             n_seg += 1
             q_rope = s_q_rope.index(0).load(Q_DOT)
             pending = False  # consumer 0: its PV on the last step's P1 is still to be issued
-            for j in range(gl.cdiv(n_tiles, 2)):
-                start = kv_start + (2 * j + WG) * BLOCK_N
-                has_own = 2 * j + WG < n_tiles  # always true for consumer 0
-                has_other = 2 * j + 1 - WG < n_tiles  # always true for consumer 1
-                b_s = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, layout=S_L)
-                if has_own:
-                    # zero, but not a constant to the compiler: with constant buffers the 72 wgmma descriptors
-                    # of the QK are hoisted out of the loop and spilled (1 KB of local memory reloaded
-                    # before every QK: 10.6k instead of 6.3k cycles per step on the H200, perf log run 17)
-                    zero = j >> 30
-                    if WG == 0:
-                        b_s, acc = _qk_after_pv(s_q.index(zero), q_rope, s_k_lat.index(zero), s_k_rope.index(zero), bars,
-                                                own_uses & 1, acc, s_q_rope.index(zero),
-                                                s_k_lat.index(1 + zero).slice(0, HALF, dim=1), pending,
-                                                BLOCK_M, BLOCK_N, HALF, S_L)
-                    else:
-                        b_s = _qk_chunks(s_q.index(zero), q_rope, s_k_lat.index(WG + zero),
-                                         s_k_rope.index(WG + zero), bars, own_uses & 1, WG, BLOCK_M, BLOCK_N, HALF, S_L)
-                    own_uses += 1
-                    b_s = _mask_scores(b_s, start, clean_end, kv_end, prefix, p_mask_rows, m_rows_s,
-                                       mask_words, stride_mw, BLOCK_N, S_L)
-                v_own = s_k_lat.index(WG).slice(WG * HALF, HALF, dim=1)
-                v_other = s_k_lat.index(1 - WG).slice(WG * HALF, HALF, dim=1)
-                if WG == 0:
-                    # m0 = running max with tile 2j; P0 against m0; then consumer 1's max m1 (>= m0)
-                    # arrives, P0 is rescaled to it and O0 once (old max -> m1), and the PV issued
-                    m0 = gl.maximum(m_i, gl.max(b_s, axis=1) * scale_log2)  # = max of the scaled scores
-                    _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)
-                    m0_use = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with nothing visible yet
-                    b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m0_use, 1))  # one FFMA a score
-                    l_s = gl.sum(b_p, axis=1)
-                    mbarrier.wait(bars[_M_READY + 1], steps & 1)
-                    m1 = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
-                    m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                    # P0's factor to m1; where m0 = -inf P0 is zero and any finite factor does (m0_use's
-                    # 0 would make exp2(-m1) overflow to inf, and 0 * inf NaN, for m1 below -128)
-                    corr = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_use - m1_use))
-                    alpha = gl.exp2(m_i - m1_use)
-                    m_i = m1
-                    l_i = l_i * alpha + l_s * corr
-                    b_p = (b_p * gl.expand_dims(corr, 1)).to(dt)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                    acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)
-                    s_p0.store(b_p)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    mbarrier.arrive(bars[_P_READY + 0])
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _LEFT])
-                    mbarrier.wait(bars[_P_READY + 1], steps & 1)
-                    pending = has_other  # its PV on P1 (over Q's rope columns): issued ahead of the next QK
-                else:
-                    # m1 = max(m0, tile 2j + 1): P1 against the final max of the step
-                    mbarrier.wait(bars[_M_READY + 0], steps & 1)
-                    m1 = gl.maximum(s_rows.slice(0, BLOCK_M).load(ROW_S), gl.max(b_s, axis=1) * scale_log2)
-                    _publish_rows(s_rows.slice(BLOCK_M, BLOCK_M), m1, bars, 1)
-                    m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                    alpha = gl.exp2(m_i - m1_use)
-                    m_i = m1
-                    b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m1_use, 1))
-                    l_i = l_i * alpha + gl.sum(b_p, axis=1)
-                    if has_own:
-                        s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
-                        fence_async_shared()
-                    gl.thread_barrier()
-                    mbarrier.arrive(bars[_P_READY + 1])
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                    if has_own:
-                        acc = warpgroup_mma(gl.convert_layout(b_p.to(dt), P_DOT), v_own, acc, is_async=True)
-                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
-                        acc = warpgroup_mma(s_p0, v_other, acc, is_async=True)
-                        acc = warpgroup_mma_wait(1, deps=[acc])
-                        mbarrier.arrive(bars[_EMPTY + 3 * 1 + _RIGHT])
-                        acc = warpgroup_mma_wait(0, deps=[acc])
-                    else:
-                        mbarrier.wait(bars[_P_READY + 0], steps & 1)
-                        acc = warpgroup_mma(s_p0, v_other, acc)
-                    mbarrier.arrive(bars[_EMPTY + 3 * 0 + _RIGHT])
-                steps += 1
+            # step 0 (consumer 0 has no PV pending yet), then the pairs of two clean tiles with no
+            # branch in the step (a loop inside the first general step's iteration: one copy of each
+            # step's code), then the rest (tree-node tiles, the segment's end)
+            n_pairs = gl.cdiv(n_tiles, 2)
+            n_full = gl.maximum((clean_end - kv_start) // (2 * BLOCK_N), 1)
+            for t in range(0, gl.minimum(n_pairs, 1) + n_pairs - n_full):
+                j = gl.where(t == 0, 0, n_full + t - 1)
+                acc, m_i, l_i, steps, own_uses, pending = _consumer_step(
+                    j, acc, m_i, l_i, steps, own_uses, pending, kv_start, n_tiles, clean_end, kv_end, prefix,
+                    p_mask_rows, m_rows_s, mask_words, stride_mw, q_rope, scale_log2,
+                    s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars, WG, False, BLOCK_M, BLOCK_N, HALF, S_L, O_L)
+                if t == 0:
+                    for jf in range(1, n_full):
+                        acc, m_i, l_i, steps, own_uses, pending = _consumer_step(
+                            jf, acc, m_i, l_i, steps, own_uses, pending, kv_start, n_tiles, clean_end, kv_end,
+                            prefix, p_mask_rows, m_rows_s, mask_words, stride_mw, q_rope, scale_log2,
+                            s_q, s_q_rope, s_k_lat, s_k_rope, s_p0, s_rows, bars, WG, True, BLOCK_M, BLOCK_N, HALF,
+                            S_L, O_L)
             if WG == 0:
                 if pending:  # the segment's last P1
                     acc = warpgroup_mma(s_q_rope.index(0), s_k_lat.index(1).slice(0, HALF, dim=1), acc)
