@@ -37,6 +37,9 @@
 #ifndef KD_RUNTIME_MORE
 #define KD_RUNTIME_MORE 0  // one loop over every step, whether a next pair exists tested at run time in the step
 #endif
+#ifndef KD_STAMPS
+#define KD_STAMPS 0  // each warpgroup's thread 0 stamps %clock64 at STAMP_POINTS points of its first STAMP_STEPS steps
+#endif
 #ifndef KD_P1_AFTER_BOTH
 #define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
 #endif
@@ -262,6 +265,7 @@ struct Params {
     int n_tiles;           // even, >= 2
     int part_ctas;         // CTAs that read the same tiles (adjacent in blockIdx), sharing the L2 prefetch
     float scale_log2;      // softmax scale x log2(e)
+    long long* stamps;     // with KD_STAMPS: [num_cta, 2, STAMP_STEPS, STAMP_POINTS] clock64 values
 };
 
 // k16 step ks of this thread's P (its S values after the softmax) as an A operand
@@ -359,7 +363,22 @@ struct StepContext {
     int row0, row1, warp, lane, part_ctas, steps;
     bool issuer;
     float sl2;
+    long long* stamps;  // this CTA's and warpgroup's [STAMP_STEPS, STAMP_POINTS] (KD_STAMPS)
 };
+
+constexpr int STAMP_STEPS = 64, STAMP_POINTS = 8;
+
+// point k of step j (KD_STAMPS): wg 0: 0 start, 1 m0 published, 2 P0 V0 retired, 3 m1 arrived,
+// 4 P0 stored, 5 P1 arrived, 6 QK's first half issued and P1 V1 retired, 7 end; wg 1: 0 start,
+// 1 m0 arrived, 2 m1 published, 3 P1 stored and its PV issued, 4 P0 arrived, 5 P1 V1 retired,
+// 6 P0 V0 retired, 7 end
+__device__ __forceinline__ void stamp(const StepContext& ctx, int j, int k) {
+    if (KD_STAMPS && ctx.issuer && j < STAMP_STEPS) {
+        long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) :: "memory");
+        ctx.stamps[j * STAMP_POINTS + k] = t;
+    }
+}
 
 // the next pair's page rows, read at the step's start: a load issued at the refill would wait there
 __device__ __forceinline__ int2 next_rows(const StepContext& ctx, int j, bool more) {
@@ -376,6 +395,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     const int2 next = next_rows(ctx, j, MORE);
     float mx[2], sum[2];
     uint32_t pa[4][4];
+    stamp(ctx, j, 0);
     row_max(s, mx);
     if (KD_PREFETCH && ctx.issuer && j + 2 < ctx.steps)
         for (int k = blockIdx.x % ctx.part_ctas; k < 2 * CHUNKS; k += ctx.part_ctas)
@@ -394,6 +414,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
     scale_rows(o, f0);
     named_arrive(BAR_FACTOR0);
+    stamp(ctx, j, 1);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
     hold(o);
@@ -403,8 +424,10 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     wgmma_commit();
     wgmma_wait<0>();
     hold(o);
+    stamp(ctx, j, 2);
     if (MORE && ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 0, next.x);
     named_sync(BAR_FACTOR1);
+    stamp(ctx, j, 3);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
 #pragma unroll
@@ -414,9 +437,11 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     }
     fence_proxy_async();
     named_arrive(BAR_P0);
+    stamp(ctx, j, 4);
     scale_rows(o, f1);
     for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
     named_sync(BAR_P1);
+    stamp(ctx, j, 5);
     hold(o);
     wgmma_fence();
 #pragma unroll
@@ -426,6 +451,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
 #pragma unroll
         for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk0, ctx.sm->k_full[0], c, parity, c == 0);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
+        stamp(ctx, j, 6);
         if (ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 1, next.y);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
@@ -434,6 +460,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     wgmma_wait<0>();
     hold(o);
     hold(s);
+    stamp(ctx, j, 7);
 }
 
 // wg 1's step j (tile 2j + 1 in stage 1)
@@ -445,8 +472,10 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     const int2 next = next_rows(ctx, j, MORE);
     float mx[2], sum[2];
     uint32_t pa[4][4];
+    stamp(ctx, j, 0);
     row_max(s, mx);
     named_sync(BAR_FACTOR0);
+    stamp(ctx, j, 1);
     float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
     float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
     float m_new[2], f[2];
@@ -467,6 +496,7 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     }
     scale_rows(o, f);
     named_arrive(BAR_FACTOR1);
+    stamp(ctx, j, 2);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         p_fragment(pa[ks], s, ks);
@@ -479,7 +509,9 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv1, 4 * CHUNK_BYTES + ks * 2048), 1);
     wgmma_commit();
     if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+    stamp(ctx, j, 3);
     named_sync(BAR_P0);
+    stamp(ctx, j, 4);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
         wgmma_pv_ss(o, at(ctx.dp0, ks * 32), at(ctx.dv0, 4 * CHUNK_BYTES + ks * 2048), 1);
@@ -487,8 +519,10 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     if (MORE) {
         wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
+        stamp(ctx, j, 5);
         if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.y);
         wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
+        stamp(ctx, j, 6);
         if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.x);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
@@ -499,6 +533,7 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     wgmma_wait<0>();
     hold(o);
     hold(s);
+    stamp(ctx, j, 7);
 }
 
 __global__ void __launch_bounds__(THREADS, 1)
@@ -547,7 +582,8 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     hold(s);
 
     const StepContext ctx{sm, &kv_map, rows, dq, dk0, dk1, dp0, dp1, dv0, dv1, p0, p1, row0, row1, warp, lane,
-                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2};
+                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
+                          p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
     // each warpgroup its own loop, the last step apart: no branch on the warpgroup or on a next pair
     // inside a step (FlashMLA's layout of the two loops)
     if (KD_RUNTIME_MORE) {
@@ -617,15 +653,18 @@ int make_map(CUtensorMap* map, const void* base, unsigned long long rows) {
 
 extern "C" int kd_step_smem_bytes() { return int(sizeof(Smem) + 1024); }
 
+// the stamps buffer a launch of num_cta CTAs needs with KD_STAMPS (int64 values)
+extern "C" int kd_step_stamp_values(int num_cta) { return num_cta * 2 * STAMP_STEPS * STAMP_POINTS; }
+
 extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const void* kv, unsigned long long kv_rows,
                               const int* tile_rows, const int* q_block, float* out, float* lse, int num_cta,
-                              int n_tiles, int part_ctas, float scale_log2, void* stream) {
+                              int n_tiles, int part_ctas, float scale_log2, long long* stamps, void* stream) {
     if (n_tiles < 2 || n_tiles % 2) return 3;
     CUtensorMap q_map, kv_map;
     if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
     const int smem = kd_step_smem_bytes();
     if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 4;
-    Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2};
+    Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps};
     step_kernel<<<num_cta, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(q_map, kv_map, p);
     return cudaGetLastError() == cudaSuccess ? 0 : 2;
 }

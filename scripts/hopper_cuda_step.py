@@ -2,7 +2,8 @@
 checked against a float64 reference, and timed on long prefixes with the CTAs laid out as the
 Hopper kernel's KV parts schedule lays out its programs (docs/perf_log.md, run 45).
 
-    PYTHONPATH=src python3 scripts/hopper_cuda_step.py [--variants NAME=FLAGS;...] [--json FILE]
+    PYTHONPATH=src python3 scripts/hopper_cuda_step.py [--variants NAME=FLAGS;...] [--flashmla DIR] [--stamps]
+                                                       [--json FILE]
 
 Variants are builds of the same source with preprocessor flags (the KD_* macros at its top), timed
 in turn in each round (the clock drifts at the power limit), samples pooled.
@@ -42,15 +43,16 @@ def build(out_dir: Path, name: str, flags: str) -> ctypes.CDLL:
     so.kd_step_launch.restype = ctypes.c_int
     so.kd_step_launch.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_ulonglong,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    so.kd_step_stamp_values.restype = ctypes.c_int
     return so
 
 
-def launch(so, q, kv, tile_rows, q_block, part_ctas, out, lse, scale):
+def launch(so, q, kv, tile_rows, q_block, part_ctas, out, lse, scale, stamps=None):
     rc = so.kd_step_launch(q.data_ptr(), q.shape[0], kv.data_ptr(), kv.shape[0], tile_rows.data_ptr(),
                            q_block.data_ptr(), out.data_ptr(), lse.data_ptr(), tile_rows.shape[0],
                            tile_rows.shape[1], part_ctas, scale * math.log2(math.e),
-                           torch.cuda.current_stream().cuda_stream)
+                           None if stamps is None else stamps.data_ptr(), torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"kd_step_launch returned {rc}")
 
@@ -102,22 +104,51 @@ def flashmla_call(path: str, H: int, n: int, B: int, prefix: int, scale: float, 
     return lambda: fm.dense_decode_fwd(q, kv_cache, 512, kv_lens, page_table, scale, True, meta, num_splits)
 
 
+STAMP_STEPS, STAMP_POINTS = 64, 8  # the source's
+STAMP_NAMES = (("start", "m0 published", "P0 V0 retired", "m1 arrived", "P0 stored", "P1 arrived",
+                "QK half 1 issued, P1 V1 retired", "end"),
+               ("start", "m0 arrived", "m1 published", "P1 stored, PV issued", "P0 arrived", "P1 V1 retired",
+                "P0 V0 retired", "end"))
+
+
+def print_stamps(name: str, stamps: torch.Tensor, steps: int) -> dict:
+    """Median over CTAs and steps 2 .. of each point's cycles after the point before it (point 0:
+    after the last point of the step before), and of a step, for each warpgroup."""
+    t = stamps.view(-1, 2, STAMP_STEPS, STAMP_POINTS)[:, :, :min(steps, STAMP_STEPS)].double()
+    out = {}
+    for wg in range(2):
+        x = t[:, wg]
+        d = torch.diff(x, dim=-1)  # [C, S, P - 1]
+        first = x[:, 1:, 0] - x[:, :-1, -1]
+        step = x[:, 1:, 0] - x[:, :-1, 0]
+        row = {"step": step[:, 1:].median().item(), STAMP_NAMES[wg][0]: first[:, 1:].median().item()}
+        for k in range(1, STAMP_POINTS):
+            row[STAMP_NAMES[wg][k]] = d[:, 2:, k - 1].median().item()
+        out[f"wg{wg}"] = row
+        print(f"{name} wg {wg}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="base=", help="NAME=FLAGS;... (default: the source as it is)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10, help="calls of a variant a round, timed together")
+    ap.add_argument("--stamps", action="store_true", help="also build each variant with -DKD_STAMPS=1 and print "
+                    "its step's timeline (cycles between the points of each warpgroup)")
     ap.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) on each shape")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out_dir = Path(tempfile.mkdtemp())
-    variants = {}
+    variants, stamped = {}, {}
     for item in a.variants.split(";"):
         name, _, flags = item.partition("=")
         variants[name] = build(out_dir, name, flags)
+        if a.stamps:
+            stamped[name] = build(out_dir, f"{name}_stamps", f"{flags} -DKD_STAMPS=1")
     gen = torch.Generator().manual_seed(0)
     scale = 576 ** -0.5
     result = {"gpu": torch.cuda.get_device_name(dev), "variants": a.variants, "checks": [], "shapes": []}
@@ -177,6 +208,12 @@ def main() -> int:
                   f"{us / rows.shape[1]:.3f} us a tile a CTA, {us / base:.3f} of {names[0]}")
             result["shapes"].append(dict(shape=shape, variant=name, ctas=rows.shape[0], tiles=rows.shape[1],
                                          median_us=us, min_us=t[0], us_per_tile=us / rows.shape[1]))
+        for name, so in stamped.items():  # the stamped copy once, warm, after the timing
+            stamps = torch.zeros(so.kd_step_stamp_values(rows.shape[0]), dtype=torch.int64, device=dev)
+            launch(so, q, kv, rows, q_block, R, out, lse, scale, stamps)
+            torch.cuda.synchronize()
+            result.setdefault("stamps", {})[f"{shape} {name}"] = print_stamps(f"{shape} {name}", stamps,
+                                                                             rows.shape[1] // 2)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0 if all(c["ok"] for c in result["checks"]) else 1
