@@ -663,7 +663,9 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
     CUtensorMap q_map, kv_map;
     if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
     const int smem = kd_step_smem_bytes();
-    if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 4;
+    static const bool smem_set =  // once: the size does not change
+        cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
+    if (!smem_set) return 4;
     Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps};
     step_kernel<<<num_cta, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(q_map, kv_map, p);
     return cudaGetLastError() == cudaSuccess ? 0 : 2;

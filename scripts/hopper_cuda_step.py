@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kdtree_engine.bench.flashmla import load_flashmla_module
+
 SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = ("64x33x4x131072", "16x9x4x131072", "16x9x1x131072", "16x9x4x16384")
 
@@ -87,13 +89,9 @@ def reference(q, kv, tile_rows, q_block, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-def flashmla_call(path: str, H: int, n: int, B: int, prefix: int, scale: float, dev):
-    """FlashMLA's decode of the same shape as a chain tree (its causal mask), pages of 64 shuffled:
-    a function making one call (FlashMLA's main kernel and its combine)."""
-    sys.path.insert(0, path)
-    from flashmla_peer import load_flashmla
-
-    fm = load_flashmla()
+def flashmla_call(fm, H: int, n: int, B: int, prefix: int, scale: float, dev):
+    """FlashMLA (``fm``, the loaded extension) on the same shape as a chain tree (its causal mask),
+    pages of 64 shuffled: a function making one call (FlashMLA's main kernel and its combine)."""
     kv_len = prefix + n
     pages = -(-kv_len // 64)
     kv_cache = torch.randn(B * pages, 64, 1, 576, device=dev, dtype=torch.bfloat16)
@@ -149,6 +147,7 @@ def main() -> int:
         variants[name] = build(out_dir, name, flags)
         if a.stamps:
             stamped[name] = build(out_dir, f"{name}_stamps", f"{flags} -DKD_STAMPS=1")
+    fm = load_flashmla_module(a.flashmla) if a.flashmla else None
     gen = torch.Generator().manual_seed(0)
     scale = 576 ** -0.5
     result = {"gpu": torch.cuda.get_device_name(dev), "variants": a.variants, "checks": [], "shapes": []}
@@ -183,8 +182,8 @@ def main() -> int:
         lse = torch.empty((rows.shape[0], 64), device=dev)
         calls = {name: (lambda so=so: launch(so, q, kv, rows, q_block, R, out, lse, scale))
                  for name, so in variants.items()}
-        if a.flashmla:
-            calls["flashmla"] = flashmla_call(a.flashmla, H, n, B, prefix, scale, dev)
+        if fm is not None:
+            calls["flashmla"] = flashmla_call(fm, H, n, B, prefix, scale, dev)
         samples = {name: [] for name in calls}
         names = list(calls)
         for rnd in range(a.rounds):
