@@ -358,7 +358,20 @@ struct StepContext {
     Smem* sm;
     const CUtensorMap* kv_map;
     const int* rows;
-    uint64_t dq, dk0, dk1, dp0, dp1, dv0, dv1;  // descriptors of Q, the K stages, the P tiles, V
+    uint64_t kd, vd;  // K-major and V (MN-major) descriptors of the shared memory's base (sm)
+    // each buffer's descriptor: the base's plus a constant offset (two registers, not one pair a buffer)
+    __device__ __forceinline__ uint64_t dq() const { return at(kd, offsetof(Smem, q)); }
+    __device__ __forceinline__ uint64_t dk(int stage) const { return at(kd, offsetof(Smem, k) + stage * TILE_BYTES); }
+    __device__ __forceinline__ uint64_t dp0() const { return at(kd, offsetof(Smem, p0)); }
+    __device__ __forceinline__ uint64_t dp1() const { return at(kd, offsetof(Smem, q) + 8 * CHUNK_BYTES); }
+    __device__ __forceinline__ uint64_t dv(int stage) const { return at(vd, offsetof(Smem, k) + stage * TILE_BYTES); }
+    // a copy whose base descriptors the compiler cannot see through: taken at each step's start, it keeps
+    // the step's ~50 descriptors from being hoisted out of the loop and spilled (made from the base per use)
+    __device__ __forceinline__ StepContext opaque() const {
+        StepContext c = *this;
+        asm volatile("" : "+l"(c.kd), "+l"(c.vd));
+        return c;
+    }
     uint32_t p0, p1;
     int row0, row1, warp, lane, part_ctas, steps;
     bool issuer;
@@ -388,9 +401,10 @@ __device__ __forceinline__ int2 next_rows(const StepContext& ctx, int j, bool mo
 // wg 0's step j (tile 2j in stage 0; see the file's head); MORE_STATIC: a next pair exists (more: the same,
 // known at run time, taken with KD_RUNTIME_MORE)
 template <bool MORE_STATIC>
-__device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool more, float (&s)[32], float (&o)[128],
+__device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32], float (&o)[128],
                                          float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
+    const StepContext ctx = shared_ctx.opaque();
     const int parity = (j + 1) & 1;
     const int2 next = next_rows(ctx, j, MORE);
     float mx[2], sum[2];
@@ -420,7 +434,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv0, ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
     wgmma_commit();
     wgmma_wait<0>();
     hold(o);
@@ -445,17 +459,17 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1, ks * 32), at(ctx.dv1, ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
     wgmma_commit();
     if (MORE) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk0, ctx.sm->k_full[0], c, parity, c == 0);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, c == 0);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
         stamp(ctx, j, 6);
         if (ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 1, next.y);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
-            qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk0, ctx.sm->k_full[0], c, parity, false);
+            qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, false);
     }
     wgmma_wait<0>();
     hold(o);
@@ -465,9 +479,10 @@ __device__ __forceinline__ void wg0_step(const StepContext& ctx, int j, bool mor
 
 // wg 1's step j (tile 2j + 1 in stage 1)
 template <bool MORE_STATIC>
-__device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool more, float (&s)[32], float (&o)[128],
+__device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32], float (&o)[128],
                                          float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
+    const StepContext ctx = shared_ctx.opaque();
     const int parity = (j + 1) & 1;
     const int2 next = next_rows(ctx, j, MORE);
     float mx[2], sum[2];
@@ -506,7 +521,7 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv1, 4 * CHUNK_BYTES + ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
     wgmma_commit();
     if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     stamp(ctx, j, 3);
@@ -514,7 +529,7 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
     stamp(ctx, j, 4);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
-        wgmma_pv_ss(o, at(ctx.dp0, ks * 32), at(ctx.dv0, 4 * CHUNK_BYTES + ks * 2048), 1);
+        wgmma_pv_ss(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
     wgmma_commit();
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     if (MORE) {
@@ -526,9 +541,9 @@ __device__ __forceinline__ void wg1_step(const StepContext& ctx, int j, bool mor
         if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.x);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
-            qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk1, ctx.sm->k_full[1], c, parity, c == 4);
+            qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, c == 4);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq, ctx.dk1, ctx.sm->k_full[1], c, parity, false);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, false);
     }
     wgmma_wait<0>();
     hold(o);
@@ -540,14 +555,18 @@ __global__ void __launch_bounds__(THREADS, 1)
 step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map, const Params p) {
     extern __shared__ uint8_t smem_raw[];
     Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp (as
+    // CUTLASS's canonical_warp_group_idx): branches on it are then uniform, and values made inside them
+    // can stay in uniform registers
+    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
+              lane = t % 32;
     const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
     const bool issuer = t == 0;
     const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles;
-    const uint32_t q = smem_addr(sm->q), k0 = smem_addr(sm->k[0]), k1 = smem_addr(sm->k[1]);
-    const uint32_t p0 = smem_addr(sm->p0), p1 = q + 8 * CHUNK_BYTES;
-    const uint64_t dq = k_major(q), dk0 = k_major(k0), dk1 = k_major(k1), dp0 = k_major(p0), dp1 = k_major(p1);
-    const uint64_t dv0 = mn_major_v(k0), dv1 = mn_major_v(k1);
+    const uint32_t base = smem_addr(sm), p0 = smem_addr(sm->p0), p1 = smem_addr(sm->q) + 8 * CHUNK_BYTES;
+    const StepContext ctx{sm, &kv_map, rows, k_major(base), mn_major_v(base), p0, p1, row0, row1, warp, lane,
+                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
+                          p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s)
@@ -577,13 +596,10 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     wgmma_fence();
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
-        qk_chunk_when_landed(s, qr, dq, wg == 0 ? dk0 : dk1, sm->k_full[wg], c, 0, c == 0);
+        qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(wg), sm->k_full[wg], c, 0, c == 0);
     wgmma_wait<0>();
     hold(s);
 
-    const StepContext ctx{sm, &kv_map, rows, dq, dk0, dk1, dp0, dp1, dv0, dv1, p0, p1, row0, row1, warp, lane,
-                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
-                          p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
     // each warpgroup its own loop, the last step apart: no branch on the warpgroup or on a next pair
     // inside a step (FlashMLA's layout of the two loops)
     if (KD_RUNTIME_MORE) {
