@@ -1,9 +1,9 @@
 // Spike: the Hopper verify kernel's step (one 64-row query block against KV tiles of 64 rows) in
 // CUDA C++, to measure what a step costs outside Gluon (docs/perf_log.md, run 45). Not the
 // library's kernel: no tree mask, no page table below 64, no split merge. Each CTA (256 threads,
-// two math warpgroups, no loader) runs query block q_block[cta] against the n_tiles KV tiles whose
-// first rows are tile_rows[cta, :], and writes its normalised output [64, 512] (fp32) and the
-// log-sum-exp of its scores (natural log) for each row.
+// two math warpgroups, no loader; with KD_MULTICAST a producer warpgroup too, and clusters) runs query
+// block q_block[cta] against the n_tiles KV tiles whose first rows are tile_rows[cta, :], and writes
+// its normalised output [64, 512] (fp32) and the log-sum-exp of its scores (natural log) for each row.
 //
 // Step j (tiles 2j and 2j+1; warpgroup w owns K stage w, i.e. tile 2j + w, and output columns
 // [256w, 256w + 256)):
@@ -43,6 +43,13 @@
 #ifndef KD_P1_AFTER_BOTH
 #define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
 #endif
+#ifndef KD_MULTICAST
+// C > 0: a producer warpgroup refills the K chunks, and the C CTAs of a cluster (C divides the CTAs of a KV
+// part, which read the same tiles: 3 for the checks and the default shapes) share each load: a chunk's
+// refill is issued once, by the CTA that owns it (chunk % C), when all C CTAs released it, and TMA
+// multicasts it into each CTA's stage (C = 1: the producer alone, the control)
+#define KD_MULTICAST 0
+#endif
 
 namespace {
 
@@ -53,7 +60,13 @@ constexpr int D_V = 512;
 constexpr int CHUNKS = D_QK / 64;  // 64-column chunks of a tile (one 128-byte swizzle atom wide)
 constexpr int CHUNK_BYTES = BN * 64 * 2;
 constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
-constexpr int THREADS = 256;
+constexpr int THREADS = 256;  // the two math warpgroups
+constexpr int CLUSTER = KD_MULTICAST > 0 ? KD_MULTICAST : 1;
+// KD_MULTICAST: and a producer warpgroup (one thread of it works), its registers given to the math
+// warpgroups (setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536)
+constexpr int LAUNCH_THREADS = THREADS + (KD_MULTICAST > 0 ? 128 : 0);
+constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;
+static_assert(CLUSTER <= 8 && !(KD_MULTICAST && KD_PREFETCH), "KD_MULTICAST: clusters of at most 8, no L2 prefetch");
 
 struct __align__(1024) Smem {
     uint8_t q[TILE_BYTES];        // Q in 9 chunks; chunk 8 (rope) holds wg 1's P once loaded to registers
@@ -63,11 +76,12 @@ struct __align__(1024) Smem {
     float factor0[BM], factor1[BM];
     float row_sum[2][BM];
     uint64_t k_full[2][CHUNKS];
+    uint64_t k_empty[2][CHUNKS];  // KD_MULTICAST: the owner CTA's, one arrival from each CTA of the cluster
     uint64_t q_full;
 };
 
 // named barriers (0 is __syncthreads)
-enum { BAR_FACTOR0 = 1, BAR_FACTOR1 = 2, BAR_P0 = 3, BAR_P1 = 4 };
+enum { BAR_FACTOR0 = 1, BAR_FACTOR1 = 2, BAR_P0 = 3, BAR_P1 = 4, BAR_MATH = 5 /* the math warpgroups alone */ };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -124,6 +138,53 @@ __device__ __forceinline__ void tma_load_chunk_evict_first(void* dst, const CUte
 __device__ __forceinline__ void tma_prefetch_chunk(const CUtensorMap* map, int col, int row) {
     asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(col), "r"(row)
                  : "memory");
+}
+
+// KD_MULTICAST: chunk refills shared by the CTAs of a cluster
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// one arrival on the barrier at bar's offset in CTA cta of the cluster (this CTA's own with clusters of 1)
+__device__ __forceinline__ void mbar_arrive_in(uint64_t* bar, uint32_t cta) {
+    if (CLUSTER == 1)
+        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+    else
+        asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                     "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}"
+                     :: "r"(smem_addr(bar)), "r"(cta) : "memory");
+}
+
+// wait for a phase of a barrier that other CTAs of the cluster arrive on
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// a chunk into the same offset of each CTA of the cluster in cta_mask, each CTA's barrier at bar's offset
+// told its bytes
+__device__ __forceinline__ void tma_multicast_chunk(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row,
+                                                    uint16_t cta_mask) {
+    if (KD_EVICT_FIRST)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5, %6;"
+            :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "h"(cta_mask),
+               "l"(0x12F0000000000000ull) : "memory");
+    else
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [%0], [%1, {%3, %4}], [%2], %5;"
+            :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "h"(cta_mask) : "memory");
 }
 
 __device__ __forceinline__ void fence_proxy_async() {
@@ -353,6 +414,17 @@ __device__ __forceinline__ void load_chunks(Smem* sm, const CUtensorMap* kv_map,
     }
 }
 
+// KD_MULTICAST: this CTA is done with chunks [C0, C1) of a stage: its barriers expect the refill's bytes,
+// then each chunk's owner (chunk % CLUSTER) is told, which issues the refill once all CTAs released it
+template <int C0, int C1>
+__device__ __forceinline__ void release_chunks(Smem* sm, int stage) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c) {
+        mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+        mbar_arrive_in(&sm->k_empty[stage][c], c % CLUSTER);
+    }
+}
+
 // what a warpgroup's step reads besides its registers
 struct StepContext {
     Smem* sm;
@@ -380,6 +452,50 @@ struct StepContext {
 };
 
 constexpr int STAMP_STEPS = 64, STAMP_POINTS = 8;
+
+// the refill of chunks [C0, C1) of a stage with the tile at KV row `row`, issued by their last reader: the
+// TMA loads themselves, or with KD_MULTICAST this CTA's release of them to the chunks' owners
+template <int C0, int C1>
+__device__ __forceinline__ void refill(const StepContext& ctx, int stage, int row) {
+    if (KD_MULTICAST)
+        release_chunks<C0, C1>(ctx.sm, stage);
+    else
+        load_chunks<C0, C1>(ctx.sm, ctx.kv_map, stage, row);
+}
+
+// KD_MULTICAST: the producer warpgroup's first thread. Issues this CTA's share of every refill (the chunks it owns,
+// chunk % CLUSTER == its rank), each once every CTA of the cluster released it, multicast to all of them:
+// the first pair, then pair j + 1 once step j released it, in the order the steps release the chunks
+// (stage 0's left half: wg 0 after P0 V0; stage 1's right half and rope: wg 1 after P1 V1; stage 0's
+// right half and rope: wg 1 after P0 V0; stage 1's left half: wg 0 after P1 V1, at step j + 1's start)
+__device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, const int* rows, int steps) {
+    const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+    const uint16_t all = uint16_t((1u << CLUSTER) - 1);
+    auto issue = [&](int stage, int c, int row) {
+        if (CLUSTER > 1)
+            tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row, all);
+        else if (KD_EVICT_FIRST)
+            tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+        else
+            tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+    };
+    for (int stage = 0; stage < 2; ++stage)
+        for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, rows[stage]);
+    const int order[4][3] = {{0, 0, 4}, {1, 4, CHUNKS}, {0, 4, CHUNKS}, {1, 0, 4}};  // stage, first, end chunk
+#pragma unroll 1
+    for (int j = 0; j + 1 < steps; ++j) {
+        const int row[2] = {rows[2 * j + 2], rows[2 * j + 3]};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int stage = order[k][0];
+            for (int c = order[k][1]; c < order[k][2]; ++c) {
+                if (c % CLUSTER != int(rank)) continue;
+                mbar_wait_cluster(&sm->k_empty[stage][c], j & 1);
+                issue(stage, c, row[stage]);
+            }
+        }
+    }
+}
 
 // point k of step j (KD_STAMPS): wg 0: 0 start, 1 m0 published, 2 P0 V0 retired, 3 m1 arrived,
 // 4 P0 stored, 5 P1 arrived, 6 QK's first half issued and P1 V1 retired, 7 end; wg 1: 0 start,
@@ -439,7 +555,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
     wgmma_wait<0>();
     hold(o);
     stamp(ctx, j, 2);
-    if (MORE && ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 0, next.x);
+    if (MORE && ctx.issuer) refill<0, 4>(ctx, 0, next.x);
     named_sync(BAR_FACTOR1);
     stamp(ctx, j, 3);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
@@ -466,7 +582,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
         for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, c == 0);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
         stamp(ctx, j, 6);
-        if (ctx.issuer) load_chunks<0, 4>(ctx.sm, ctx.kv_map, 1, next.y);
+        if (ctx.issuer) refill<0, 4>(ctx, 1, next.y);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
             qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, false);
@@ -535,10 +651,10 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, b
     if (MORE) {
         wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
         stamp(ctx, j, 5);
-        if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.y);
+        if (ctx.issuer) refill<4, CHUNKS>(ctx, 1, next.y);
         wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
         stamp(ctx, j, 6);
-        if (ctx.issuer) load_chunks<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.x);
+        if (ctx.issuer) refill<4, CHUNKS>(ctx, 0, next.x);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c)
             qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, c == 4);
@@ -551,44 +667,16 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, b
     stamp(ctx, j, 7);
 }
 
-__global__ void __launch_bounds__(THREADS, 1)
-step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map, const Params p) {
-    extern __shared__ uint8_t smem_raw[];
-    Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
-    // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp (as
-    // CUTLASS's canonical_warp_group_idx): branches on it are then uniform, and values made inside them
-    // can stay in uniform registers
-    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
-              lane = t % 32;
-    const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
-    const bool issuer = t == 0;
-    const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles;
-    const uint32_t base = smem_addr(sm), p0 = smem_addr(sm->p0), p1 = smem_addr(sm->q) + 8 * CHUNK_BYTES;
-    const StepContext ctx{sm, &kv_map, rows, k_major(base), mn_major_v(base), p0, p1, row0, row1, warp, lane,
-                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
-                          p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < 2; ++s)
-            for (int c = 0; c < CHUNKS; ++c) mbar_init(&sm->k_full[s][c], 1);
-        mbar_init(&sm->q_full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        mbar_expect_tx(&sm->q_full, TILE_BYTES);
-        for (int c = 0; c < CHUNKS; ++c)
-            tma_load_chunk(sm->q + c * CHUNK_BYTES, &q_map, &sm->q_full, c * 64, p.q_block[blockIdx.x] * BM);
-    }
-    if (issuer) load_chunks<0, CHUNKS>(sm, &kv_map, wg, rows[wg]);
-
+// the two math warpgroups' part of step_kernel: the steps, then the normalised output and LSE
+__device__ __forceinline__ void math_warpgroups(const Params& p, const StepContext& ctx, int wg, int warp, int lane,
+                                                int row0, int row1, uint32_t p1) {
+    Smem* sm = ctx.sm;
     // Q's rope columns to registers (A fragments), then chunk 8 is free for wg 1's P
     mbar_wait(&sm->q_full, 0);
     uint32_t qr[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(qr[ks], frag_row_addr(p1, warp, lane, ks));
-    __syncthreads();
+    named_sync(BAR_MATH);
 
     float s[32], o[128], rsum[2] = {0.f, 0.f};
 #pragma unroll
@@ -627,7 +715,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
         rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 2);
     }
     if ((lane & 3) == 0) sm->row_sum[wg][row0] = rsum[0], sm->row_sum[wg][row1] = rsum[1];
-    __syncthreads();
+    named_sync(BAR_MATH);
     const int rr[2] = {row0, row1};
     float* out = p.out + size_t(blockIdx.x) * BM * D_V + wg * 256 + 2 * (lane & 3);
 #pragma unroll
@@ -640,6 +728,58 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
         if (wg == 0 && (lane & 3) == 0)
             p.lse[blockIdx.x * BM + rr[r]] = (sm->row_max[rr[r]] + __log2f(l)) * 0.6931471805599453f;
     }
+}
+
+__global__ void __launch_bounds__(LAUNCH_THREADS, 1)
+step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map, const Params p) {
+    extern __shared__ uint8_t smem_raw[];
+    Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp (as
+    // CUTLASS's canonical_warp_group_idx): branches on it are then uniform, and values made inside them
+    // can stay in uniform registers
+    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
+              lane = t % 32;
+    const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
+    const bool issuer = t == 0 && wg < 2;  // a math warpgroup's first thread
+    const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles;
+    const uint32_t base = smem_addr(sm), p0 = smem_addr(sm->p0), p1 = smem_addr(sm->q) + 8 * CHUNK_BYTES;
+    const StepContext ctx{sm, &kv_map, rows, k_major(base), mn_major_v(base), p0, p1, row0, row1, warp, lane,
+                          p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
+                          p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s)
+            for (int c = 0; c < CHUNKS; ++c) {
+                mbar_init(&sm->k_full[s][c], 1);
+                mbar_init(&sm->k_empty[s][c], CLUSTER);
+            }
+        mbar_init(&sm->q_full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&sm->q_full, TILE_BYTES);
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_load_chunk(sm->q + c * CHUNK_BYTES, &q_map, &sm->q_full, c * 64, p.q_block[blockIdx.x] * BM);
+        if (KD_MULTICAST)  // the first pair's bytes, expected before any CTA's producer issues them
+            for (int s = 0; s < 2; ++s)
+                for (int c = 0; c < CHUNKS; ++c) mbar_expect_tx(&sm->k_full[s][c], CHUNK_BYTES);
+    }
+    if (!KD_MULTICAST) {
+        if (issuer) load_chunks<0, CHUNKS>(sm, &kv_map, wg, rows[wg]);
+        math_warpgroups(p, ctx, wg, warp, lane, row0, row1, p1);
+        return;
+    }
+    cluster_sync();  // every CTA's barriers initialised and armed before a multicast lands in it
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+        if (t == 0) produce(sm, &kv_map, rows, p.n_tiles / 2);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
+        math_warpgroups(p, ctx, wg, warp, lane, row0, row1, p1);
+    }
+    cluster_sync();  // no CTA leaves while another may still signal its barriers
 }
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -676,6 +816,7 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
                               const int* tile_rows, const int* q_block, float* out, float* lse, int num_cta,
                               int n_tiles, int part_ctas, float scale_log2, long long* stamps, void* stream) {
     if (n_tiles < 2 || n_tiles % 2) return 3;
+    if (part_ctas % CLUSTER || num_cta % CLUSTER) return 5;  // a cluster's CTAs must read the same tiles
     CUtensorMap q_map, kv_map;
     if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
     const int smem = kd_step_smem_bytes();
@@ -683,6 +824,37 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
         cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
     if (!smem_set) return 4;
     Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps};
-    step_kernel<<<num_cta, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(q_map, kv_map, p);
-    return cudaGetLastError() == cudaSuccess ? 0 : 2;
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute cluster[1];
+    config.gridDim = dim3(num_cta);
+    config.blockDim = dim3(LAUNCH_THREADS);
+    config.dynamicSmemBytes = smem;
+    config.stream = static_cast<cudaStream_t>(stream);
+    if (KD_MULTICAST) {
+        cluster[0].id = cudaLaunchAttributeClusterDimension;
+        cluster[0].val.clusterDim.x = CLUSTER;
+        cluster[0].val.clusterDim.y = cluster[0].val.clusterDim.z = 1;
+        config.attrs = cluster;
+        config.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&config, step_kernel, q_map, kv_map, p) == cudaSuccess ? 0 : 2;
+}
+
+// KD_MULTICAST: how many clusters of the launch can be resident at once (a grid of more CTAs than that
+// times CLUSTER runs in two waves); 0 without clusters
+extern "C" int kd_step_max_active_clusters() {
+    if (!KD_MULTICAST) return 0;
+    cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_step_smem_bytes());
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute cluster[1];
+    config.gridDim = dim3(CLUSTER * 64);
+    config.blockDim = dim3(LAUNCH_THREADS);
+    config.dynamicSmemBytes = kd_step_smem_bytes();
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = CLUSTER;
+    cluster[0].val.clusterDim.y = cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    return cudaOccupancyMaxActiveClusters(&clusters, step_kernel, &config) == cudaSuccess ? clusters : -1;
 }

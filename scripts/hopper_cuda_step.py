@@ -3,7 +3,7 @@ checked against a float64 reference, and timed on long prefixes with the CTAs la
 Hopper kernel's KV parts schedule lays out its programs (docs/perf_log.md, run 45).
 
     PYTHONPATH=src python3 scripts/hopper_cuda_step.py [--variants NAME=FLAGS;...] [--flashmla DIR] [--stamps]
-                                                       [--json FILE]
+                                                       [--sms N] [--json FILE]
 
 Variants are builds of the same source with preprocessor flags (the KD_* macros at its top), timed
 in turn in each round (the clock drifts at the power limit), samples pooled.
@@ -47,6 +47,10 @@ def build(out_dir: Path, name: str, flags: str) -> ctypes.CDLL:
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     so.kd_step_stamp_values.restype = ctypes.c_int
+    so.kd_step_max_active_clusters.restype = ctypes.c_int
+    clusters = so.kd_step_max_active_clusters()
+    if clusters:  # a KD_MULTICAST build: a grid of more clusters than fit at once runs in two waves
+        print(f"{name}: at most {clusters} clusters resident at once")
     return so
 
 
@@ -136,10 +140,12 @@ def main() -> int:
     ap.add_argument("--stamps", action="store_true", help="also build each variant with -DKD_STAMPS=1 and print "
                     "its step's timeline (cycles between the points of each warpgroup)")
     ap.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) on each shape")
+    ap.add_argument("--sms", type=int, help="CTAs the timed layouts may use (default: the multiprocessors); "
+                    "with KD_MULTICAST builds, at most their resident clusters x the cluster size")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = a.sms or torch.cuda.get_device_properties(dev).multi_processor_count
     out_dir = Path(tempfile.mkdtemp())
     variants, stamped = {}, {}
     for item in a.variants.split(";"):
