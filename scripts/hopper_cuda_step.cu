@@ -50,6 +50,12 @@
 // multicasts it into each CTA's stage (C = 1: the producer alone, the control)
 #define KD_MULTICAST 0
 #endif
+#ifndef KD_CPASYNC
+// with KD_MULTICAST=1: the producer warpgroup's 128 threads gather each chunk with cp.async (16-byte
+// vectors into the 128-byte swizzle, each thread's completion an arrival on the chunk's barrier), as the
+// Gluon kernel's loader does, instead of one TMA load
+#define KD_CPASYNC 0
+#endif
 
 namespace {
 
@@ -67,6 +73,8 @@ constexpr int CLUSTER = KD_MULTICAST > 0 ? KD_MULTICAST : 1;
 constexpr int LAUNCH_THREADS = THREADS + (KD_MULTICAST > 0 ? 128 : 0);
 constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;
 static_assert(CLUSTER <= 8 && !(KD_MULTICAST && KD_PREFETCH), "KD_MULTICAST: clusters of at most 8, no L2 prefetch");
+static_assert(!KD_CPASYNC || KD_MULTICAST == 1, "KD_CPASYNC: with the producer alone (KD_MULTICAST=1)");
+constexpr int FULL_ARRIVALS = KD_CPASYNC ? 128 : 1;  // a K chunk's landing: the producer's threads, or one expect_tx
 
 struct __align__(1024) Smem {
     uint8_t q[TILE_BYTES];        // Q in 9 chunks; chunk 8 (rope) holds wg 1's P once loaded to registers
@@ -327,6 +335,7 @@ struct Params {
     int part_ctas;         // CTAs that read the same tiles (adjacent in blockIdx), sharing the L2 prefetch
     float scale_log2;      // softmax scale x log2(e)
     long long* stamps;     // with KD_STAMPS: [num_cta, 2, STAMP_STEPS, STAMP_POINTS] clock64 values
+    const uint8_t* kv;     // the pool's rows (576 bf16 each), for KD_CPASYNC
 };
 
 // k16 step ks of this thread's P (its S values after the softmax) as an A operand
@@ -392,6 +401,7 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
                                                      uint64_t dk,
                                                      uint64_t* full, int c, int parity, bool zero_init) {
     mbar_wait(&full[c], parity);
+    if (KD_CPASYNC) fence_proxy_async();  // cp.async wrote it through the generic proxy; the wgmmas read async
     hold(s);
     wgmma_fence();
     if (c == CHUNKS - 1)
@@ -420,7 +430,7 @@ template <int C0, int C1>
 __device__ __forceinline__ void release_chunks(Smem* sm, int stage) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
-        mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+        if (!KD_CPASYNC) mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
         mbar_arrive_in(&sm->k_empty[stage][c], c % CLUSTER);
     }
 }
@@ -463,16 +473,36 @@ __device__ __forceinline__ void refill(const StepContext& ctx, int stage, int ro
         load_chunks<C0, C1>(ctx.sm, ctx.kv_map, stage, row);
 }
 
-// KD_MULTICAST: the producer warpgroup's first thread. Issues this CTA's share of every refill (the chunks it owns,
+// KD_CPASYNC: this producer thread's share of a chunk ([64 rows, 64 columns] from src, rows D_QK apart)
+// by cp.async into dst's 128-byte swizzle, its completion an arrival on bar
+__device__ __forceinline__ void gather_chunk(uint8_t* dst, const uint8_t* src, uint64_t* bar, int t) {
+#pragma unroll
+    for (int k = t; k < BN * 8; k += 128) {  // 16-byte vector k: row k / 8, vector k % 8 of the row
+        const int r = k / 8, v = k % 8;
+        const uint32_t d = smem_addr(dst) + r * 128 + ((v ^ (r & 7)) << 4);
+        const uint8_t* g = src + size_t(r) * D_QK * 2 + v * 16;
+        if (KD_EVICT_FIRST)
+            asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                         :: "r"(d), "l"(g), "l"(0x12F0000000000000ull) : "memory");
+        else
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(g) : "memory");
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// KD_MULTICAST: the producer warpgroup's first thread (with KD_CPASYNC: all its threads). Issues this CTA's share of every refill (the chunks it owns,
 // chunk % CLUSTER == its rank), each once every CTA of the cluster released it, multicast to all of them:
 // the first pair, then pair j + 1 once step j released it, in the order the steps release the chunks
 // (stage 0's left half: wg 0 after P0 V0; stage 1's right half and rope: wg 1 after P1 V1; stage 0's
 // right half and rope: wg 1 after P0 V0; stage 1's left half: wg 0 after P1 V1, at step j + 1's start)
-__device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, const int* rows, int steps) {
+__device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, const uint8_t* kv, const int* rows,
+                                       int steps, int t) {
     const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
     const uint16_t all = uint16_t((1u << CLUSTER) - 1);
     auto issue = [&](int stage, int c, int row) {
-        if (CLUSTER > 1)
+        if (KD_CPASYNC)
+            gather_chunk(sm->k[stage] + c * CHUNK_BYTES, kv + (size_t(row) * D_QK + c * 64) * 2, &sm->k_full[stage][c], t);
+        else if (CLUSTER > 1)
             tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row, all);
         else if (KD_EVICT_FIRST)
             tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
@@ -750,7 +780,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s)
             for (int c = 0; c < CHUNKS; ++c) {
-                mbar_init(&sm->k_full[s][c], 1);
+                mbar_init(&sm->k_full[s][c], FULL_ARRIVALS);
                 mbar_init(&sm->k_empty[s][c], CLUSTER);
             }
         mbar_init(&sm->q_full, 1);
@@ -762,7 +792,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
         mbar_expect_tx(&sm->q_full, TILE_BYTES);
         for (int c = 0; c < CHUNKS; ++c)
             tma_load_chunk(sm->q + c * CHUNK_BYTES, &q_map, &sm->q_full, c * 64, p.q_block[blockIdx.x] * BM);
-        if (KD_MULTICAST)  // the first pair's bytes, expected before any CTA's producer issues them
+        if (KD_MULTICAST && !KD_CPASYNC)  // the first pair's bytes, expected before any CTA's producer issues them
             for (int s = 0; s < 2; ++s)
                 for (int c = 0; c < CHUNKS; ++c) mbar_expect_tx(&sm->k_full[s][c], CHUNK_BYTES);
     }
@@ -774,7 +804,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     cluster_sync();  // every CTA's barriers initialised and armed before a multicast lands in it
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
-        if (t == 0) produce(sm, &kv_map, rows, p.n_tiles / 2);
+        if (t == 0 || KD_CPASYNC) produce(sm, &kv_map, p.kv, rows, p.n_tiles / 2, t);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
         math_warpgroups(p, ctx, wg, warp, lane, row0, row1, p1);
@@ -823,7 +853,7 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
     static const bool smem_set =  // once: the size does not change
         cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
     if (!smem_set) return 4;
-    Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps};
+    Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps, static_cast<const uint8_t*>(kv)};
     cudaLaunchConfig_t config = {};
     cudaLaunchAttribute cluster[1];
     config.gridDim = dim3(num_cta);
