@@ -56,6 +56,11 @@
 // Gluon kernel's loader does, instead of one TMA load
 #define KD_CPASYNC 0
 #endif
+#ifndef KD_PAGE1
+// with KD_CPASYNC: pages of one row, each tile's 64 rows anywhere in the pool (tile_rows holds every
+// row's index), gathered row by row as the Gluon kernel gathers them at page size 1
+#define KD_PAGE1 0
+#endif
 
 namespace {
 
@@ -74,6 +79,8 @@ constexpr int LAUNCH_THREADS = THREADS + (KD_MULTICAST > 0 ? 128 : 0);
 constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;
 static_assert(CLUSTER <= 8 && !(KD_MULTICAST && KD_PREFETCH), "KD_MULTICAST: clusters of at most 8, no L2 prefetch");
 static_assert(!KD_CPASYNC || KD_MULTICAST == 1, "KD_CPASYNC: with the producer alone (KD_MULTICAST=1)");
+static_assert(!KD_PAGE1 || KD_CPASYNC, "KD_PAGE1: rows gathered by cp.async (KD_CPASYNC)");
+constexpr int ROWS_A_TILE = KD_PAGE1 ? 64 : 1;  // tile_rows entries a tile: its first row, or each row
 constexpr int FULL_ARRIVALS = KD_CPASYNC ? 128 : 1;  // a K chunk's landing: the producer's threads, or one expect_tx
 
 struct __align__(1024) Smem {
@@ -327,7 +334,7 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t desc_a, ui
 }
 
 struct Params {
-    const int* tile_rows;  // [num_cta, n_tiles]: first KV row of each tile
+    const int* tile_rows;  // [num_cta, n_tiles]: first KV row of each tile (KD_PAGE1: [num_cta, n_tiles, 64], each row)
     const int* q_block;    // [num_cta]: the CTA's query block (rows 64 q_block + [0, 64))
     float* out;            // [num_cta, 64, 512]
     float* lse;            // [num_cta, 64]
@@ -473,14 +480,17 @@ __device__ __forceinline__ void refill(const StepContext& ctx, int stage, int ro
         load_chunks<C0, C1>(ctx.sm, ctx.kv_map, stage, row);
 }
 
-// KD_CPASYNC: this producer thread's share of a chunk ([64 rows, 64 columns] from src, rows D_QK apart)
-// by cp.async into dst's 128-byte swizzle, its completion an arrival on bar
-__device__ __forceinline__ void gather_chunk(uint8_t* dst, const uint8_t* src, uint64_t* bar, int t) {
+// KD_CPASYNC: this producer thread's share of chunk c of a tile ([64 rows, 64 columns]; the rows from
+// tile_rows: the first of 64 consecutive ones, or with KD_PAGE1 each row's) by cp.async into dst's
+// 128-byte swizzle, its completion an arrival on bar
+__device__ __forceinline__ void gather_chunk(uint8_t* dst, const uint8_t* kv, const int* tile_rows, int c,
+                                             uint64_t* bar, int t) {
 #pragma unroll
     for (int k = t; k < BN * 8; k += 128) {  // 16-byte vector k: row k / 8, vector k % 8 of the row
         const int r = k / 8, v = k % 8;
         const uint32_t d = smem_addr(dst) + r * 128 + ((v ^ (r & 7)) << 4);
-        const uint8_t* g = src + size_t(r) * D_QK * 2 + v * 16;
+        const int row = KD_PAGE1 ? tile_rows[r] : tile_rows[0] + r;
+        const uint8_t* g = kv + (size_t(row) * D_QK + c * 64) * 2 + v * 16;
         if (KD_EVICT_FIRST)
             asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
                          :: "r"(d), "l"(g), "l"(0x12F0000000000000ull) : "memory");
@@ -499,9 +509,10 @@ __device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, con
                                        int steps, int t) {
     const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
     const uint16_t all = uint16_t((1u << CLUSTER) - 1);
-    auto issue = [&](int stage, int c, int row) {
+    auto issue = [&](int stage, int c, int tile) {  // chunk c of a tile into its stage
+        const int row = rows[tile * ROWS_A_TILE];
         if (KD_CPASYNC)
-            gather_chunk(sm->k[stage] + c * CHUNK_BYTES, kv + (size_t(row) * D_QK + c * 64) * 2, &sm->k_full[stage][c], t);
+            gather_chunk(sm->k[stage] + c * CHUNK_BYTES, kv, rows + tile * ROWS_A_TILE, c, &sm->k_full[stage][c], t);
         else if (CLUSTER > 1)
             tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row, all);
         else if (KD_EVICT_FIRST)
@@ -510,18 +521,17 @@ __device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, con
             tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
     };
     for (int stage = 0; stage < 2; ++stage)
-        for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, rows[stage]);
+        for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, stage);
     const int order[4][3] = {{0, 0, 4}, {1, 4, CHUNKS}, {0, 4, CHUNKS}, {1, 0, 4}};  // stage, first, end chunk
 #pragma unroll 1
     for (int j = 0; j + 1 < steps; ++j) {
-        const int row[2] = {rows[2 * j + 2], rows[2 * j + 3]};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int stage = order[k][0];
             for (int c = order[k][1]; c < order[k][2]; ++c) {
                 if (c % CLUSTER != int(rank)) continue;
                 mbar_wait_cluster(&sm->k_empty[stage][c], j & 1);
-                issue(stage, c, row[stage]);
+                issue(stage, c, 2 * j + 2 + stage);
             }
         }
     }
@@ -771,7 +781,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
               lane = t % 32;
     const int row0 = warp * 16 + lane / 4, row1 = row0 + 8;
     const bool issuer = t == 0 && wg < 2;  // a math warpgroup's first thread
-    const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles;
+    const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles * ROWS_A_TILE;
     const uint32_t base = smem_addr(sm), p0 = smem_addr(sm->p0), p1 = smem_addr(sm->q) + 8 * CHUNK_BYTES;
     const StepContext ctx{sm, &kv_map, rows, k_major(base), mn_major_v(base), p0, p1, row0, row1, warp, lane,
                           p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,

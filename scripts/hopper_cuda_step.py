@@ -3,7 +3,7 @@ checked against a float64 reference, and timed on long prefixes with the CTAs la
 Hopper kernel's KV parts schedule lays out its programs (docs/perf_log.md, run 45).
 
     PYTHONPATH=src python3 scripts/hopper_cuda_step.py [--variants NAME=FLAGS;...] [--flashmla DIR] [--stamps]
-                                                       [--sms N] [--json FILE]
+                                                       [--page1] [--sms N] [--json FILE]
 
 Variants are builds of the same source with preprocessor flags (the KD_* macros at its top), timed
 in turn in each round (the clock drifts at the power limit), samples pooled.
@@ -63,14 +63,18 @@ def launch(so, q, kv, tile_rows, q_block, part_ctas, out, lse, scale, stamps=Non
         raise RuntimeError(f"kd_step_launch returned {rc}")
 
 
-def layout(H: int, n: int, B: int, prefix: int, sms: int, gen: torch.Generator):
+def layout(H: int, n: int, B: int, prefix: int, sms: int, gen: torch.Generator, page1: bool = False):
     """(q_block [C], tile_rows [C, T], pool rows, q rows, R): query block and tile rows of each CTA (the
-    R CTAs of a part adjacent)."""
+    R CTAs of a part adjacent). ``page1``: tile_rows ``[C, T, 64]``, each row's index, the rows shuffled
+    one by one (pages of one row); else each tile's first row, pages of 64 shuffled."""
     R = -(-H * n // 64)
     tiles = prefix // 64
     parts = max(1, sms // (R * B))
     per = (tiles // parts) // 2 * 2
-    pages = torch.randperm(B * tiles, generator=gen).view(B, tiles) * 64  # first row of each page
+    if page1:
+        pages = torch.randperm(B * tiles * 64, generator=gen).view(B, tiles, 64)  # each row
+    else:
+        pages = torch.randperm(B * tiles, generator=gen).view(B, tiles) * 64  # first row of each page
     q_block, rows = [], []
     for b in range(B):
         for g in range(parts):
@@ -85,7 +89,8 @@ def reference(q, kv, tile_rows, q_block, scale):
     outs, lses = [], []
     for c in range(tile_rows.shape[0]):
         qb = q[q_block[c] * 64:(q_block[c] + 1) * 64].double()
-        idx = (tile_rows[c].long()[:, None] + torch.arange(64, device=q.device)).flatten()
+        rows = tile_rows[c].long()
+        idx = rows.flatten() if rows.dim() == 2 else (rows[:, None] + torch.arange(64, device=q.device)).flatten()
         k = kv[idx].double()
         s = qb @ k.T * scale
         lses.append(torch.logsumexp(s, -1))
@@ -140,6 +145,8 @@ def main() -> int:
     ap.add_argument("--stamps", action="store_true", help="also build each variant with -DKD_STAMPS=1 and print "
                     "its step's timeline (cycles between the points of each warpgroup)")
     ap.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) on each shape")
+    ap.add_argument("--page1", action="store_true", help="pages of one row: every variant built with "
+                    "-DKD_PAGE1=1 (cp.async builds: -DKD_MULTICAST=1 -DKD_CPASYNC=1); FlashMLA stays at page 64")
     ap.add_argument("--sms", type=int, help="CTAs the timed layouts may use (default: the multiprocessors); "
                     "with KD_MULTICAST builds, at most their resident clusters x the cluster size")
     ap.add_argument("--json")
@@ -150,6 +157,7 @@ def main() -> int:
     variants, stamped = {}, {}
     for item in a.variants.split(";"):
         name, _, flags = item.partition("=")
+        flags += " -DKD_PAGE1=1" if a.page1 else ""
         variants[name] = build(out_dir, name, flags)
         if a.stamps:
             stamped[name] = build(out_dir, f"{name}_stamps", f"{flags} -DKD_STAMPS=1")
@@ -160,7 +168,7 @@ def main() -> int:
 
     # correctness: 6 CTAs (2 sequences x 3 query blocks), shuffled pages, scores of a few units
     for n_tiles, spread in ((2, 1.0), (10, 1.0), (10, 4.0)):
-        q_block, rows, pool, q_rows, R = layout(64, 3, 2, n_tiles * 64, 6, gen)
+        q_block, rows, pool, q_rows, R = layout(64, 3, 2, n_tiles * 64, 6, gen, a.page1)
         q = (torch.randn(q_rows, 576, generator=gen) * spread).to(dev, torch.bfloat16)
         kv = torch.randn(pool, 576, generator=gen).to(dev, torch.bfloat16)
         q_block, rows = q_block.to(dev), rows.to(dev)
@@ -180,7 +188,7 @@ def main() -> int:
 
     for shape in a.shapes.split(","):
         H, n, B, prefix = (int(v) for v in shape.split("x"))
-        q_block, rows, pool, q_rows, R = layout(H, n, B, prefix, sms, gen)
+        q_block, rows, pool, q_rows, R = layout(H, n, B, prefix, sms, gen, a.page1)
         q = torch.randn(q_rows, 576, generator=gen).to(dev, torch.bfloat16)
         kv = torch.randn(pool, 576, device=dev, dtype=torch.bfloat16)
         q_block, rows = q_block.to(dev), rows.to(dev)
