@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
 #   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize
-#                                        tune timeline ab
-#                                        (default: all but sanitize, tune, timeline and ab; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ...
+#                                        tune timeline ab spike ncu
+#                                        (default: all but sanitize, tune, timeline, ab, spike and ncu; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ...
 #                                        pass options; TESTS: the test files or ids of stage tests (default: the
 #                                        whole suite), TEST_SHARDS: its processes (default 12);
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
@@ -63,6 +63,27 @@ for stage in "${stages[@]}"; do
     ab)  # AB_VARIANTS: whole verify/hopper.py files or FILE.diff:NAME sections to time against this tree's (scripts/ab_hopper.py)
       python3 scripts/ab_hopper.py ${AB_VARIANTS:?AB_VARIANTS names the variant hopper.py files} ${AB_ARGS:-} \
         --json "$OUT/ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
+    spike)  # the CUDA step spike (scripts/hopper_cuda_step.py): SPIKE_VARIANTS (NAME=FLAGS;...), SPIKE_ARGS (--shapes,
+      # --page1, --sms, --stamps), FlashMLA beside it with FLASHMLA_DIR, JSON to spike$SPIKE_TAG.json; under a
+      # timeout (SPIKE_TIMEOUT, 300 s): a build that never ran may hang
+      timeout "${SPIKE_TIMEOUT:-300}" python3 scripts/hopper_cuda_step.py ${SPIKE_VARIANTS:+--variants "$SPIKE_VARIANTS"} \
+        ${SPIKE_ARGS:-} ${FLASHMLA_DIR:+--flashmla "$FLASHMLA_DIR"} --json "$OUT/spike${SPIKE_TAG:-}.json" 2>&1 \
+        | tee -a "$OUT/log.txt" || status=1 ;;
+    ncu)  # Nsight Compute, one call of each main kernel at NCU_SHAPES (default 16x9x4x131072), every metric the
+      # step comparisons read (scripts/ncu_kernels.py --metrics-list): FlashMLA's and ours (ncu_kernels.csv), then
+      # with SPIKE_VARIANTS the spike's, its checks' launches skipped (ncu_spike.csv)
+      metrics=$(python3 scripts/ncu_kernels.py --metrics-list)
+      ncu --clock-control none --csv --metrics "$metrics" -k regex:"flash_fwd_splitkv_mla_kernel|_hopper_verify_kernel" \
+        python3 scripts/ncu_kernels.py "${NCU_SHAPES:-16x9x4x131072}" ${FLASHMLA_DIR:+--flashmla "$FLASHMLA_DIR"} \
+        > "$OUT/ncu_kernels.csv" 2>> "$OUT/log.txt" || status=1
+      if [ -n "${SPIKE_VARIANTS:-}" ]; then
+        n=$(( $(tr -cd ';' <<< "$SPIKE_VARIANTS" | wc -c) + 1 ))  # variants: 3 check launches each, then 2 timed
+        timeout "${SPIKE_TIMEOUT:-300}" ncu --clock-control none --csv --metrics "$metrics" -k regex:step_kernel \
+          --launch-skip $((3 * n)) --launch-count $((2 * n)) python3 scripts/hopper_cuda_step.py \
+          --shapes "${NCU_SHAPES:-16x9x4x131072}" --variants "$SPIKE_VARIANTS" --rounds 1 --iters 1 \
+          > "$OUT/ncu_spike.csv" 2>> "$OUT/log.txt" || status=1
+      fi
+      tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
     timeline)
       python3 scripts/hopper_timeline.py ${TIMELINE_ARGS:-} --json "$OUT/timeline.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
