@@ -1,6 +1,6 @@
 // Spike: the Hopper verify kernel's step (one 64-row query block against KV tiles of 64 rows) in
 // CUDA C++, to measure what a step costs outside Gluon (docs/perf_log.md, run 45). Not the
-// library's kernel: no tree mask, no page table below 64, no split merge. Each CTA (256 threads,
+// library's kernel: no tree mask, pages of 64 (of one row with KD_PAGE1), no split merge. Each CTA (256 threads,
 // two math warpgroups, no loader; with KD_MULTICAST a producer warpgroup too, and clusters) runs query
 // block q_block[cta] against the n_tiles KV tiles whose first rows are tile_rows[cta, :], and writes
 // its normalised output [64, 512] (fp32) and the log-sum-exp of its scores (natural log) for each row.
@@ -73,8 +73,8 @@ constexpr int CHUNK_BYTES = BN * 64 * 2;
 constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
 constexpr int THREADS = 256;  // the two math warpgroups
 constexpr int CLUSTER = KD_MULTICAST > 0 ? KD_MULTICAST : 1;
-// KD_MULTICAST: and a producer warpgroup (one thread of it works), its registers given to the math
-// warpgroups (setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536)
+// KD_MULTICAST: and a producer warpgroup (one thread of it works; all 128 with KD_CPASYNC), its registers
+// given to the math warpgroups (setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536)
 constexpr int LAUNCH_THREADS = THREADS + (KD_MULTICAST > 0 ? 128 : 0);
 constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;
 static_assert(CLUSTER <= 8 && !(KD_MULTICAST && KD_PREFETCH), "KD_MULTICAST: clusters of at most 8, no L2 prefetch");
@@ -500,11 +500,12 @@ __device__ __forceinline__ void gather_chunk(uint8_t* dst, const uint8_t* kv, co
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 
-// KD_MULTICAST: the producer warpgroup's first thread (with KD_CPASYNC: all its threads). Issues this CTA's share of every refill (the chunks it owns,
-// chunk % CLUSTER == its rank), each once every CTA of the cluster released it, multicast to all of them:
-// the first pair, then pair j + 1 once step j released it, in the order the steps release the chunks
-// (stage 0's left half: wg 0 after P0 V0; stage 1's right half and rope: wg 1 after P1 V1; stage 0's
-// right half and rope: wg 1 after P0 V0; stage 1's left half: wg 0 after P1 V1, at step j + 1's start)
+// KD_MULTICAST: the producer warpgroup's first thread (with KD_CPASYNC: all its threads). Issues this
+// CTA's share of every refill (the chunks it owns, chunk % CLUSTER == its rank), each once every CTA of
+// the cluster released it, multicast to all of them: the first pair, then pair j + 1 once step j
+// released it, in the order the steps release the chunks (stage 0's left half: wg 0 after P0 V0;
+// stage 1's right half and rope: wg 1 after P1 V1; stage 0's right half and rope: wg 1 after P0 V0;
+// stage 1's left half: wg 0 after P1 V1, at step j + 1's start)
 __device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, const uint8_t* kv, const int* rows,
                                        int steps, int t) {
     const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
@@ -557,8 +558,8 @@ __device__ __forceinline__ int2 next_rows(const StepContext& ctx, int j, bool mo
 // wg 0's step j (tile 2j in stage 0; see the file's head); MORE_STATIC: a next pair exists (more: the same,
 // known at run time, taken with KD_RUNTIME_MORE)
 template <bool MORE_STATIC>
-__device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32], float (&o)[128],
-                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
+__device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32],
+                                         float (&o)[128], float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
     const StepContext ctx = shared_ctx.opaque();
     const int parity = (j + 1) & 1;
@@ -619,7 +620,8 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
     wgmma_commit();
     if (MORE) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, c == 0);
+        for (int c = 0; c < 4; ++c)
+            qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(0), ctx.sm->k_full[0], c, parity, c == 0);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
         stamp(ctx, j, 6);
         if (ctx.issuer) refill<0, 4>(ctx, 1, next.y);
@@ -635,8 +637,8 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
 
 // wg 1's step j (tile 2j + 1 in stage 1)
 template <bool MORE_STATIC>
-__device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32], float (&o)[128],
-                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
+__device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32],
+                                         float (&o)[128], float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
     const StepContext ctx = shared_ctx.opaque();
     const int parity = (j + 1) & 1;
@@ -699,7 +701,8 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, b
         for (int c = 4; c < CHUNKS; ++c)
             qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, c == 4);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, false);
+        for (int c = 0; c < 4; ++c)
+            qk_chunk_when_landed(s, qr, ctx.dq(), ctx.dk(1), ctx.sm->k_full[1], c, parity, false);
     }
     wgmma_wait<0>();
     hold(o);

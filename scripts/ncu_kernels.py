@@ -40,17 +40,19 @@ from kdtree_engine.verify import hopper  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 
-STALLS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "gmma", "imc_miss", "lg_throttle", "long_scoreboard",
-          "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected",
-          "short_scoreboard", "sleeping", "tex_throttle", "wait")
+STALLS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "gmma", "imc_miss", "lg_throttle",
+          "long_scoreboard", "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected",
+          "selected", "short_scoreboard", "sleeping", "tex_throttle", "wait")
 STEP_METRICS = (
     "gpu__time_duration.sum", "gpc__cycles_elapsed.max", "sm__cycles_active.avg", "smsp__inst_executed.sum",
-    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
     "lts__t_sectors.sum", "lts__t_sectors_srcunit_tex.sum", "lts__t_sectors_srcunit_tex_op_read.sum",
     "lts__t_sectors_srcunit_tex_op_write.sum", "lts__t_sectors_srcunit_ltcfabric.sum",
     "lts__t_sectors_srcunit_ltcfabric.avg.pct_of_peak_sustained_elapsed",
     "lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum", "lts__t_sector_op_read_hit_rate.pct",
-    "l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "gcc__cache_requests_type_instruction.sum.pct_of_peak_sustained_elapsed",
     *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS))
