@@ -419,15 +419,20 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
     hold(s);
 }
 
+// chunk c of the tile at KV row `row` into its place in a K stage, by TMA (evict-first with KD_EVICT_FIRST)
+__device__ __forceinline__ void tma_load_k_chunk(Smem* sm, const CUtensorMap* kv_map, int stage, int c, int row) {
+    if (KD_EVICT_FIRST)
+        tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+    else
+        tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+}
+
 template <int C0, int C1>
 __device__ __forceinline__ void load_chunks(Smem* sm, const CUtensorMap* kv_map, int stage, int row) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
         mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
-        if (KD_EVICT_FIRST)
-            tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
-        else
-            tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+        tma_load_k_chunk(sm, kv_map, stage, c, row);
     }
 }
 
@@ -511,15 +516,12 @@ __device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, con
     const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
     const uint16_t all = uint16_t((1u << CLUSTER) - 1);
     auto issue = [&](int stage, int c, int tile) {  // chunk c of a tile into its stage
-        const int row = rows[tile * ROWS_A_TILE];
         if (KD_CPASYNC)
             gather_chunk(sm->k[stage] + c * CHUNK_BYTES, kv, rows + tile * ROWS_A_TILE, c, &sm->k_full[stage][c], t);
         else if (CLUSTER > 1)
-            tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row, all);
-        else if (KD_EVICT_FIRST)
-            tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+            tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, rows[tile], all);
         else
-            tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+            tma_load_k_chunk(sm, kv_map, stage, c, rows[tile]);
     };
     for (int stage = 0; stage < 2; ++stage)
         for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, stage);
@@ -852,6 +854,31 @@ int make_map(CUtensorMap* map, const void* base, unsigned long long rows) {
 
 extern "C" int kd_step_smem_bytes() { return int(sizeof(Smem) + 1024); }
 
+// step_kernel's launch on num_cta CTAs (in clusters of CLUSTER with KD_MULTICAST), its shared memory
+// allowed once; false if the attribute could not be set
+struct StepLaunch {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute cluster[1];
+    bool ok;
+    StepLaunch(int num_cta, cudaStream_t stream) {
+        static const bool smem_set =  // once: the size does not change
+            cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_step_smem_bytes())
+            == cudaSuccess;
+        ok = smem_set;
+        config.gridDim = dim3(num_cta);
+        config.blockDim = dim3(LAUNCH_THREADS);
+        config.dynamicSmemBytes = kd_step_smem_bytes();
+        config.stream = stream;
+        if (KD_MULTICAST) {
+            cluster[0].id = cudaLaunchAttributeClusterDimension;
+            cluster[0].val.clusterDim.x = CLUSTER;
+            cluster[0].val.clusterDim.y = cluster[0].val.clusterDim.z = 1;
+            config.attrs = cluster;
+            config.numAttrs = 1;
+        }
+    }
+};
+
 // the stamps buffer a launch of num_cta CTAs needs with KD_STAMPS (int64 values)
 extern "C" int kd_step_stamp_values(int num_cta) { return num_cta * 2 * STAMP_STEPS * STAMP_POINTS; }
 
@@ -862,42 +889,18 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
     if (part_ctas % CLUSTER || num_cta % CLUSTER) return 5;  // a cluster's CTAs must read the same tiles
     CUtensorMap q_map, kv_map;
     if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
-    const int smem = kd_step_smem_bytes();
-    static const bool smem_set =  // once: the size does not change
-        cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess;
-    if (!smem_set) return 4;
+    StepLaunch launch(num_cta, static_cast<cudaStream_t>(stream));
+    if (!launch.ok) return 4;
     Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps, static_cast<const uint8_t*>(kv)};
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute cluster[1];
-    config.gridDim = dim3(num_cta);
-    config.blockDim = dim3(LAUNCH_THREADS);
-    config.dynamicSmemBytes = smem;
-    config.stream = static_cast<cudaStream_t>(stream);
-    if (KD_MULTICAST) {
-        cluster[0].id = cudaLaunchAttributeClusterDimension;
-        cluster[0].val.clusterDim.x = CLUSTER;
-        cluster[0].val.clusterDim.y = cluster[0].val.clusterDim.z = 1;
-        config.attrs = cluster;
-        config.numAttrs = 1;
-    }
-    return cudaLaunchKernelEx(&config, step_kernel, q_map, kv_map, p) == cudaSuccess ? 0 : 2;
+    return cudaLaunchKernelEx(&launch.config, step_kernel, q_map, kv_map, p) == cudaSuccess ? 0 : 2;
 }
 
 // KD_MULTICAST: how many clusters of the launch can be resident at once (a grid of more CTAs than that
 // times CLUSTER runs in two waves); 0 without clusters
 extern "C" int kd_step_max_active_clusters() {
     if (!KD_MULTICAST) return 0;
-    cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_step_smem_bytes());
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute cluster[1];
-    config.gridDim = dim3(CLUSTER * 64);
-    config.blockDim = dim3(LAUNCH_THREADS);
-    config.dynamicSmemBytes = kd_step_smem_bytes();
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = CLUSTER;
-    cluster[0].val.clusterDim.y = cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = 1;
+    StepLaunch launch(CLUSTER * 64, nullptr);
     int clusters = 0;
-    return cudaOccupancyMaxActiveClusters(&clusters, step_kernel, &config) == cudaSuccess ? clusters : -1;
+    return launch.ok && cudaOccupancyMaxActiveClusters(&clusters, step_kernel, &launch.config) == cudaSuccess
+        ? clusters : -1;
 }
