@@ -136,6 +136,14 @@ def print_stamps(name: str, stamps: torch.Tensor, steps: int) -> dict:
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -147,7 +155,7 @@ def main() -> int:
     ap.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) on each shape")
     ap.add_argument("--page1", action="store_true", help="pages of one row: every variant built with "
                     "-DKD_PAGE1=1 (cp.async builds: -DKD_MULTICAST=1 -DKD_CPASYNC=1); FlashMLA stays at page 64")
-    ap.add_argument("--sms", type=int, help="CTAs the timed layouts may use (default: the multiprocessors); "
+    ap.add_argument("--sms", type=positive_int, help="CTAs the timed layouts may use (default: the multiprocessors); "
                     "with KD_MULTICAST builds, at most their resident clusters x the cluster size")
     ap.add_argument("--json")
     a = ap.parse_args()

@@ -59,13 +59,17 @@ STEP_METRICS = (
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--metrics-list"]:  # before the positional shapes are required
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", nargs="?", help="H x nodes x B x prefix, comma-separated")
+    p.add_argument("--flashmla", default=".peers/flashmla", help="folder holding flashmla_peer.py")
+    p.add_argument("--metrics-list", action="store_true", help="print the step comparisons' metrics, comma-separated, "
+                   "and exit")
+    a = p.parse_args()
+    if a.metrics_list:
         print(",".join(STEP_METRICS))
         return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("shapes", help="H x nodes x B x prefix, comma-separated")
-    p.add_argument("--flashmla", default=".peers/flashmla", help="folder holding flashmla_peer.py")
-    a = p.parse_args()
+    if a.shapes is None:
+        p.error("the shapes are required (or --metrics-list)")
     try:
         fm = load_flashmla_module(a.flashmla)
     except Unavailable as e:
