@@ -8,7 +8,9 @@
 file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
 applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``unfused``,
-this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``). Per shape, this
+this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``); or ``cuda`` /
+``cuda:FLAGS``, the CUDA C++ spike of the contract (``scripts/hopper_cuda_verify.py``) built with nvcc
+``FLAGS`` (e.g. ``cuda:-DKD_EVICT_FIRST=0``), then the combine kernel. Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's
@@ -71,8 +73,8 @@ def _spread(us: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem) or "
-                   "FILE.diff:NAME sections of a variants file")
+    p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem), "
+                   "FILE.diff:NAME sections of a variants file, unfused, cuda[:FLAGS]")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
@@ -81,6 +83,11 @@ def main() -> None:
     for spec in a.variants:
         if spec == "unfused":
             kernels[spec] = (hopper, False)
+            continue
+        if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ spike of the contract
+            from hopper_cuda_verify import CudaKernel
+
+            kernels[spec] = (CudaKernel(spec[5:]), True)
             continue
         name, source = variant_source(spec)
         kernels[name] = (module_from_source(source, f"variant_{name}"), True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (run it on the GPU machine from the repository root):
 #   scripts/gpu_check.sh [STAGE ...]     stages: machine tests refs bench ddtree kvpool demo sanitize
-#                                        tune timeline ab spike ncu
-#                                        (default: all but sanitize, tune, timeline, ab, spike and ncu; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ...
+#                                        tune timeline ab spike ncu cudaverify
+#                                        (default: all but sanitize, tune, timeline, ab, spike, ncu, cudaverify; BENCH_ARGS, DEMO_ARGS, DDTREE_ARGS, ...
 #                                        pass options; TESTS: the test files or ids of stage tests (default: the
 #                                        whole suite), TEST_SHARDS: its processes (default 12);
 #                                        FLASHMLA_DIR adds FlashMLA to the bench: a folder with flashmla_peer.py)
@@ -84,6 +84,21 @@ for stage in "${stages[@]}"; do
           > "$OUT/ncu_spike.csv" 2>> "$OUT/log.txt" || status=1
       fi
       tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
+    cudaverify)  # the CUDA C++ spike of the whole contract (scripts/hopper_cuda_verify.py), never run before
+      # session 31: its check against the float64 reference (CUDA_CASES random batches, default 40), memcheck and
+      # synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B beside the Gluon kernel (ab_hopper.py cuda;
+      # cudaverify_ab.json); each under SPIKE_TIMEOUT (300 s): a build that never ran may hang
+      timeout "${SPIKE_TIMEOUT:-300}" python3 scripts/hopper_cuda_verify.py --cases "${CUDA_CASES:-40}" 2>&1 \
+        | tee -a "$OUT/log.txt" | grep -vE "^PASS" || status=1
+      for tool in memcheck synccheck; do
+        timeout "${SPIKE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
+          python3 scripts/hopper_cuda_verify.py --cases 3 --small 2>&1 \
+          | grep -E "PASS|FAIL|ERROR SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
+      done
+      if [ -n "${CUDA_AB_SHAPES:-}" ]; then
+        timeout "${SPIKE_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS:-} --shapes "$CUDA_AB_SHAPES" \
+          --rounds "${AB_ROUNDS:-3}" --json "$OUT/cudaverify_ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
+      fi ;;
     timeline)
       python3 scripts/hopper_timeline.py ${TIMELINE_ARGS:-} --json "$OUT/timeline.json" 2>&1 | tee -a "$OUT/log.txt" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;

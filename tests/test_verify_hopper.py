@@ -6,7 +6,10 @@ The kernel tests are GPU-only (sm_90 with Triton's Gluon); on the CPU CI the imp
 fail), the layout guard and the dispatch (``auto`` never picks a kernel that cannot run) are checked.
 """
 
+import ctypes
 import importlib.util
+import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -178,6 +181,21 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
     copy = timeline.module_from_source(Path(hopper.__file__).read_text(), "hopper_copy")
     assert copy.prepare.__code__.co_varnames[:10] == hopper.prepare.__code__.co_varnames[:10]
     assert copy.HAVE_GLUON == hopper.HAVE_GLUON
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+def test_cuda_spike_params_fit_its_kernel(monkeypatch):
+    """scripts/hopper_cuda_verify.py hands its CUDA kernel a ``Params`` struct through ctypes: built
+    for sm_90a (no GPU needed to build or to ask), the kernel's struct is the size of the script's,
+    and its shared memory fits an H200 block (232,448 bytes)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.delitem(sys.modules, "hopper_cuda_verify", raising=False)
+    import hopper_cuda_verify as spike
+
+    so = spike.build()
+    assert so.kd_verify_params_bytes() == ctypes.sizeof(spike.Params)
+    so.kd_verify_smem_bytes.restype = ctypes.c_int
+    assert so.kd_verify_smem_bytes() <= 232448
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):

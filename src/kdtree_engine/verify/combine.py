@@ -207,10 +207,16 @@ def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, q
                    **({"launch_cooperative_grid": True} if fused else {})})
     if fused:
         return PlannedLaunch(main, None, True)
+    return PlannedLaunch(main, combine_launch(q, out, lse, qo_indptr, plan), q.is_cuda)
+
+
+def combine_launch(q, out, lse, qo_indptr, plan: FlashTables) -> Launch:
+    """The combine kernel's launch that merges the split row blocks of ``plan`` (its partials) into
+    ``out`` / ``lse``, for every call with the signature of these tensors, which it takes at the
+    positions of :class:`PlannedLaunch`'s ``tensors`` (6, 7, 4)."""
     ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
     H, bm = q.shape[1], plan.config.block_m
-    merge = Launch(_COMBINE, (spec_key((out, lse, qo_indptr), ints), H, bm),
-                   (min(plan.groups.shape[1] * bm // ROWS_PER_ITEM, 4 * plan.num_programs),),
-                   (plan.partial_out, plan.partial_lse), (6, 7, 4), (*g, plan.group_count, *ints),
-                   dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, BLOCK_R=ROWS_PER_ITEM, num_warps=4))
-    return PlannedLaunch(main, merge, q.is_cuda)
+    return Launch(_COMBINE, (spec_key((out, lse, qo_indptr), ints), H, bm),
+                  (min(plan.groups.shape[1] * bm // ROWS_PER_ITEM, 4 * plan.num_programs),),
+                  (plan.partial_out, plan.partial_lse), (6, 7, 4), (*plan.group_rows, plan.group_count, *ints),
+                  dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, BLOCK_R=ROWS_PER_ITEM, num_warps=4))

@@ -1,0 +1,602 @@
+// Spike, second step: the Hopper verify kernel's whole contract in CUDA C++, on the step the first
+// step measured (hopper_cuda_step.cu; docs/perf_log.md, run 45), to measure what tree masks, page
+// tables of any page size, ragged segments and the split partials cost there beside FlashMLA and
+// the Gluon kernel before any build of it into the library. Not the library's kernel: bf16 only, the
+// host schedule only (a plan's segments, not the one-sequence schedule in the kernel), the merge left
+// to the library's combine kernel.
+//
+// One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): the segments
+// prog_first_seg[cta] .. prog_first_seg[cta + 1], each 64 packed query rows (row r = node r / H, head
+// r % H) against the KV range [kv_start, kv_end) of its sequence, written to out / lse (partial slot
+// < 0) or to its partial slot (output [64, 512] fp32 normalised, log2-sum-exp2).
+//
+// Warpgroups: two math warpgroups (hopper_cuda_step.cu's step, each its own loop: wg w on the tiles
+// 2j + w of a segment, in K stage w, owning output columns [256w, 256w + 256)) and a producer
+// warpgroup (setmaxnreg 40, the math ones 232) whose 128 threads gather with cp.async, through the
+// page table (any page size, 1 included), the segment's Q rows and then its tiles in pairs, each
+// 64-column chunk of a stage as soon as its last reader released it (the chunk's empty mbarrier, one
+// arrival by the releasing warpgroup), rows past the segment's end (and a pair's missing second tile)
+// zero-filled so that no NaN of an unused row reaches a product. Tiles that reach the tree nodes or
+// the segment's end read the tree mask (scores of invisible keys -inf); the steps before them run
+// with no mask code and no branch around their wgmmas.
+#include <cuda_runtime.h>
+
+#include "hopper_cuda_ptx.cuh"
+
+#ifndef KD_P1_AFTER_BOTH
+#define KD_P1_AFTER_BOTH 1  // wg 1 publishes its P after issuing both its PVs (the step spike's best)
+#endif
+#ifndef KD_EVICT_FIRST
+#define KD_EVICT_FIRST 1  // KV rows gathered with an L2 evict-first hint (the step spike's best)
+#endif
+
+namespace {
+
+constexpr int PRODUCER_THREADS = 128;
+constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
+constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536
+constexpr uint64_t EVICT_FIRST_POLICY = 0x12F0000000000000ull;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct __align__(1024) Smem {
+    uint8_t q[TILE_BYTES];        // the segment's Q rows in 9 chunks; chunk 8 (rope) then holds wg 1's P
+    uint8_t k[2][TILE_BYTES];     // K stages
+    uint8_t p0[CHUNK_BYTES];      // wg 0's P
+    float row_max[BM];            // running row max (log2 units, scaled); -inf between segments
+    float factor0[BM], factor1[BM];
+    float row_sum[2][BM];
+    uint64_t k_full[2][CHUNKS];   // a chunk landed: one arrival per producer thread
+    uint64_t k_empty[2][CHUNKS];  // a chunk's last reader is done: one arrival
+    uint64_t q_full;              // the segment's Q landed: one arrival per producer thread
+    uint64_t q_empty;             // both math warpgroups are done with the segment's Q: two arrivals
+};
+
+// everything but the barriers' counts and strides is as the library's flash kernels take it; strides in
+// elements
+struct Params {
+    const uint8_t* q;  // [T, H, 576] bf16
+    const uint8_t* kv;  // [pages, page_size, 576] bf16
+    const int* page_table;  // [B, max pages]
+    const int* kv_lens;  // [B]
+    const int* qo_indptr;  // [B + 1]
+    const int* tree_mask;  // [T, words]
+    uint8_t* out;  // [T, H, 512] bf16
+    float* lse;  // [T, H] (natural log)
+    const int* prog_first_seg;  // [P + 1]
+    const int* seg_seq;  // [S] each
+    const int* seg_row0;
+    const int* seg_kv_start;
+    const int* seg_kv_end;
+    const int* seg_partial;
+    float* partial_out;  // [slots, 64, 512]
+    float* partial_lse;  // [slots, 64] (log2)
+    long long q_st, q_sh, kv_sp, kv_ss, pt_s0, pt_s1, kl_s, qo_s, mt_s, mw_s, o_st, o_sh, l_st, l_sh;
+    int heads, page_size, mask_words;
+    float scale_log2;  // softmax scale x log2(e)
+};
+
+struct Segment {
+    int seq, row0, kv_start, kv_end, slot, qo_start, n_nodes;
+};
+
+__device__ __forceinline__ Segment load_segment(const Params& p, int i) {
+    Segment s;
+    s.seq = p.seg_seq[i];
+    s.row0 = p.seg_row0[i];
+    s.kv_start = p.seg_kv_start[i];
+    s.kv_end = p.seg_kv_end[i];
+    s.slot = p.seg_partial[i];
+    s.qo_start = p.qo_indptr[s.seq * p.qo_s];
+    s.n_nodes = p.qo_indptr[(s.seq + 1) * p.qo_s] - s.qo_start;
+    return s;
+}
+
+// 16 bytes from src into shared memory at dst, zeros where !valid (src then only a valid address)
+template <bool EVICT_FIRST>
+__device__ __forceinline__ void copy16(uint32_t dst, const uint8_t* src, bool valid) {
+    if (EVICT_FIRST)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                     :: "r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(EVICT_FIRST_POLICY) : "memory");
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                     : "memory");
+}
+
+// one arrival on bar once this thread's cp.asyncs issued so far landed
+__device__ __forceinline__ void arrive_when_copied(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// a producer thread copies 16-byte vector t % 8 of rows t / 8 + 16i (i < 4) of every [64, 64] chunk:
+// the rows' addresses (vector included; nullptr: zero-filled) and the vector's place in a chunk's
+// 128-byte swizzle
+struct ProducerRows {
+    const uint8_t* row[4];
+};
+
+__device__ __forceinline__ uint32_t swizzled(int t, int i) {
+    const int r = t / 8 + 16 * i, v = t % 8;
+    return r * 128 + ((v ^ (r & 7)) << 4);
+}
+
+// this producer thread's vectors of chunk c of a [64, 576] tile into `tile`
+template <bool EVICT_FIRST>
+__device__ __forceinline__ void copy_chunk(uint8_t* tile, const ProducerRows& rows, int c, const uint8_t* any, int t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        copy16<EVICT_FIRST>(smem_addr(tile + c * CHUNK_BYTES) + swizzled(t, i),
+                            rows.row[i] ? rows.row[i] + c * 128 : any, rows.row[i] != nullptr);
+}
+
+// the KV rows of the tile at `start` through the page table (past kv_end: none)
+__device__ __forceinline__ ProducerRows kv_rows(const Params& p, const int* pages, int start, int kv_end, int t) {
+    ProducerRows rows;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int pos = start + t / 8 + 16 * i;
+        rows.row[i] = nullptr;
+        if (pos < kv_end) {
+            const long long page = pages[(pos / p.page_size) * p.pt_s1];
+            rows.row[i] = p.kv + (page * p.kv_sp + (pos % p.page_size) * p.kv_ss) * 2 + (t % 8) * 16;
+        }
+    }
+    return rows;
+}
+
+// the segment's Q rows (padding rows past its nodes zero-filled)
+__device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment& seg, int t) {
+    ProducerRows rows;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = seg.row0 + t / 8 + 16 * i;
+        rows.row[i] = nullptr;
+        if (r < seg.n_nodes * p.heads) {
+            const long long token = seg.qo_start + r / p.heads;
+            rows.row[i] = p.q + (token * p.q_st + (r % p.heads) * p.q_sh) * 2 + (t % 8) * 16;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) copy_chunk<false>(sm->q, rows, c, p.q, t);
+    arrive_when_copied(&sm->q_full);
+}
+
+// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair)
+template <int C0, int C1>
+__device__ __forceinline__ void fill_chunks(const Params& p, Smem* sm, int stage, const ProducerRows& rows, int pair,
+                                            int t) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c) {
+        if (pair > 0) mbar_wait(&sm->k_empty[stage][c], (pair - 1) & 1);
+        copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
+        arrive_when_copied(&sm->k_full[stage][c]);
+    }
+}
+
+// the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
+// its tiles in pairs (2j -> stage 0, 2j + 1 -> stage 1), chunk by chunk in the order the step releases
+// them: stage 0's left half (wg 0 after P0 V0), stage 1's right half and rope (wg 1 after P1 V1), stage
+// 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1)
+__device__ void produce(const Params& p, Smem* sm, int first, int end, int t) {
+    int pair = 0;  // pairs loaded so far (the barriers' phases)
+    for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
+        const Segment seg = load_segment(p, i);
+        if (n_seg > 0) mbar_wait(&sm->q_empty, (n_seg - 1) & 1);
+        copy_q(p, sm, seg, t);
+        const int* pages = p.page_table + seg.seq * p.pt_s0;
+        const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
+#pragma unroll 1
+        for (int j = 0; j < steps; ++j, ++pair) {
+            const int start = seg.kv_start + 2 * j * BN;
+            const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
+            const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
+            fill_chunks<0, 4>(p, sm, 0, rows0, pair, t);
+            fill_chunks<4, CHUNKS>(p, sm, 1, rows1, pair, t);
+            fill_chunks<4, CHUNKS>(p, sm, 0, rows0, pair, t);
+            fill_chunks<0, 4>(p, sm, 1, rows1, pair, t);
+        }
+    }
+}
+
+// what a masked tile's scores need: the tree-mask row of each of this thread's two query rows (nullptr:
+// a padding row, which sees the prefix only), the segment's prefix length and ends
+struct MaskRows {
+    const int* row[2];
+    long long word_stride;
+    int words, prefix, kv_end, clean_end;
+};
+
+// this thread's scores of the tile at `start` with invisible keys at -inf: positions past kv_end, and
+// tree node j = position - prefix where bit j of the row's mask is 0; a tile below clean_end (prefix
+// keys only) is left as it is
+__device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, int start, int lane) {
+    if (start + BN <= m.clean_end) return;
+    const int j0 = start - m.prefix;  // tree node of the tile's first key (negative: a prefix key)
+    const int w0 = j0 >> 5;  // the word holding it (floor): the tile's keys lie in words w0 .. w0 + 2
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        uint32_t w[3];
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+            const int word = w0 + k;
+            w[k] = (m.row[r] && word >= 0 && word < m.words) ? uint32_t(__ldg(m.row[r] + word * m.word_stride)) : 0u;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 8 * i + 2 * (lane & 3) + e, j = j0 + col, k = (j >> 5) - w0;
+                const uint32_t word = k == 0 ? w[0] : (k == 1 ? w[1] : w[2]);
+                const bool visible = start + col < m.kv_end && (j < 0 || ((word >> (j & 31)) & 1u));
+                if (!visible) s[4 * i + 2 * r + e] = -INFINITY;
+            }
+    }
+}
+
+// a row max as the exponent's offset: 0 where no key of the row is visible yet (-inf), so that exp2 of
+// -inf scores gives 0, not NaN
+__device__ __forceinline__ float offset_of(float m) { return m == -INFINITY ? 0.f : m; }
+
+// this CTA's release of chunks [C0, C1) of a stage to the producer
+template <int C0, int C1>
+__device__ __forceinline__ void release(Smem* sm, int stage) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c)
+        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(&sm->k_empty[stage][c]))
+                     : "memory");
+}
+
+// what a warpgroup's step reads besides its registers
+struct StepContext {
+    Smem* sm;
+    uint64_t kd, vd;  // K-major and V (MN-major) descriptors of the shared memory's base (sm)
+    __device__ __forceinline__ uint64_t dq() const { return at(kd, offsetof(Smem, q)); }
+    __device__ __forceinline__ uint64_t dk(int stage) const { return at(kd, offsetof(Smem, k) + stage * TILE_BYTES); }
+    __device__ __forceinline__ uint64_t dp0() const { return at(kd, offsetof(Smem, p0)); }
+    __device__ __forceinline__ uint64_t dp1() const { return at(kd, offsetof(Smem, q) + 8 * CHUNK_BYTES); }
+    __device__ __forceinline__ uint64_t dv(int stage) const { return at(vd, offsetof(Smem, k) + stage * TILE_BYTES); }
+    // a copy whose base descriptors the compiler cannot see through (hopper_cuda_step.cu: it keeps the
+    // step's descriptors from being hoisted out of the loop and spilled)
+    __device__ __forceinline__ StepContext opaque() const {
+        StepContext c = *this;
+        asm volatile("" : "+l"(c.kd), "+l"(c.vd));
+        return c;
+    }
+    uint32_t p0, p1;
+    int row0, row1, warp, lane;
+    bool issuer;
+    float sl2;
+};
+
+// wait for chunk c of a stage, issue its QK, commit it as one group
+__device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], const StepContext& ctx,
+                                                     int stage, int c, int parity, bool zero_init) {
+    mbar_wait(&ctx.sm->k_full[stage][c], parity);
+    fence_proxy_async();  // cp.async wrote it through the generic proxy; the wgmmas read it through the async one
+    hold(s);
+    wgmma_fence();
+    if (c == CHUNKS - 1)
+        qk_rope(s, qr, ctx.dk(stage));
+    else
+        qk_chunk(s, ctx.dq(), ctx.dk(stage), c, zero_init);
+    wgmma_commit();
+    hold(s);
+}
+
+// wg 0's step j (tile 2j at `start`, in stage 0; see hopper_cuda_step.cu) as pair `pair` of the CTA: MASK,
+// its tile may need the mask and whether a next pair follows is `more`; otherwise the tile is clean
+// and a next pair follows
+template <bool MASK>
+__device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
+                                         bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
+                                         const uint32_t (&qr)[4][4]) {
+    const bool MORE = MASK ? more : true;
+    const StepContext ctx = shared_ctx.opaque();
+    const int parity = (pair + 1) & 1;  // the next pair's
+    float mx[2], sum[2];
+    uint32_t pa[4][4];
+    if (MASK) apply_mask(s, mask, start, ctx.lane);
+    row_max(s, mx);
+    float m_old[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]}, m_new[2], m_off[2], f0[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m_old[r], mx[r] * ctx.sl2);
+        m_off[r] = offset_of(m_new[r]);
+        f0[r] = fast_exp2(m_old[r] - m_off[r]);
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor0[ctx.row0] = f0[0], ctx.sm->factor0[ctx.row1] = f0[1];
+    }
+    exponentiate(s, m_off, ctx.sl2, sum);
+    for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
+    scale_rows(o, f0);
+    named_arrive(BAR_FACTOR0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    hold(o);
+    if (ctx.issuer) release<0, 4>(ctx.sm, 0);
+    named_sync(BAR_FACTOR1);
+    float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
+    scale_rows(s, f1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        p_fragment(pa[ks], s, ks);
+        stmatrix_x4(pa[ks], frag_row_addr(ctx.p0, ctx.warp, ctx.lane, ks));
+    }
+    fence_proxy_async();
+    named_arrive(BAR_P0);
+    scale_rows(o, f1);
+    for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
+    named_sync(BAR_P1);
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
+    wgmma_commit();
+    if (MORE) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, parity, c == 0);
+        wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
+        if (ctx.issuer) release<0, 4>(ctx.sm, 1);
+#pragma unroll
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, parity, false);
+    }
+    wgmma_wait<0>();
+    hold(o);
+    hold(s);
+    if (!MORE && ctx.issuer) release<0, 4>(ctx.sm, 1);
+}
+
+// wg 1's step j (tile 2j + 1 at `start`, in stage 1)
+template <bool MASK>
+__device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
+                                         bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
+                                         const uint32_t (&qr)[4][4]) {
+    const bool MORE = MASK ? more : true;
+    const StepContext ctx = shared_ctx.opaque();
+    const int parity = (pair + 1) & 1;
+    float mx[2], sum[2];
+    uint32_t pa[4][4];
+    if (MASK) apply_mask(s, mask, start, ctx.lane);
+    row_max(s, mx);
+    named_sync(BAR_FACTOR0);
+    float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
+    float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
+    float m_new[2], m_off[2], f[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m0[r], mx[r] * ctx.sl2);
+        m_off[r] = offset_of(m_new[r]);
+        f[r] = fast_exp2(m0[r] - m_off[r]);  // wg 0's max to the joint one
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor1[ctx.row0] = f[0], ctx.sm->factor1[ctx.row1] = f[1];
+    }
+    exponentiate(s, m_off, ctx.sl2, sum);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        f[r] *= f0[r];  // this warpgroup's previous max to the joint one
+        rsum[r] = rsum[r] * f[r] + sum[r];
+    }
+    scale_rows(o, f);
+    named_arrive(BAR_FACTOR1);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        p_fragment(pa[ks], s, ks);
+        stmatrix_x4(pa[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
+    }
+    fence_proxy_async();
+    hold(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
+    wgmma_commit();
+    if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+    named_sync(BAR_P0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        wgmma_pv_ss(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
+    wgmma_commit();
+    if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
+    wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 1);
+    wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 0);
+    if (MORE) {
+#pragma unroll
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 1, c, parity, c == 4);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx, 1, c, parity, false);
+    }
+    wgmma_wait<0>();
+    hold(o);
+    hold(s);
+}
+
+// this thread's two query rows of a segment: whether each is real (not padding), its token and head
+struct QueryRows {
+    bool real[2];
+    long long token[2];
+    int head[2];
+};
+
+__device__ __forceinline__ QueryRows query_rows(const Params& p, const Segment& seg, const StepContext& ctx) {
+    QueryRows rows;
+    const int local[2] = {ctx.row0, ctx.row1};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int packed = seg.row0 + local[r];
+        rows.real[r] = packed < seg.n_nodes * p.heads;
+        rows.token[r] = seg.qo_start + min(packed / p.heads, seg.n_nodes - 1);
+        rows.head[r] = packed % p.heads;
+    }
+    return rows;
+}
+
+// the segment's normalised output and log-sum-exp: into out / lse (slot < 0) or its partial slot
+__device__ __forceinline__ void write_segment(const Params& p, const StepContext& ctx, const Segment& seg,
+                                              const QueryRows& rows, int wg, const float (&o)[128],
+                                              float (&rsum)[2]) {
+    Smem* sm = ctx.sm;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // this thread's parts -> the quad's -> both warpgroups'
+        rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 1);
+        rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 2);
+    }
+    if ((ctx.lane & 3) == 0) sm->row_sum[wg][ctx.row0] = rsum[0], sm->row_sum[wg][ctx.row1] = rsum[1];
+    named_sync(BAR_MATH);
+    const int local[2] = {ctx.row0, ctx.row1};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = sm->row_sum[0][local[r]] + sm->row_sum[1][local[r]];
+        const bool any = l > 0.f;
+        const float inv = any ? 1.f / l : 1.f;
+        const float lse2 = any ? sm->row_max[local[r]] + log2f(l) : -INFINITY;
+        if (!rows.real[r]) continue;
+        const int col = wg * 256 + 2 * (ctx.lane & 3);
+        if (seg.slot < 0) {
+            uint8_t* dst = p.out + (rows.token[r] * p.o_st + rows.head[r] * p.o_sh + col) * 2;
+#pragma unroll
+            for (int i = 0; i < 32; ++i)
+                *reinterpret_cast<uint32_t*>(dst + 16 * i) =
+                    pack_bf16(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            if (wg == 0 && (ctx.lane & 3) == 0) p.lse[rows.token[r] * p.l_st + rows.head[r] * p.l_sh] = lse2 * LN2;
+        } else {
+            const long long row = (long long)seg.slot * BM + local[r];
+            float* dst = p.partial_out + row * D_V + col;
+#pragma unroll
+            for (int i = 0; i < 32; ++i)
+                *reinterpret_cast<float2*>(dst + 8 * i) =
+                    make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+            if (wg == 0 && (ctx.lane & 3) == 0) p.partial_lse[row] = lse2;
+        }
+    }
+    named_sync(BAR_MATH);  // both warpgroups read the row max and sums: the next segment may reset them
+    if (wg == 0 && (ctx.lane & 3) == 0) sm->row_max[ctx.row0] = sm->row_max[ctx.row1] = -INFINITY;
+}
+
+// the two math warpgroups: per segment, Q's rope columns to registers, the first pair's QK, the clean
+// steps, the masked ones, then the output
+__device__ void compute(const Params& p, const StepContext& ctx, int wg, int first, int end) {
+    Smem* sm = ctx.sm;
+    int pair = 0;  // pairs computed so far (the barriers' phases)
+    for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
+        const Segment seg = load_segment(p, i);
+        const int prefix = p.kv_lens[seg.seq * p.kl_s] - seg.n_nodes;
+        const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
+        // tiles starting below clean_end hold prefix keys only
+        const int clean_end = seg.kv_start + max(min(seg.kv_end, prefix) - seg.kv_start, 0) / BN * BN;
+        mbar_wait(&sm->q_full, n_seg & 1);
+        uint32_t qr[4][4];  // Q's rope columns as A fragments; chunk 8 then holds wg 1's P
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(qr[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
+        named_sync(BAR_MATH);
+
+        float s[32], o[128], rsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < 128; ++k) o[k] = 0.f;
+        // the first pair's QK, in the order the producer fills the chunks
+        if (wg == 0) {
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, pair & 1, c == 0);
+        } else {
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 1, (c + 4) % CHUNKS, pair & 1, c == 0);
+        }
+        wgmma_wait<0>();
+        hold(s);
+
+        // the steps whose two tiles are clean and which a next pair follows, then the rest (what those
+        // need besides the step's registers is made between the two loops: not live across the first)
+        const int clean_steps = min((clean_end - seg.kv_start) / (2 * BN), steps - 1);
+        if (wg == 0) {
+#pragma unroll 1
+            for (int j = 0; j < clean_steps; ++j)
+                wg0_step<false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+        } else {
+#pragma unroll 1
+            for (int j = 0; j < clean_steps; ++j)
+                wg1_step<false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+        }
+        const QueryRows rows = query_rows(p, seg, ctx);
+        MaskRows mask;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) mask.row[r] = rows.real[r] ? p.tree_mask + rows.token[r] * p.mt_s : nullptr;
+        mask.word_stride = p.mw_s;
+        mask.words = p.mask_words;
+        mask.prefix = prefix;
+        mask.kv_end = seg.kv_end;
+        mask.clean_end = clean_end;
+#pragma unroll 1
+        for (int j = clean_steps; j < steps; ++j) {
+            const int start = seg.kv_start + (2 * j + wg) * BN;
+            if (wg == 0)
+                wg0_step<true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+            else
+                wg1_step<true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+        }
+        pair += steps;
+        if (ctx.issuer)  // this warpgroup's wgmmas on Q and on P1 (over Q's rope columns) retired
+            asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(&sm->q_empty))
+                         : "memory");
+        write_segment(p, ctx, seg, rows, wg, o, rsum);
+    }
+}
+
+__global__ void __launch_bounds__(LAUNCH_THREADS, 1) verify_kernel(const Params p) {
+    extern __shared__ uint8_t smem_raw[];
+    Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp
+    const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
+              lane = t % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s)
+            for (int c = 0; c < CHUNKS; ++c) {
+                mbar_init(&sm->k_full[s][c], PRODUCER_THREADS);
+                mbar_init(&sm->k_empty[s][c], 1);
+            }
+        mbar_init(&sm->q_full, PRODUCER_THREADS);
+        mbar_init(&sm->q_empty, 2);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
+    __syncthreads();
+    const int first = p.prog_first_seg[blockIdx.x], end = p.prog_first_seg[blockIdx.x + 1];
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+        produce(p, sm, first, end, t);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
+        const uint32_t base = smem_addr(sm);
+        const int row0 = warp * 16 + lane / 4;
+        const StepContext ctx{sm, k_major(base), mn_major_v(base), smem_addr(sm->p0),
+                              smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane, t == 0,
+                              p.scale_log2};
+        compute(p, ctx, wg, first, end);
+    }
+}
+
+}  // namespace
+
+extern "C" int kd_verify_smem_bytes() { return int(sizeof(Smem) + 1024); }
+
+extern "C" int kd_verify_params_bytes() { return int(sizeof(Params)); }
+
+// verify_kernel on num_programs CTAs on `stream`; params: a Params as laid out above. 0: launched;
+// 1: the shared memory size could not be set; 2: the launch failed
+extern "C" int kd_verify_launch(const void* params, int num_programs, void* stream) {
+    static const bool smem_set =  // once: the size does not change
+        cudaFuncSetAttribute(verify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_verify_smem_bytes())
+        == cudaSuccess;
+    if (!smem_set) return 1;
+    const Params p = *static_cast<const Params*>(params);
+    verify_kernel<<<num_programs, LAUNCH_THREADS, kd_verify_smem_bytes(), static_cast<cudaStream_t>(stream)>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : 2;
+}

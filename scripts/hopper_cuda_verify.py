@@ -1,0 +1,178 @@
+"""Spike, second step: the Hopper verify kernel's whole contract in CUDA C++
+(``scripts/hopper_cuda_verify.cu``: tree masks, page tables of any page size, ragged segments and
+split partials on the step of ``scripts/hopper_cuda_step.cu``), built with nvcc and launched through
+ctypes on a plan's segments, the merge by the library's combine kernel (docs/perf_log.md).
+
+    PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags "-DKD_EVICT_FIRST=0"]
+    PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
+
+The first form checks it against the float64 reference on random ragged batches (the GPU suite's
+kinds of awkward cases: page sizes 1 to 128, 1 to 128 heads, trees of 1 to 300 nodes, prefixes of 0
+to 5,000 positions, NaN in every pool row no sequence uses, repeated calls bitwise equal) and prints
+a PASS / FAIL line per case. The second times it beside the Gluon kernel (``ab_hopper.py``: same
+plans, the reference check, NaN partials before the first call, graph replay).
+
+This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
+Hopper module's ``prepare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kdtree_engine import reference
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, compare, random_tree
+from kdtree_engine.verify import combine, hopper
+from kdtree_engine.verify.plan import plan_verify
+
+SOURCE = Path(__file__).with_suffix(".cu")
+HEADER = SOURCE.with_name("hopper_cuda_ptx.cuh")
+LOG2E = 1.4426950408889634
+
+
+class Params(ctypes.Structure):
+    """The kernel's ``Params`` (hopper_cuda_verify.cu), field for field."""
+
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
+        "q", "kv", "page_table", "kv_lens", "qo_indptr", "tree_mask", "out", "lse", "prog_first_seg", "seg_seq",
+        "seg_row0", "seg_kv_start", "seg_kv_end", "seg_partial", "partial_out", "partial_lse")]
+        + [(name, ctypes.c_longlong) for name in (
+            "q_st", "q_sh", "kv_sp", "kv_ss", "pt_s0", "pt_s1", "kl_s", "qo_s", "mt_s", "mw_s", "o_st", "o_sh", "l_st",
+            "l_sh")]
+        + [("heads", ctypes.c_int), ("page_size", ctypes.c_int), ("mask_words", ctypes.c_int),
+           ("scale_log2", ctypes.c_float)])
+
+
+def build(flags: str = "") -> ctypes.CDLL:
+    """The kernel built with ``flags`` (cached by source and flags in the temporary directory)."""
+    digest = hashlib.sha256((SOURCE.read_text() + HEADER.read_text() + flags).encode()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"kdtree_cuda_verify_{digest}.so"
+    if not lib.exists():
+        cmd = ["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
+               "-fPIC", "-Xptxas", "-v", *flags.split(), "-o", str(lib), str(SOURCE)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        report = [line.strip() for line in r.stderr.splitlines()
+                  if any(word in line for word in ("registers", "spill", "error"))]
+        print(f"cuda ({flags or 'no flags'}): " + "; ".join(report), flush=True)
+        r.check_returncode()
+    so = ctypes.CDLL(str(lib))
+    so.kd_verify_launch.restype = ctypes.c_int
+    so.kd_verify_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    so.kd_verify_params_bytes.restype = ctypes.c_int
+    if so.kd_verify_params_bytes() != ctypes.sizeof(Params):
+        raise RuntimeError(f"Params: {so.kd_verify_params_bytes()} bytes in the kernel, {ctypes.sizeof(Params)} here")
+    return so
+
+
+class _Launch:
+    """One call signature's launches: the kernel on the plan's programs, then the combine kernel."""
+
+    def __init__(self, so, params: Params, num_programs: int, merge):
+        self._so, self._params, self._programs, self._merge = so, params, num_programs, merge
+
+    def __call__(self, tensors, ptrs, num_groups) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = self._so.kd_verify_launch(ctypes.byref(self._params), self._programs, stream)
+        if rc:
+            raise RuntimeError(f"kd_verify_launch failed ({rc})")
+        if num_groups != 0 or torch.cuda.is_current_stream_capturing():
+            self._merge(tensors, ptrs)
+
+
+class CudaKernel:
+    """The kernel as a module with :func:`kdtree_engine.verify.hopper.prepare`'s signature."""
+
+    def __init__(self, flags: str = ""):
+        self.flags = flags
+        self._so = build(flags)
+
+    def prepare(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> _Launch:
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"q must be torch.bfloat16 for the CUDA spike, got {q.dtype}")
+        if plan.in_kernel:
+            raise ValueError("plan: the CUDA spike runs host-scheduled plans only (not the one-sequence schedule)")
+        if not hopper.supports_plan(plan.config) or not hopper.supports(q, kv_cache):
+            raise ValueError("plan / q / kv_cache: not a layout the Hopper kernels take")
+        if q.stride(2) != 1 or kv_cache.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) % 2 or out.stride(0) % 2:
+            raise ValueError("q, kv_cache, out: rows must be contiguous (out's 4-byte aligned)")
+        ptr = lambda t: t.data_ptr()  # noqa: E731
+        seg = plan.segment_rows
+        params = Params(
+            ptr(q), ptr(kv_cache), ptr(page_table), ptr(kv_lens), ptr(qo_indptr), ptr(tree_mask), ptr(out), ptr(lse),
+            ptr(plan.prog_first_seg), *(ptr(t) for t in seg), ptr(plan.partial_out), ptr(plan.partial_lse),
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), *page_table.stride(), kv_lens.stride(0),
+            qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
+            q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E)
+        merge = combine.combine_launch(q, out, lse, qo_indptr, plan)
+        return _Launch(self._so, params, plan.num_programs, merge)
+
+
+def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
+    """One awkward batch: ragged prefixes and trees, a random page size and head count (``small``: at
+    most 3 sequences of 33 nodes, 200 prefix positions and 16 heads, for the sanitizers)."""
+    B = rng.choice([1, 2, 3] if small else [1, 1, 2, 3, 5])
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(rng.choice([1, 2, 7, 9, 16, 33] + ([] if small else [64, 100, 300])), gen) for _ in range(B)]
+    prefixes = [rng.choice([0, 1, 63, 64, 65, 127, 200] + ([] if small else [1000, 4097])) for _ in range(B)]
+    return CaseSpec(name=f"case{seed}", num_heads=rng.choice([1, 3, 16] + ([] if small else [64, 128])),
+                    prefix_lens=prefixes, trees=trees, page_size=rng.choice([1, 7, 16, 64, 128]), seed=seed,
+                    extra_mask_words=rng.choice([0, 1]))
+
+
+def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None) -> bool:
+    """``spec`` through the kernel on a fresh plan (partials NaN) against the float64 reference; a
+    second call must be bitwise equal."""
+    c = build_case(spec, "cuda")
+    T, H = c["q"].shape[:2]
+    plan = plan_verify(spec.kv_lens, c["qo_indptr"].tolist(), H, "cuda", num_programs=num_programs)
+    plan.tables.partial_out.fill_(float("nan"))
+    plan.tables.partial_lse.fill_(float("nan"))
+    out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T, H), float("nan"), device="cuda", dtype=torch.float32)
+    tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
+    launch = kernel.prepare(*tensors[:6], spec.sm_scale, out, lse, plan.tables)
+    launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
+    first = (out.clone(), lse.clone())
+    launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference(*tensors[:6], spec.sm_scale)
+    r_out = compare(out, ref_out, *TOLERANCES["bf16"]["out"])
+    r_lse = compare(lse, ref_lse, *TOLERANCES["bf16"]["lse"])
+    repeat = torch.equal(first[0], out) and torch.equal(first[1], lse)
+    ok = r_out.ok and r_lse.ok and repeat
+    worst = "" if r_out.ok and r_lse.ok else f" ({(r_lse if r_out.ok else r_out).detail})"
+    print(f"{'PASS' if ok else 'FAIL'} {spec.name}: H={H} page={spec.page_size} nodes={[len(t) for t in spec.trees]} "
+          f"prefix={spec.prefix_lens} programs={plan.num_programs} out {r_out} lse {r_lse}"
+          f"{'' if repeat else ' REPEAT DIFFERS'}{worst}", flush=True)
+    return ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="small batches only (for compute-sanitizer)")
+    p.add_argument("--flags", default="", help="nvcc flags (-D variants of the KD_* macros)")
+    a = p.parse_args()
+    kernel = CudaKernel(a.flags)
+    rng = random.Random(a.seed)
+    failed = 0
+    for i in range(a.cases):
+        spec = random_case(rng, a.seed * 1000 + i, a.small)
+        # the default grid, and a small one (more segments a program: the barriers' phases across segments)
+        failed += not check(kernel, spec, None if i % 2 else rng.choice([1, 2, 5]))
+    print(f"{a.cases - failed} of {a.cases} cases PASS")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
