@@ -20,6 +20,7 @@
 // the segment's end read the tree mask (scores of invisible keys -inf); the steps before them run
 // with no mask code and no branch around their wgmmas.
 #include <cuda_runtime.h>
+#include <stdio.h>
 
 #include "hopper_cuda_ptx.cuh"
 
@@ -28,6 +29,11 @@
 #endif
 #ifndef KD_EVICT_FIRST
 #define KD_EVICT_FIRST 1  // KV rows gathered with an L2 evict-first hint (the step spike's best)
+#endif
+#ifndef KD_WATCHDOG
+// a thread that waits on an mbarrier phase for more than ~2^31 cycles (~1 s) prints which one and traps:
+// a protocol error then fails the launch at once instead of hanging it (the checks build with it)
+#define KD_WATCHDOG 0
 #endif
 
 namespace {
@@ -74,6 +80,13 @@ struct Params {
     int heads, page_size, mask_words;
     float scale_log2;  // softmax scale x log2(e)
 };
+
+extern __shared__ uint8_t smem_raw[];
+
+// the kernel's shared memory (its dynamic allocation, from the first 1024-byte boundary)
+__device__ __forceinline__ Smem* smem() {
+    return reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+}
 
 struct Segment {
     int seq, row0, kv_start, kv_end, slot, qo_start, n_nodes;
@@ -143,6 +156,24 @@ __device__ __forceinline__ ProducerRows kv_rows(const Params& p, const int* page
     return rows;
 }
 
+// wait for the phase of `bar` with this parity to complete (KD_WATCHDOG: or trap, saying which barrier)
+__device__ __forceinline__ void wait_phase(uint64_t* bar, int parity) {
+    if (!KD_WATCHDOG) return mbar_wait(bar, parity);
+    uint32_t done;
+    const long long t0 = clock64();
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+        if (!done && clock64() - t0 > (1ll << 31)) {
+            printf("watchdog: CTA %d thread %d waits on the barrier at Smem offset %u, parity %d (k_full %u, "
+                   "k_empty %u, q_full %u, q_empty %u)\n", blockIdx.x, threadIdx.x, smem_addr(bar) - smem_addr(smem()),
+                   parity, unsigned(offsetof(Smem, k_full)), unsigned(offsetof(Smem, k_empty)),
+                   unsigned(offsetof(Smem, q_full)), unsigned(offsetof(Smem, q_empty)));
+            __trap();
+        }
+    } while (!done);
+}
+
 // the segment's Q rows (padding rows past its nodes zero-filled)
 __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment& seg, int t) {
     ProducerRows rows;
@@ -166,7 +197,7 @@ __device__ __forceinline__ void fill_chunks(const Params& p, Smem* sm, int stage
                                             int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
-        if (pair > 0) mbar_wait(&sm->k_empty[stage][c], (pair - 1) & 1);
+        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
         arrive_when_copied(&sm->k_full[stage][c]);
     }
@@ -180,7 +211,7 @@ __device__ void produce(const Params& p, Smem* sm, int first, int end, int t) {
     int pair = 0;  // pairs loaded so far (the barriers' phases)
     for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
         const Segment seg = load_segment(p, i);
-        if (n_seg > 0) mbar_wait(&sm->q_empty, (n_seg - 1) & 1);
+        if (n_seg > 0) wait_phase(&sm->q_empty, (n_seg - 1) & 1);
         copy_q(p, sm, seg, t);
         const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
@@ -270,7 +301,7 @@ struct StepContext {
 // wait for chunk c of a stage, issue its QK, commit it as one group
 __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], const StepContext& ctx,
                                                      int stage, int c, int parity, bool zero_init) {
-    mbar_wait(&ctx.sm->k_full[stage][c], parity);
+    wait_phase(&ctx.sm->k_full[stage][c], parity);
     fence_proxy_async();  // cp.async wrote it through the generic proxy; the wgmmas read it through the async one
     hold(s);
     wgmma_fence();
@@ -493,7 +524,7 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
         // tiles starting below clean_end hold prefix keys only
         const int clean_end = seg.kv_start + max(min(seg.kv_end, prefix) - seg.kv_start, 0) / BN * BN;
-        mbar_wait(&sm->q_full, n_seg & 1);
+        wait_phase(&sm->q_full, n_seg & 1);
         uint32_t qr[4][4];  // Q's rope columns as A fragments; chunk 8 then holds wg 1's P
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(qr[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
@@ -551,8 +582,7 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
 }
 
 __global__ void __launch_bounds__(LAUNCH_THREADS, 1) verify_kernel(const Params p) {
-    extern __shared__ uint8_t smem_raw[];
-    Smem* sm = reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    Smem* sm = smem();
     // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
               lane = t % 32;

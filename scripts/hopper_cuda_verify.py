@@ -9,7 +9,8 @@ ctypes on a plan's segments, the merge by the library's combine kernel (docs/per
 The first form checks it against the float64 reference on random ragged batches (the GPU suite's
 kinds of awkward cases: page sizes 1 to 128, 1 to 128 heads, trees of 1 to 300 nodes, prefixes of 0
 to 5,000 positions, NaN in every pool row no sequence uses, repeated calls bitwise equal) and prints
-a PASS / FAIL line per case. The second times it beside the Gluon kernel (``ab_hopper.py``: same
+a PASS / FAIL line per case; built with ``KD_WATCHDOG`` (a thread stuck on an mbarrier phase for
+~1 s prints which barrier and traps, so a protocol error fails at once). The second times it beside the Gluon kernel (``ab_hopper.py``: same
 plans, the reference check, NaN partials before the first call, graph replay).
 
 This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
@@ -163,7 +164,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="small batches only (for compute-sanitizer)")
     p.add_argument("--flags", default="", help="nvcc flags (-D variants of the KD_* macros)")
     a = p.parse_args()
-    kernel = CudaKernel(a.flags)
+    kernel = CudaKernel(f"{a.flags} -DKD_WATCHDOG=1".strip())  # a wait that hangs traps and says where
     rng = random.Random(a.seed)
     failed = 0
     for i in range(a.cases):
