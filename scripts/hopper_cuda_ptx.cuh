@@ -1,12 +1,13 @@
 // The PTX of the Hopper (sm_90a) verify step in CUDA C++, shared by the step spike
 // (hopper_cuda_step.cu) and the contract kernel (hopper_cuda_verify.cu): mbarriers, named barriers,
-// wgmma with 128-byte-swizzled shared-memory operands, ldmatrix / stmatrix, and the softmax pieces
+// wgmma with 128-byte-swizzled shared-memory operands, ldmatrix / stmatrix, TMA boxes and their tensor maps, and the softmax pieces
 // that act on one thread's part of a [64, 64] score tile (m64n64 accumulator layout: thread (warp w,
 // lane l) holds rows 16w + l/4 and 16w + l/4 + 8, columns 8i + 2(l % 4) + {0, 1}, i < 8, as
 // s[4i + 2r + {0, 1}] for its row r). One translation unit a kernel: everything here is inline.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 constexpr int BM = 64;           // query rows a CTA
@@ -42,6 +43,11 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                  : "memory");
 }
 
+// one arrival on bar (release: this thread's earlier accesses happen before the phase completes)
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
 // SUSPEND_HINT: the thread suspends until the phase completes or a time limit passes, not a poll
 template <bool SUSPEND_HINT = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
@@ -57,6 +63,22 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
             "WAIT_%=:\n"
             "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
             "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// a [64, 64] box of a 2-D tensor map at (col, row) into dst by TMA, its bytes counted on bar (EVICT_FIRST: with an
+// L2 evict-first hint)
+template <bool EVICT_FIRST = false>
+__device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
+    if (EVICT_FIRST)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1, {%3, %4}], [%2], %5;"
+            :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "l"(0x12F0000000000000ull)
+            : "memory");
+    else
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+            :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row) : "memory");
 }
 
 __device__ __forceinline__ void fence_proxy_async() {
@@ -248,3 +270,27 @@ __device__ __forceinline__ void qk_rope(float (&s)[32], const uint32_t (&qr)[4][
     for (int ks = 0; ks < 4; ++ks) wgmma_qk_rs(s, qr[ks], at(dk, 8 * CHUNK_BYTES + ks * 32), 1);
 }
 
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// host: a [rows, 576] bf16 tensor (rows row_bytes apart, 1152 if dense) read in [64, 64] boxes, 128-byte
+// swizzled, an L2 miss fetching l2_promotion bytes (128 or 256). 0: made; 1: no driver entry point; 2: refused
+inline int make_map(CUtensorMap* map, const void* base, unsigned long long rows, int l2_promotion,
+                    unsigned long long row_bytes = D_QK * 2) {
+    static EncodeTiled encode = nullptr;
+    if (!encode) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found)
+                != cudaSuccess || fn == nullptr)
+            return 1;
+        encode = reinterpret_cast<EncodeTiled>(fn);
+    }
+    cuuint64_t dims[2] = {D_QK, rows}, strides[1] = {row_bytes};
+    cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : 2;
+}

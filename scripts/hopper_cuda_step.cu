@@ -86,22 +86,6 @@ struct __align__(1024) Smem {
     uint64_t q_full;
 };
 
-__device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-        :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row) : "memory");
-}
-
-
-__device__ __forceinline__ void tma_load_chunk_evict_first(void* dst, const CUtensorMap* map, uint64_t* bar, int col,
-                                                           int row) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%3, %4}], [%2], %5;"
-        :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "l"(0x12F0000000000000ull)
-        : "memory");
-}
-
 __device__ __forceinline__ void tma_prefetch_chunk(const CUtensorMap* map, int col, int row) {
     asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(col), "r"(row)
                  : "memory");
@@ -121,7 +105,7 @@ __device__ __forceinline__ void cluster_sync() {  // every thread of every CTA o
 // one arrival on the barrier at bar's offset in CTA cta of the cluster (this CTA's own with clusters of 1)
 __device__ __forceinline__ void mbar_arrive_in(uint64_t* bar, uint32_t cta) {
     if (CLUSTER == 1)
-        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+        mbar_arrive(bar);
     else
         asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}"
@@ -154,7 +138,6 @@ __device__ __forceinline__ void tma_multicast_chunk(void* dst, const CUtensorMap
             :: "r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(col), "r"(row), "h"(cta_mask) : "memory");
 }
 
-
 struct Params {
     const int* tile_rows;  // [num_cta, n_tiles]: first KV row of each tile (KD_PAGE1: [num_cta, n_tiles, 64], each row)
     const int* q_block;    // [num_cta]: the CTA's query block (rows 64 q_block + [0, 64))
@@ -186,7 +169,7 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
 // chunk c of the tile at KV row `row` into its place in a K stage, by TMA (evict-first with KD_EVICT_FIRST)
 __device__ __forceinline__ void tma_load_k_chunk(Smem* sm, const CUtensorMap* kv_map, int stage, int c, int row) {
     if (KD_EVICT_FIRST)
-        tma_load_chunk_evict_first(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+        tma_load_chunk<true>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
     else
         tma_load_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
 }
@@ -591,29 +574,6 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     cluster_sync();  // no CTA leaves while another may still signal its barriers
 }
 
-typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// a [rows, 576] bf16 tensor (rows 1152 B apart) read in [64, 64] boxes, 128-byte swizzled
-int make_map(CUtensorMap* map, const void* base, unsigned long long rows) {
-    static EncodeTiled encode = nullptr;
-    if (!encode) {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found)
-                != cudaSuccess || fn == nullptr)
-            return 1;
-        encode = reinterpret_cast<EncodeTiled>(fn);
-    }
-    cuuint64_t dims[2] = {D_QK, rows}, strides[1] = {D_QK * 2};
-    cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  KD_L2_PROMOTION == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : 2;
-}
-
 }  // namespace
 
 extern "C" int kd_step_smem_bytes() { return int(sizeof(Smem) + 1024); }
@@ -652,7 +612,7 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
     if (n_tiles < 2 || n_tiles % 2) return 3;
     if (part_ctas % CLUSTER || num_cta % CLUSTER) return 5;  // a cluster's CTAs must read the same tiles
     CUtensorMap q_map, kv_map;
-    if (make_map(&q_map, q, q_rows) || make_map(&kv_map, kv, kv_rows)) return 1;
+    if (make_map(&q_map, q, q_rows, KD_L2_PROMOTION) || make_map(&kv_map, kv, kv_rows, KD_L2_PROMOTION)) return 1;
     StepLaunch launch(num_cta, static_cast<cudaStream_t>(stream));
     if (!launch.ok) return 4;
     Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps, static_cast<const uint8_t*>(kv)};

@@ -30,6 +30,12 @@
 #ifndef KD_EVICT_FIRST
 #define KD_EVICT_FIRST 1  // KV rows gathered with an L2 evict-first hint (the step spike's best)
 #endif
+#ifndef KD_TMA
+// where pages hold whole tiles (page size a multiple of 64, pages back to back in the pool), the producer's
+// first thread loads a tile that ends before the segment's end by TMA, a [64, 64] box a chunk, instead of
+// the warpgroup's cp.async gathers (partial tiles, other page sizes: cp.async)
+#define KD_TMA 0
+#endif
 #ifndef KD_WATCHDOG
 // a thread that waits on an mbarrier phase for more than ~2^31 cycles (~1 s) prints which one and traps:
 // a protocol error then fails the launch at once instead of hanging it (the checks build with it)
@@ -77,8 +83,10 @@ struct Params {
     float* partial_out;  // [slots, 64, 512]
     float* partial_lse;  // [slots, 64] (log2)
     long long q_st, q_sh, kv_sp, kv_ss, pt_s0, pt_s1, kl_s, qo_s, mt_s, mw_s, o_st, o_sh, l_st, l_sh;
+    long long kv_rows;  // rows of the pool (pages x page_size)
     int heads, page_size, mask_words;
     float scale_log2;  // softmax scale x log2(e)
+    int tma;  // KD_TMA and the pool's layout allows it (set by the launch)
 };
 
 extern __shared__ uint8_t smem_raw[];
@@ -191,23 +199,42 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
-// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair)
+// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair):
+// gathered by the warpgroup's cp.asyncs, or (tma_row >= 0) a box of the pool's rows from tma_row loaded by
+// TMA, issued by the first thread (the others arrive at once: the barrier counts 128 arrivals either way)
 template <int C0, int C1>
-__device__ __forceinline__ void fill_chunks(const Params& p, Smem* sm, int stage, const ProducerRows& rows, int pair,
-                                            int t) {
+__device__ __forceinline__ void fill_chunks(const Params& p, const CUtensorMap* kv_map, Smem* sm, int stage,
+                                            const ProducerRows& rows, int tma_row, int pair, int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
         if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
-        copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
-        arrive_when_copied(&sm->k_full[stage][c]);
+        if (KD_TMA && tma_row >= 0) {
+            if (t == 0) {
+                mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+                tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64,
+                                               tma_row);
+            } else {
+                mbar_arrive(&sm->k_full[stage][c]);
+            }
+        } else {
+            copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
+            arrive_when_copied(&sm->k_full[stage][c]);
+        }
     }
+}
+
+// the pool row where the tile at `start` begins if TMA loads it (KD_TMA, the pool's layout allows it, and the
+// tile ends before kv_end), else -1
+__device__ __forceinline__ int tma_row(const Params& p, const int* pages, int start, int kv_end) {
+    if (!KD_TMA || !p.tma || start + BN > kv_end) return -1;
+    return pages[(start / p.page_size) * p.pt_s1] * p.page_size + start % p.page_size;
 }
 
 // the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
 // its tiles in pairs (2j -> stage 0, 2j + 1 -> stage 1), chunk by chunk in the order the step releases
 // them: stage 0's left half (wg 0 after P0 V0), stage 1's right half and rope (wg 1 after P1 V1), stage
 // 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1)
-__device__ void produce(const Params& p, Smem* sm, int first, int end, int t) {
+__device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, int first, int end, int t) {
     int pair = 0;  // pairs loaded so far (the barriers' phases)
     for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
         const Segment seg = load_segment(p, i);
@@ -218,12 +245,13 @@ __device__ void produce(const Params& p, Smem* sm, int first, int end, int t) {
 #pragma unroll 1
         for (int j = 0; j < steps; ++j, ++pair) {
             const int start = seg.kv_start + 2 * j * BN;
-            const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
-            const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
-            fill_chunks<0, 4>(p, sm, 0, rows0, pair, t);
-            fill_chunks<4, CHUNKS>(p, sm, 1, rows1, pair, t);
-            fill_chunks<4, CHUNKS>(p, sm, 0, rows0, pair, t);
-            fill_chunks<0, 4>(p, sm, 1, rows1, pair, t);
+            const int tma0 = tma_row(p, pages, start, seg.kv_end), tma1 = tma_row(p, pages, start + BN, seg.kv_end);
+            const ProducerRows rows0 = tma0 < 0 ? kv_rows(p, pages, start, seg.kv_end, t) : ProducerRows{};
+            const ProducerRows rows1 = tma1 < 0 ? kv_rows(p, pages, start + BN, seg.kv_end, t) : ProducerRows{};
+            fill_chunks<0, 4>(p, kv_map, sm, 0, rows0, tma0, pair, t);
+            fill_chunks<4, CHUNKS>(p, kv_map, sm, 1, rows1, tma1, pair, t);
+            fill_chunks<4, CHUNKS>(p, kv_map, sm, 0, rows0, tma0, pair, t);
+            fill_chunks<0, 4>(p, kv_map, sm, 1, rows1, tma1, pair, t);
         }
     }
 }
@@ -272,8 +300,7 @@ template <int C0, int C1>
 __device__ __forceinline__ void release(Smem* sm, int stage) {
 #pragma unroll
     for (int c = C0; c < C1; ++c)
-        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(&sm->k_empty[stage][c]))
-                     : "memory");
+        mbar_arrive(&sm->k_empty[stage][c]);
 }
 
 // what a warpgroup's step reads besides its registers
@@ -575,13 +602,13 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
         }
         pair += steps;
         if (ctx.issuer)  // this warpgroup's wgmmas on Q and on P1 (over Q's rope columns) retired
-            asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(&sm->q_empty))
-                         : "memory");
+            mbar_arrive(&sm->q_empty);
         write_segment(p, ctx, seg, rows, wg, o, rsum);
     }
 }
 
-__global__ void __launch_bounds__(LAUNCH_THREADS, 1) verify_kernel(const Params p) {
+__global__ void __launch_bounds__(LAUNCH_THREADS, 1)
+verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     Smem* sm = smem();
     // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
@@ -601,7 +628,7 @@ __global__ void __launch_bounds__(LAUNCH_THREADS, 1) verify_kernel(const Params 
     const int first = p.prog_first_seg[blockIdx.x], end = p.prog_first_seg[blockIdx.x + 1];
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
-        produce(p, sm, first, end, t);
+        produce(p, &kv_map, sm, first, end, t);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
         const uint32_t base = smem_addr(sm);
@@ -619,14 +646,20 @@ extern "C" int kd_verify_smem_bytes() { return int(sizeof(Smem) + 1024); }
 
 extern "C" int kd_verify_params_bytes() { return int(sizeof(Params)); }
 
-// verify_kernel on num_programs CTAs on `stream`; params: a Params as laid out above. 0: launched;
-// 1: the shared memory size could not be set; 2: the launch failed
+// verify_kernel on num_programs CTAs on `stream`; params: a Params as laid out above (its `tma` set here).
+// 0: launched; 1: the shared memory size could not be set; 2: the launch failed; 3: no tensor map (KD_TMA)
 extern "C" int kd_verify_launch(const void* params, int num_programs, void* stream) {
     static const bool smem_set =  // once: the size does not change
         cudaFuncSetAttribute(verify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_verify_smem_bytes())
         == cudaSuccess;
     if (!smem_set) return 1;
-    const Params p = *static_cast<const Params*>(params);
-    verify_kernel<<<num_programs, LAUNCH_THREADS, kd_verify_smem_bytes(), static_cast<cudaStream_t>(stream)>>>(p);
+    Params p = *static_cast<const Params*>(params);
+    // TMA reads the pool as [kv_rows, 576] rows kv_ss elements apart: pages back to back, rows 16-byte aligned
+    p.tma = KD_TMA && p.page_size % BN == 0 && p.kv_sp == p.page_size * p.kv_ss && p.kv_ss % 8 == 0
+            && reinterpret_cast<uintptr_t>(p.kv) % 16 == 0;
+    CUtensorMap kv_map = {};
+    if (p.tma && make_map(&kv_map, p.kv, p.kv_rows, 256, p.kv_ss * 2)) return 3;
+    verify_kernel<<<num_programs, LAUNCH_THREADS, kd_verify_smem_bytes(), static_cast<cudaStream_t>(stream)>>>(p,
+                                                                                                               kv_map);
     return cudaGetLastError() == cudaSuccess ? 0 : 2;
 }

@@ -49,8 +49,8 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_longlong) for name in (
             "q_st", "q_sh", "kv_sp", "kv_ss", "pt_s0", "pt_s1", "kl_s", "qo_s", "mt_s", "mw_s", "o_st", "o_sh", "l_st",
             "l_sh")]
-        + [("heads", ctypes.c_int), ("page_size", ctypes.c_int), ("mask_words", ctypes.c_int),
-           ("scale_log2", ctypes.c_float)])
+        + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
+           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int)])
 
 
 def build(flags: str = "") -> ctypes.CDLL:
@@ -84,7 +84,7 @@ class _Launch:
         stream = torch.cuda.current_stream().cuda_stream
         rc = self._so.kd_verify_launch(ctypes.byref(self._params), self._programs, stream)
         if rc:
-            raise RuntimeError(f"kd_verify_launch failed ({rc})")
+            raise RuntimeError(f"kd_verify_launch failed ({rc}: 1 shared memory size, 2 launch, 3 tensor map)")
         if num_groups != 0 or torch.cuda.is_current_stream_capturing():
             self._merge(tensors, ptrs)
 
@@ -112,7 +112,8 @@ class CudaKernel:
             ptr(plan.prog_first_seg), *(ptr(t) for t in seg), ptr(plan.partial_out), ptr(plan.partial_lse),
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), *page_table.stride(), kv_lens.stride(0),
             qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
-            q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E)
+            kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
+            0)
         merge = combine.combine_launch(q, out, lse, qo_indptr, plan)
         return _Launch(self._so, params, plan.num_programs, merge)
 
