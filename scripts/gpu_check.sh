@@ -85,18 +85,22 @@ for stage in "${stages[@]}"; do
       fi
       tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
     cudaverify)  # the CUDA C++ spike of the whole contract (scripts/hopper_cuda_verify.py), never run before
-      # session 31: its check against the float64 reference (CUDA_CASES random batches, default 40), memcheck and
-      # synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B beside the Gluon kernel (ab_hopper.py cuda;
+      # session 31: its check against the float64 reference (CUDA_CASES random batches, default 40; the cp.async and
+      # the TMA producer), memcheck and synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B of both beside
+      # the Gluon kernel (ab_hopper.py cuda + CUDA_AB_VARIANTS, default cuda:-DKD_TMA=1;
       # cudaverify_ab.json); under timeouts (CUDA_TIMEOUT 150 s, CUDA_AB_TIMEOUT 300 s): a build that never ran may hang
-      timeout "${CUDA_TIMEOUT:-150}" python3 scripts/hopper_cuda_verify.py --cases "${CUDA_CASES:-40}" 2>&1 \
-        | tee -a "$OUT/log.txt" | grep -vE "^PASS" || status=1
+      for flags in "" "-DKD_TMA=1"; do  # the cp.async producer, then with TMA for whole tiles
+        timeout "${CUDA_TIMEOUT:-150}" python3 scripts/hopper_cuda_verify.py --cases "${CUDA_CASES:-40}" --flags="$flags" \
+          2>&1 | tee -a "$OUT/log.txt" | grep -vE "^PASS" || status=1
+      done
       for tool in memcheck synccheck; do
         timeout "${CUDA_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 9 \
           python3 scripts/hopper_cuda_verify.py --cases 3 --small 2>&1 \
           | grep -E "PASS|FAIL|ERROR SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
       done
       if [ -n "${CUDA_AB_SHAPES:-}" ]; then
-        timeout "${CUDA_AB_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS:-} --shapes "$CUDA_AB_SHAPES" \
+        timeout "${CUDA_AB_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS-cuda:-DKD_TMA=1} \
+          --shapes "$CUDA_AB_SHAPES" \
           --rounds "${AB_ROUNDS:-3}" --json "$OUT/cudaverify_ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
       fi ;;
     timeline)

@@ -3,7 +3,7 @@
 split partials on the step of ``scripts/hopper_cuda_step.cu``), built with nvcc and launched through
 ctypes on a plan's segments, the merge by the library's combine kernel (docs/perf_log.md).
 
-    PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags "-DKD_EVICT_FIRST=0"]
+    PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
 The first form checks it against the float64 reference on random ragged batches (the GPU suite's
