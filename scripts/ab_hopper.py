@@ -1,7 +1,7 @@
 """A/B of variants of the Hopper kernel against this tree's, in one process on the same plans.
 
     PYTHONPATH=src python scripts/ab_hopper.py VARIANT [VARIANT ...] [--shapes 64x33x4x131072x64,...]
-        [--rounds 3] [--json ab.json]
+        [--rounds 3] [--flashmla DIR] [--json ab.json]
 
 ``VARIANT``: a whole ``verify/hopper.py`` (e.g. ``git show hopper-pbuf:src/kdtree_engine/verify/hopper.py
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
@@ -22,6 +22,10 @@ the base's (bitwise equal or not, largest difference), then all timed in turn: `
 CUDA-graph replay median each, after an untimed round (the GPU's clock settles under its power
 limit) and each round starting at another kernel, the fastest round per kernel reported, so drift
 between calls of the machine hits all of them. Each kernel compiles once per (heads, page size) of the shapes.
+``--flashmla DIR``: FlashMLA is timed in the same rounds on each shape's work as chain trees (pages of
+64 whatever the shape's page size, its own random inputs, unchecked), and every time is also printed
+as a ratio to its (issue 11's measure, here on random trees, which run 43 found within 5% of chain
+trees at all 48 of its shapes).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from hopper_timeline import module_from_source, variant_source  # noqa: E402
 from tune_flash import make_inputs, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
+from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
 from kdtree_engine.verify import combine, hopper  # noqa: E402
 from kdtree_engine.verify.plan import plan_verify  # noqa: E402
@@ -77,8 +82,12 @@ def main() -> None:
                    "FILE.diff:NAME sections of a variants file, unfused, cuda[:FLAGS]")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) in the rounds: "
+                   "the shape's work as chain trees (its causal mask), pages of 64, its own inputs; every kernel's "
+                   "time then also as a ratio to it")
     p.add_argument("--json")
     a = p.parse_args()
+    fm = load_flashmla_module(a.flashmla) if a.flashmla else None
     kernels = {"base": (hopper, True)}
     for spec in a.variants:
         if spec == "unfused":
@@ -111,6 +120,8 @@ def main() -> None:
                              first=(out.clone(), lse.clone()), us=[])
         plan.tables.partial_out.zero_()  # as the plan made them (a merge reads rows never written)
         plan.tables.partial_lse.zero_()
+        if fm is not None:  # timed in the rounds as the kernels are; no check (its own inputs)
+            res["flashmla"] = dict(call=chain_call(fm, H, n, B, prefix, 1.0 / math.sqrt(576), "cuda"), us=[])
         # a first round untimed, then each round in another order: after the checks' idle time the
         # GPU runs its first long kernels at a higher clock than under its power limit later (run
         # 35: the base's first round 3-11% faster than its others at 5 of 7 shapes), which a fixed
@@ -121,13 +132,16 @@ def main() -> None:
                 us = time_graph(res[name]["call"]) * 1e6
                 if i:
                     res[name]["us"].append(us)
+        flashmla_us = min(res.pop("flashmla")["us"]) if fm is not None else None
         for r in res.values():  # the last replay's outputs too, and whether they are the first call's
             r["ok"] = r["ok"] and matches(r["out"][:n], r["lse"][:n], ref_out, ref_lse)
             r["repeats"] = torch.equal(r["first"][0], r["out"]) and torch.equal(r["first"][1], r["lse"])
         base = res["base"]
         base_us = min(base["us"])
+        to_flashmla = (lambda us: f"  / FlashMLA {us / flashmla_us:6.3f}") if flashmla_us else (lambda us: "")
         print(f"{text}: base {base_us:.1f} us (rounds {_spread(base['us'])}) {'PASS' if base['ok'] else 'FAIL'}"
-              f"{'' if base['repeats'] else '  REPLAYS DIFFER'}", flush=True)
+              f"{'' if base['repeats'] else '  REPLAYS DIFFER'}"
+              + (f"; FlashMLA {flashmla_us:.1f} us, base{to_flashmla(base_us)}" if flashmla_us else ""), flush=True)
         for name, r in res.items():
             if name == "base":
                 continue
@@ -137,10 +151,11 @@ def main() -> None:
                        variant_rounds=r["us"], base_ok=base["ok"], variant_ok=r["ok"], bitwise_equal=equal,
                        max_out_diff=diff, base_repeats=base["repeats"], variant_repeats=r["repeats"])
             row["ratio"] = row["variant_us"] / base_us
+            row["flashmla_us"] = flashmla_us
             rows.append(row)
             print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  (rounds {_spread(r['us'])})  "
                   f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}"
-                  f"{'' if r['repeats'] else '  REPLAYS DIFFER'}",
+                  f"{'' if r['repeats'] else '  REPLAYS DIFFER'}{to_flashmla(row['variant_us'])}",
                   flush=True)
         del c, res
         torch.cuda.empty_cache()

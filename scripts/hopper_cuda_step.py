@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kdtree_engine.bench.flashmla import load_flashmla_module
+from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module
 
 SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = ("64x33x4x131072", "16x9x4x131072", "16x9x1x131072", "16x9x4x16384")
@@ -96,19 +96,6 @@ def reference(q, kv, tile_rows, q_block, scale):
         lses.append(torch.logsumexp(s, -1))
         outs.append(torch.softmax(s, -1) @ k[:, :512])
     return torch.stack(outs), torch.stack(lses)
-
-
-def flashmla_call(fm, H: int, n: int, B: int, prefix: int, scale: float, dev):
-    """FlashMLA (``fm``, the loaded extension) on the same shape as a chain tree (its causal mask),
-    pages of 64 shuffled: a function making one call (FlashMLA's main kernel and its combine)."""
-    kv_len = prefix + n
-    pages = -(-kv_len // 64)
-    kv_cache = torch.randn(B * pages, 64, 1, 576, device=dev, dtype=torch.bfloat16)
-    page_table = torch.randperm(B * pages, device=dev).view(B, pages).to(torch.int32)
-    q = torch.randn(B, n, H, 576, device=dev, dtype=torch.bfloat16)
-    kv_lens = torch.full((B,), kv_len, device=dev, dtype=torch.int32)
-    meta, num_splits = fm.get_mla_metadata(kv_lens, n, H, 1)
-    return lambda: fm.dense_decode_fwd(q, kv_cache, 512, kv_lens, page_table, scale, True, meta, num_splits)
 
 
 STAMP_STEPS, STAMP_POINTS = 64, 8  # the source's
@@ -205,7 +192,7 @@ def main() -> int:
         calls = {name: (lambda so=so: launch(so, q, kv, rows, q_block, R, out, lse, scale))
                  for name, so in variants.items()}
         if fm is not None:
-            calls["flashmla"] = flashmla_call(fm, H, n, B, prefix, scale, dev)
+            calls["flashmla"] = chain_call(fm, H, n, B, prefix, scale, dev)
         samples = {name: [] for name in calls}
         names = list(calls)
         for rnd in range(a.rounds):

@@ -15,12 +15,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import torch
+
 from ..testing import chain_tree
 from ..verify.contract import D_V
 from .peers import Impl, Prepared, Unavailable
 from .shapes import BenchCase, Shape
 
-__all__ = ["FlashMLAPeer", "load_flashmla_module"]
+__all__ = ["FlashMLAPeer", "chain_call", "load_flashmla_module"]
 
 PAGE_SIZE = 64  # FlashMLA's block size
 
@@ -40,6 +42,21 @@ def load_flashmla_module(path: str | Path):
         return module.load_flashmla()
     except Exception as e:  # a build or load failure of a third-party peer: report, don't crash
         raise Unavailable(f"FlashMLA did not load from {path}: {type(e).__name__}: {e}") from None
+
+
+def chain_call(fm, H: int, n: int, B: int, prefix: int, sm_scale: float, device):
+    """One FlashMLA call (``fm``: the loaded extension; its main kernel and its combine) on the work of
+    ``B`` chain trees of ``n`` nodes after ``prefix`` positions with ``H`` heads (its causal mask),
+    on random inputs of its own, pages of 64 shuffled over the pool: a function making the call (for
+    scripts that time it beside our kernels on their own inputs)."""
+    kv_len = prefix + n
+    pages = -(-kv_len // PAGE_SIZE)
+    kv_cache = torch.randn(B * pages, PAGE_SIZE, 1, 576, device=device, dtype=torch.bfloat16)
+    page_table = torch.randperm(B * pages, device=device).view(B, pages).to(torch.int32)
+    q = torch.randn(B, n, H, 576, device=device, dtype=torch.bfloat16)
+    kv_lens = torch.full((B,), kv_len, device=device, dtype=torch.int32)
+    meta, num_splits = fm.get_mla_metadata(kv_lens, n, H, 1)
+    return lambda: fm.dense_decode_fwd(q, kv_cache, D_V, kv_lens, page_table, sm_scale, True, meta, num_splits)
 
 
 class FlashMLAPeer(Impl):
