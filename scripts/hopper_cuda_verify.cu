@@ -2,13 +2,14 @@
 // step measured (hopper_cuda_step.cu; docs/perf_log.md, run 45), to measure what tree masks, page
 // tables of any page size, ragged segments and the split partials cost there beside FlashMLA and
 // the Gluon kernel before any build of it into the library. Not the library's kernel: bf16 only, the
-// host schedule only (a plan's segments, not the one-sequence schedule in the kernel), the merge left
-// to the library's combine kernel.
+// host schedule only (a plan's segments, not the one-sequence schedule in the kernel).
 //
 // One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): the segments
 // prog_first_seg[cta] .. prog_first_seg[cta + 1], each 64 packed query rows (row r = node r / H, head
 // r % H) against the KV range [kv_start, kv_end) of its sequence, written to out / lse (partial slot
-// < 0) or to its partial slot (output [64, 512] fp32 normalised, log2-sum-exp2).
+// < 0) or to its partial slot (output [64, 512] fp32 normalised, log2-sum-exp2). The split row blocks
+// are then merged (Params::fuse: a cooperative launch of at most one CTA an SM) by the kernel itself,
+// after a grid barrier, as the library's fused merge does; otherwise by the library's combine kernel.
 //
 // Warpgroups: two math warpgroups (hopper_cuda_step.cu's step, each its own loop: wg w on the tiles
 // 2j + w of a segment, in K stage w, owning output columns [256w, 256w + 256)) and a producer
@@ -20,7 +21,6 @@
 // the segment's end read the tree mask (scores of invisible keys -inf); the steps before them run
 // with no mask code and no branch around their wgmmas.
 #include <cuda_runtime.h>
-#include <stdio.h>
 
 #include "hopper_cuda_ptx.cuh"
 
@@ -37,7 +37,7 @@
 #define KD_TMA 0
 #endif
 #ifndef KD_WATCHDOG
-// a thread that waits on an mbarrier phase for more than ~2^31 cycles (~1 s) prints which one and traps:
+// a thread that polls an mbarrier phase 2^26 times (1-70 s) says which one (kd_verify_watchdog) and traps:
 // a protocol error then fails the launch at once instead of hanging it (the checks build with it)
 #define KD_WATCHDOG 0
 #endif
@@ -83,10 +83,17 @@ struct Params {
     float* partial_out;  // [slots, 64, 512]
     float* partial_lse;  // [slots, 64] (log2)
     long long q_st, q_sh, kv_sp, kv_ss, pt_s0, pt_s1, kl_s, qo_s, mt_s, mw_s, o_st, o_sh, l_st, l_sh;
+    const int* group_seq;  // [G] each: the split row blocks (for the fused merge)
+    const int* group_row0;
+    const int* group_first;  // first partial slot
+    const int* group_splits;  // split count
+    const int* group_count;  // [1]: groups in use
+    int* grid_barrier;  // [1]: the grid barrier's word (combine.grid_barrier's protocol)
     long long kv_rows;  // rows of the pool (pages x page_size)
     int heads, page_size, mask_words;
     float scale_log2;  // softmax scale x log2(e)
     int tma;  // KD_TMA and the pool's layout allows it (set by the launch)
+    int fuse;  // merge the splits in this kernel after a grid barrier (a cooperative launch of <= 1 CTA an SM)
 };
 
 extern __shared__ uint8_t smem_raw[];
@@ -164,22 +171,32 @@ __device__ __forceinline__ ProducerRows kv_rows(const Params& p, const int* page
     return rows;
 }
 
-// wait for the phase of `bar` with this parity to complete (KD_WATCHDOG: or trap, saying which barrier)
+// KD_WATCHDOG: [5] host-mapped words a stuck thread fills (1, CTA, thread, the barrier's offset in Smem,
+// parity) before it traps (kd_verify_watchdog sets it; the launch fails if it is null when one fires)
+__device__ int* watchdog_words;
+
+// wait for the phase of `bar` with this parity to complete (KD_WATCHDOG: or, after 2^26 polls, 1-70 s, write
+// 1, the CTA, the thread, the barrier's offset in Smem and the parity into watchdog_words and trap). All in
+// one asm block, as mbar_wait: the same loop written in C++ made ptxas spill the step's accumulators and
+// serialise its wgmmas (and a printf, a call, serialises them too)
 __device__ __forceinline__ void wait_phase(uint64_t* bar, int parity) {
     if (!KD_WATCHDOG) return mbar_wait(bar, parity);
-    uint32_t done;
-    const long long t0 = clock64();
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-        if (!done && clock64() - t0 > (1ll << 31)) {
-            printf("watchdog: CTA %d thread %d waits on the barrier at Smem offset %u, parity %d (k_full %u, "
-                   "k_empty %u, q_full %u, q_empty %u)\n", blockIdx.x, threadIdx.x, smem_addr(bar) - smem_addr(smem()),
-                   parity, unsigned(offsetof(Smem, k_full)), unsigned(offsetof(Smem, k_empty)),
-                   unsigned(offsetof(Smem, q_full)), unsigned(offsetof(Smem, q_empty)));
-            __trap();
-        }
-    } while (!done);
+    asm volatile(
+        "{\n.reg .pred done, more;\n.reg .u32 polls;\n"
+        "mov.u32 polls, 0;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@done bra DONE_%=;\n"
+        "add.u32 polls, polls, 1;\n"
+        "setp.lt.u32 more, polls, 67108864;\n"
+        "@more bra WAIT_%=;\n"
+        "st.global.v4.u32 [%2], {1, %3, %4, %5};\n"
+        "st.global.u32 [%2+16], %1;\n"
+        "membar.sys;\n"
+        "trap;\n"
+        "DONE_%=:\n}\n"
+        :: "r"(smem_addr(bar)), "r"(parity), "l"(watchdog_words), "r"(blockIdx.x), "r"(threadIdx.x),
+           "r"(smem_addr(bar) - smem_addr(smem())) : "memory");
 }
 
 // the segment's Q rows (padding rows past its nodes zero-filled)
@@ -607,6 +624,76 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
     }
 }
 
+// every CTA of the (cooperative) grid reached this point; what each wrote before is visible to all after.
+// The word's protocol is the library's combine.grid_barrier: sense reversal on its top bit (CTA 0 adds
+// 2^31 - (parties - 1), the others 1), so it needs no reset and serves the next launch as it is
+__device__ __forceinline__ void grid_barrier(int* word) {
+    named_sync(BAR_MATH);
+    if (threadIdx.x == 0) {
+        const int add = blockIdx.x == 0 ? int(unsigned(1 - int(gridDim.x)) ^ 0x80000000u) : 1;
+        int seen, now;
+        __threadfence();
+        asm volatile("atom.add.release.gpu.s32 %0, [%1], %2;" : "=r"(seen) : "l"(word), "r"(add) : "memory");
+        do {
+            asm volatile("ld.acquire.gpu.s32 %0, [%1];" : "=r"(now) : "l"(word) : "memory");
+        } while ((now ^ seen) >= 0);  // the same top bit: not every CTA has arrived
+        __threadfence();
+    }
+    named_sync(BAR_MATH);
+}
+
+constexpr int MERGE_SPLITS = 4;  // splits whose loads a warp issues before folding them in
+
+// the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 rows of its block)
+// blockIdx.x, + gridDim.x, ...; warp w of the 8 takes row 8 (item % 8) + w, each lane 16 of its 512
+// columns, and folds the row's splits in slot order (a running max, sum and output, as online softmax;
+// bitwise the same on every call)
+__device__ void merge_splits(const Params& p, int math_warp, int lane) {
+    const int n_items = *p.group_count * (BM / 8);
+    for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+        const int g = item / (BM / 8), r = (item % (BM / 8)) * 8 + math_warp;
+        const int seq = p.group_seq[g], packed = p.group_row0[g] + r, first = p.group_first[g];
+        const int count = p.group_splits[g];
+        const int qo_start = p.qo_indptr[seq * p.qo_s], n_nodes = p.qo_indptr[(seq + 1) * p.qo_s] - qo_start;
+        if (packed >= n_nodes * p.heads) continue;  // a padding row
+        float m = -INFINITY, l = 0.f, acc[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+        for (int s0 = 0; s0 < count; s0 += MERGE_SPLITS) {
+            float lse2[MERGE_SPLITS];
+            float4 part[MERGE_SPLITS][4];
+#pragma unroll
+            for (int k = 0; k < MERGE_SPLITS; ++k) {  // the round's loads first (past L1: other CTAs wrote them)
+                const long long row = (long long)(first + min(s0 + k, count - 1)) * BM + r;
+                lse2[k] = s0 + k < count ? __ldcg(p.partial_lse + row) : -INFINITY;
+                const float4* src = reinterpret_cast<const float4*>(p.partial_out + row * D_V + lane * 16);
+#pragma unroll
+                for (int v = 0; v < 4; ++v) part[k][v] = __ldcg(src + v);
+            }
+#pragma unroll
+            for (int k = 0; k < MERGE_SPLITS; ++k) {
+                const float m_new = fmaxf(m, lse2[k]), off = offset_of(m_new);
+                const float alpha = fast_exp2(m - off), w = fast_exp2(lse2[k] - off);
+                const float* x = reinterpret_cast<const float*>(part[k]);
+#pragma unroll
+                for (int c = 0; c < 16; ++c) acc[c] = acc[c] * alpha + w * x[c];
+                l = l * alpha + w;
+                m = m_new;
+            }
+        }
+        const float inv = l > 0.f ? 1.f / l : 1.f;
+        const long long token = qo_start + packed / p.heads;
+        const int head = packed % p.heads;
+        uint32_t packed_out[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) packed_out[k] = pack_bf16(acc[2 * k] * inv, acc[2 * k + 1] * inv);
+        uint4* dst = reinterpret_cast<uint4*>(p.out + (token * p.o_st + head * p.o_sh + lane * 16) * 2);
+        dst[0] = make_uint4(packed_out[0], packed_out[1], packed_out[2], packed_out[3]);
+        dst[1] = make_uint4(packed_out[4], packed_out[5], packed_out[6], packed_out[7]);
+        if (lane == 0) p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
+    }
+}
+
 __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
 verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     Smem* sm = smem();
@@ -637,6 +724,10 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
                               smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane, t == 0,
                               p.scale_log2};
         compute(p, ctx, wg, first, end);
+        if (p.fuse && *p.group_count > 0) {  // the producer has left: the math warpgroups merge
+            grid_barrier(p.grid_barrier);
+            merge_splits(p, wg * 4 + warp, lane);
+        }
     }
 }
 
@@ -645,6 +736,20 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
 extern "C" int kd_verify_smem_bytes() { return int(sizeof(Smem) + 1024); }
 
 extern "C" int kd_verify_params_bytes() { return int(sizeof(Params)); }
+
+// KD_WATCHDOG: where a stuck wait says which barrier ([5] ints the device can write: pinned host memory, which
+// the host can still read after the trap). 0: set
+extern "C" int kd_verify_barrier_offsets(int* offsets) {  // k_full, k_empty, q_full, q_empty (for the watchdog)
+    offsets[0] = int(offsetof(Smem, k_full));
+    offsets[1] = int(offsetof(Smem, k_empty));
+    offsets[2] = int(offsetof(Smem, q_full));
+    offsets[3] = int(offsetof(Smem, q_empty));
+    return 0;
+}
+
+extern "C" int kd_verify_watchdog(int* words) {
+    return cudaMemcpyToSymbol(watchdog_words, &words, sizeof(words)) == cudaSuccess ? 0 : 1;
+}
 
 // verify_kernel on num_programs CTAs on `stream`; params: a Params as laid out above (its `tma` set here).
 // 0: launched; 1: the shared memory size could not be set; 2: the launch failed; 3: no tensor map (KD_TMA)
@@ -659,7 +764,17 @@ extern "C" int kd_verify_launch(const void* params, int num_programs, void* stre
             && reinterpret_cast<uintptr_t>(p.kv) % 16 == 0;
     CUtensorMap kv_map = {};
     if (p.tma && make_map(&kv_map, p.kv, p.kv_rows, 256, p.kv_ss * 2)) return 3;
-    verify_kernel<<<num_programs, LAUNCH_THREADS, kd_verify_smem_bytes(), static_cast<cudaStream_t>(stream)>>>(p,
-                                                                                                               kv_map);
-    return cudaGetLastError() == cudaSuccess ? 0 : 2;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(num_programs);
+    config.blockDim = dim3(LAUNCH_THREADS);
+    config.dynamicSmemBytes = kd_verify_smem_bytes();
+    config.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute cooperative[1];
+    if (p.fuse) {  // every CTA resident at once (the driver refuses a grid that cannot be), for the grid barrier
+        cooperative[0].id = cudaLaunchAttributeCooperative;
+        cooperative[0].val.cooperative = 1;
+        config.attrs = cooperative;
+        config.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&config, verify_kernel, p, kv_map) == cudaSuccess ? 0 : 2;
 }

@@ -1,7 +1,8 @@
 """Spike, second step: the Hopper verify kernel's whole contract in CUDA C++
 (``scripts/hopper_cuda_verify.cu``: tree masks, page tables of any page size, ragged segments and
 split partials on the step of ``scripts/hopper_cuda_step.cu``), built with nvcc and launched through
-ctypes on a plan's segments, the merge by the library's combine kernel (docs/perf_log.md).
+ctypes on a plan's segments, the splits merged in the kernel after a grid barrier where the library's
+kernels do so (``combine.fuses``), else by the library's combine kernel (docs/perf_log.md).
 
     PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
@@ -9,9 +10,11 @@ ctypes on a plan's segments, the merge by the library's combine kernel (docs/per
 The first form checks it against the float64 reference on random ragged batches (the GPU suite's
 kinds of awkward cases: page sizes 1 to 128, 1 to 128 heads, trees of 1 to 300 nodes, prefixes of 0
 to 5,000 positions, NaN in every pool row no sequence uses, repeated calls bitwise equal) and prints
-a PASS / FAIL line per case; built with ``KD_WATCHDOG`` (a thread stuck on an mbarrier phase for
-~1 s prints which barrier and traps, so a protocol error fails at once). The second times it beside the Gluon kernel (``ab_hopper.py``: same
-plans, the reference check, NaN partials before the first call, graph replay).
+a PASS / FAIL line per case, half of them on grids of 1-5 programs (several segments a program) and
+half with the library's combine kernel instead of the kernel's own merge; built with ``KD_WATCHDOG``
+(a thread stuck on an mbarrier phase for ~1 s prints which barrier and traps, so a protocol error
+fails at once). The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the
+reference check, NaN partials before the first call, graph replay).
 
 This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
 Hopper module's ``prepare``.
@@ -49,8 +52,10 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_longlong) for name in (
             "q_st", "q_sh", "kv_sp", "kv_ss", "pt_s0", "pt_s1", "kl_s", "qo_s", "mt_s", "mw_s", "o_st", "o_sh", "l_st",
             "l_sh")]
+        + [(name, ctypes.c_void_p) for name in (
+            "group_seq", "group_row0", "group_first", "group_splits", "group_count", "grid_barrier")]
         + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
-           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int)])
+           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int)])
 
 
 def build(flags: str = "") -> ctypes.CDLL:
@@ -75,7 +80,8 @@ def build(flags: str = "") -> ctypes.CDLL:
 
 
 class _Launch:
-    """One call signature's launches: the kernel on the plan's programs, then the combine kernel."""
+    """One call signature's launches: the kernel on the plan's programs, then the combine kernel unless
+    the kernel merges the splits itself (``merge`` None)."""
 
     def __init__(self, so, params: Params, num_programs: int, merge):
         self._so, self._params, self._programs, self._merge = so, params, num_programs, merge
@@ -85,7 +91,7 @@ class _Launch:
         rc = self._so.kd_verify_launch(ctypes.byref(self._params), self._programs, stream)
         if rc:
             raise RuntimeError(f"kd_verify_launch failed ({rc}: 1 shared memory size, 2 launch, 3 tensor map)")
-        if num_groups != 0 or torch.cuda.is_current_stream_capturing():
+        if self._merge is not None and (num_groups != 0 or torch.cuda.is_current_stream_capturing()):
             self._merge(tensors, ptrs)
 
 
@@ -95,6 +101,33 @@ class CudaKernel:
     def __init__(self, flags: str = ""):
         self.flags = flags
         self._so = build(flags)
+        self._watchdog = None
+
+    def arm_watchdog(self) -> None:
+        """Give a ``KD_WATCHDOG`` build words to say which wait got stuck (pinned host memory: still
+        readable after the trap, which ends the process's CUDA context)."""
+        self._watchdog = torch.zeros(5, dtype=torch.int32, pin_memory=True)
+        self._so.kd_verify_watchdog.argtypes = [ctypes.c_void_p]
+        if self._so.kd_verify_watchdog(self._watchdog.data_ptr()):
+            raise RuntimeError("kd_verify_watchdog failed")
+
+    def watchdog_report(self) -> str:
+        """What a fired watchdog wrote: the CTA, thread, barrier and parity of the wait ('' if none fired)."""
+        if self._watchdog is None or not int(self._watchdog[0]):
+            return ""
+        _, cta, thread, offset, parity = (int(x) for x in self._watchdog)
+        offsets = (ctypes.c_int * 4)()
+        self._so.kd_verify_barrier_offsets(offsets)
+        k_full, k_empty, q_full, q_empty = offsets
+        if offset >= q_empty:
+            name = "q_empty"
+        elif offset >= q_full:
+            name = "q_full"
+        else:
+            base, kind = (k_empty, "k_empty") if offset >= k_empty else (k_full, "k_full")
+            name = f"{kind}[stage {(offset - base) // 8 // 9}][chunk {(offset - base) // 8 % 9}]"
+        role = "producer" if thread >= 256 else f"math warpgroup {thread // 128}"
+        return f"watchdog: CTA {cta} thread {thread} ({role}) stuck on {name}, parity {parity}"
 
     def prepare(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> _Launch:
         if q.dtype != torch.bfloat16:
@@ -105,6 +138,9 @@ class CudaKernel:
             raise ValueError("plan / q / kv_cache: not a layout the Hopper kernels take")
         if q.stride(2) != 1 or kv_cache.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) % 2 or out.stride(0) % 2:
             raise ValueError("q, kv_cache, out: rows must be contiguous (out's 4-byte aligned)")
+        # the kernel merges the splits itself where the library's kernels do (combine.fuses: a GPU, at most one
+        # program an SM)
+        fused = combine.fuses(plan, q.device)
         ptr = lambda t: t.data_ptr()  # noqa: E731
         seg = plan.segment_rows
         params = Params(
@@ -112,10 +148,11 @@ class CudaKernel:
             ptr(plan.prog_first_seg), *(ptr(t) for t in seg), ptr(plan.partial_out), ptr(plan.partial_lse),
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), *page_table.stride(), kv_lens.stride(0),
             qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
+            *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
             kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
-            0)
-        merge = combine.combine_launch(q, out, lse, qo_indptr, plan)
-        return _Launch(self._so, params, plan.num_programs, merge)
+            0, int(fused))
+        return _Launch(self._so, params, plan.num_programs,
+                       None if fused else combine.combine_launch(q, out, lse, qo_indptr, plan))
 
 
 def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
@@ -130,9 +167,9 @@ def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
                     extra_mask_words=rng.choice([0, 1]))
 
 
-def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None) -> bool:
-    """``spec`` through the kernel on a fresh plan (partials NaN) against the float64 reference; a
-    second call must be bitwise equal."""
+def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: bool) -> bool:
+    """``spec`` through the kernel on a fresh plan (partials NaN) against the float64 reference, its
+    splits merged by itself (``fused``) or by the combine kernel; a second call must be bitwise equal."""
     c = build_case(spec, "cuda")
     T, H = c["q"].shape[:2]
     plan = plan_verify(spec.kv_lens, c["qo_indptr"].tolist(), H, "cuda", num_programs=num_programs)
@@ -141,7 +178,11 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None) -> bool:
     out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((T, H), float("nan"), device="cuda", dtype=torch.float32)
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
-    launch = kernel.prepare(*tensors[:6], spec.sm_scale, out, lse, plan.tables)
+    combine.FUSED_COMBINE = fused
+    try:
+        launch = kernel.prepare(*tensors[:6], spec.sm_scale, out, lse, plan.tables)
+    finally:
+        combine.FUSED_COMBINE = True
     launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
     first = (out.clone(), lse.clone())
     launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
@@ -153,7 +194,8 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None) -> bool:
     ok = r_out.ok and r_lse.ok and repeat
     worst = "" if r_out.ok and r_lse.ok else f" ({(r_lse if r_out.ok else r_out).detail})"
     print(f"{'PASS' if ok else 'FAIL'} {spec.name}: H={H} page={spec.page_size} nodes={[len(t) for t in spec.trees]} "
-          f"prefix={spec.prefix_lens} programs={plan.num_programs} out {r_out} lse {r_lse}"
+          f"prefix={spec.prefix_lens} programs={plan.num_programs} {'fused' if fused else 'combine'} out {r_out} "
+          f"lse {r_lse}"
           f"{'' if repeat else ' REPEAT DIFFERS'}{worst}", flush=True)
     return ok
 
@@ -166,12 +208,18 @@ def main() -> None:
     p.add_argument("--flags", default="", help="nvcc flags (-D variants of the KD_* macros)")
     a = p.parse_args()
     kernel = CudaKernel(f"{a.flags} -DKD_WATCHDOG=1".strip())  # a wait that hangs traps and says where
+    kernel.arm_watchdog()
     rng = random.Random(a.seed)
     failed = 0
     for i in range(a.cases):
         spec = random_case(rng, a.seed * 1000 + i, a.small)
-        # the default grid, and a small one (more segments a program: the barriers' phases across segments)
-        failed += not check(kernel, spec, None if i % 2 else rng.choice([1, 2, 5]))
+        # the default grid, and a small one (more segments a program: the barriers' phases across segments);
+        # the kernel's own merge, and the combine kernel's
+        try:
+            failed += not check(kernel, spec, None if i % 2 else rng.choice([1, 2, 5]), fused=i % 4 < 2)
+        except RuntimeError as e:  # a trap ends the CUDA context: no further case can run
+            print(f"FAIL {spec.name}: {type(e).__name__}: {e}\n{kernel.watchdog_report()}", flush=True)
+            sys.exit(1)
     print(f"{a.cases - failed} of {a.cases} cases PASS")
     sys.exit(1 if failed else 0)
 
