@@ -136,8 +136,9 @@ class CudaKernel:
             raise ValueError("plan: the CUDA spike runs host-scheduled plans only (not the one-sequence schedule)")
         if not hopper.supports_plan(plan.config) or not hopper.supports(q, kv_cache):
             raise ValueError("plan / q / kv_cache: not a layout the Hopper kernels take")
-        if q.stride(2) != 1 or kv_cache.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) % 2 or out.stride(0) % 2:
-            raise ValueError("q, kv_cache, out: rows must be contiguous (out's 4-byte aligned)")
+        if (q.stride(2) != 1 or kv_cache.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) % 8 or out.stride(0) % 8
+                or out.data_ptr() % 16):
+            raise ValueError("q, kv_cache, out: rows must be contiguous (out's 16-byte aligned)")
         # the kernel merges the splits itself where the library's kernels do (combine.fuses: a GPU, at most one
         # program an SM)
         fused = combine.fuses(plan, q.device)
