@@ -63,8 +63,8 @@ struct __align__(1024) Smem {
     uint64_t q_empty;             // both math warpgroups are done with the segment's Q: two arrivals
 };
 
-// everything but the barriers' counts and strides is as the library's flash kernels take it; strides in
-// elements
+// the kernel's arguments: the contract's tensors and the plan's tables as the library's flash kernels take
+// them, their strides (in elements) and sizes
 struct Params {
     const uint8_t* q;  // [T, H, 576] bf16
     const uint8_t* kv;  // [pages, page_size, 576] bf16
