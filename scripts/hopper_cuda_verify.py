@@ -7,7 +7,8 @@ kernels do so (``combine.fuses``), else by the library's combine kernel (docs/pe
     PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
-The first form checks it against the float64 reference on random ragged batches (the GPU suite's
+The first form checks it against the float64 reference on ten named cases, simplest first, then on
+random ragged batches (the GPU suite's
 kinds of awkward cases: page sizes 1 to 128, 1 to 128 heads, trees of 1 to 300 nodes, prefixes of 0
 to 5,000 positions, NaN in every pool row no sequence uses, repeated calls bitwise equal) and prints
 a PASS / FAIL line per case, half of them on grids of 1-5 programs (several segments a program) and
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from kdtree_engine import reference
-from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, compare, random_tree
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
 from kdtree_engine.verify import combine, hopper
 from kdtree_engine.verify.plan import plan_verify
 
@@ -156,6 +157,29 @@ class CudaKernel:
                        None if fused else combine.combine_launch(q, out, lse, qo_indptr, plan))
 
 
+def targeted_cases() -> list[CaseSpec]:
+    """Named cases, simplest first, that each add one thing to the one before (a first failure says
+    which): a tile alone, a pair, the clean steps, page sizes 1 and 16, ragged batches, one key, no
+    prefix, a 1,024-node tree, 128 heads at a long prefix, a wide mask."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [
+        ("one-tile", 16, [40], [chain_tree(9)], 64),  # 49 keys: one tile, the pair's second missing
+        ("one-pair", 16, [100], [chain_tree(9)], 64),
+        ("clean-steps", 16, [1000], [chain_tree(9)], 64),
+        ("page1", 16, [1000], [random_tree(9, gen)], 1),
+        ("page16-ragged", 6, [1000, 5, 63, 2000], [random_tree(17, gen), random_tree(3, gen), [-1],
+                                                   random_tree(40, gen)], 16),
+        ("one-key", 1, [0], [[-1]], 64),
+        ("no-prefix", 3, [0], [random_tree(33, gen)], 7),
+        ("1024-nodes", 4, [3000], [random_tree(1024, gen)], 16),
+        ("h128-long", 128, [20000], [random_tree(33, gen)], 1),
+        ("wide-mask", 2, [11], [random_tree(5, gen)], 64),
+    ]
+    return [CaseSpec(name=name, num_heads=H, prefix_lens=prefixes, trees=trees, page_size=page, seed=i,
+                     extra_mask_words=2 if name == "wide-mask" else 0)
+            for i, (name, H, prefixes, trees, page) in enumerate(cases)]
+
+
 def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
     """One awkward batch: ragged prefixes and trees, a random page size and head count (``small``: at
     most 3 sequences of 33 nodes, 200 prefix positions and 16 heads, for the sanitizers)."""
@@ -211,17 +235,21 @@ def main() -> None:
     kernel = CudaKernel(f"{a.flags} -DKD_WATCHDOG=1".strip())  # a wait that hangs traps and says where
     kernel.arm_watchdog()
     rng = random.Random(a.seed)
-    failed = 0
+    # the named cases (not with --small), then the random ones: on the default grid and on a small one
+    # (several segments a program: the barriers' phases across segments), merged by the kernel and by the
+    # combine kernel
+    runs = [] if a.small else [(spec, None, True) for spec in targeted_cases()]
     for i in range(a.cases):
-        spec = random_case(rng, a.seed * 1000 + i, a.small)
-        # the default grid, and a small one (more segments a program: the barriers' phases across segments);
-        # the kernel's own merge, and the combine kernel's
+        runs.append((random_case(rng, a.seed * 1000 + i, a.small), None if i % 2 else rng.choice([1, 2, 5]),
+                     i % 4 < 2))
+    failed = 0
+    for spec, num_programs, fused in runs:
         try:
-            failed += not check(kernel, spec, None if i % 2 else rng.choice([1, 2, 5]), fused=i % 4 < 2)
+            failed += not check(kernel, spec, num_programs, fused)
         except RuntimeError as e:  # a trap ends the CUDA context: no further case can run
             print(f"FAIL {spec.name}: {type(e).__name__}: {e}\n{kernel.watchdog_report()}", flush=True)
             sys.exit(1)
-    print(f"{a.cases - failed} of {a.cases} cases PASS")
+    print(f"{len(runs) - failed} of {len(runs)} cases PASS")
     sys.exit(1 if failed else 0)
 
 
