@@ -1,12 +1,14 @@
 // The PTX of the Hopper (sm_90a) verify step in CUDA C++, shared by the step spike
 // (hopper_cuda_step.cu) and the contract kernel (hopper_cuda_verify.cu): mbarriers, named barriers,
-// wgmma with 128-byte-swizzled shared-memory operands, ldmatrix / stmatrix, TMA boxes and their tensor maps, and the softmax pieces
-// that act on one thread's part of a [64, 64] score tile (m64n64 accumulator layout: thread (warp w,
-// lane l) holds rows 16w + l/4 and 16w + l/4 + 8, columns 8i + 2(l % 4) + {0, 1}, i < 8, as
-// s[4i + 2r + {0, 1}] for its row r). One translation unit a kernel: everything here is inline.
+// wgmma (bf16 or fp16) with 128-byte-swizzled shared-memory operands, ldmatrix / stmatrix, TMA boxes
+// and their tensor maps, and the softmax pieces that act on one thread's part of a [64, 64] score
+// tile (m64n64 accumulator layout: thread (warp w, lane l) holds rows 16w + l/4 and 16w + l/4 + 8,
+// columns 8i + 2(l % 4) + {0, 1}, i < 8, as s[4i + 2r + {0, 1}] for its row r). One translation unit
+// a kernel: everything here is inline.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -114,9 +116,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
+// two values rounded to the wgmmas' 16-bit type (F16: fp16, else bf16) in one register, lo first
+template <bool F16 = false>
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+    if constexpr (F16) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    } else {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
 }
 
 // address of this lane's row for ldmatrix / stmatrix x4 of the 16 x 16 block (k16 step ks) of a
@@ -137,8 +146,8 @@ __device__ __forceinline__ void stmatrix_x4(const uint32_t (&r)[4], uint32_t add
                  :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
-// wgmma.mma_async m64nNk16, bf16 in, fp32 accumulators d (N/2 a thread); rs: A from registers; the
-// last immediate transposes B (1 for V, whose columns are contiguous). The accumulators' operand
+// wgmma.mma_async m64nNk16, bf16 in (F16: fp16), fp32 accumulators d (N/2 a thread); rs: A from registers;
+// the last immediate transposes B (1 for V, whose columns are contiguous). The accumulators' operand
 // lists, shared by the SS and RS forms:
 #define ACC32_REGS \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
@@ -176,48 +185,60 @@ __device__ __forceinline__ void stmatrix_x4(const uint32_t (&r)[4], uint32_t add
     "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), \
     "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
+// each wrapper's asm is written once, as KD_ASM(TYPE), for TYPE "bf16" and "f16"
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_qk_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 ACC32_REGS
-                 " %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : ACC32_OUT(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#define KD_ASM(TYPE)                                                                         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " ACC32_REGS \
+                 " %32, %33, p, 1, 1, 0, 0;\n}\n"                                          \
+                 : ACC32_OUT(d)                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+    if constexpr (F16) KD_ASM("f16"); else KD_ASM("bf16");
+#undef KD_ASM
 }
 
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_qk_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 ACC32_REGS
-                 " {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : ACC32_OUT(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+#define KD_ASM(TYPE)                                                                         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " ACC32_REGS \
+                 " {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                            \
+                 : ACC32_OUT(d)                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+    if constexpr (F16) KD_ASM("f16"); else KD_ASM("bf16");
+#undef KD_ASM
 }
 
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-                 ACC128_REGS
-                 " {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-                 : ACC128_OUT(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+#define KD_ASM(TYPE)                                                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " ACC128_REGS \
+                 " {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                         \
+                 : ACC128_OUT(d)                                                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+    if constexpr (F16) KD_ASM("f16"); else KD_ASM("bf16");
+#undef KD_ASM
 }
 
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-                 ACC128_REGS
-                 " %128, %129, p, 1, 1, 0, 1;\n}\n"
-                 : ACC128_OUT(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#define KD_ASM(TYPE)                                                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " ACC128_REGS \
+                 " %128, %129, p, 1, 1, 0, 1;\n}\n"                                          \
+                 : ACC128_OUT(d)                                                               \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+    if constexpr (F16) KD_ASM("f16"); else KD_ASM("bf16");
+#undef KD_ASM
 }
 
 // k16 step ks of this thread's P (its S values after the softmax) as an A operand
+template <bool F16 = false>
 __device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[32], int ks) {
-    a[0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
-    a[1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
-    a[2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
-    a[3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) a[k] = pack16<F16>(s[8 * ks + 2 * k], s[8 * ks + 2 * k + 1]);
 }
 
 // the max of each of this thread's two rows over the quad that holds it
@@ -257,17 +278,19 @@ __device__ __forceinline__ uint64_t at(uint64_t desc, uint32_t offset) { return 
 
 // S (+)= Q[:, chunk c] K[:, chunk c]^T, 4 k16 steps (zero_init: S = ..); dq, dk: K-major descriptors
 // of the Q and K stage buffers
+template <bool F16 = false>
 __device__ __forceinline__ void qk_chunk(float (&s)[32], uint64_t dq, uint64_t dk, int c, bool zero_init) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
-        wgmma_qk_ss(s, at(dq, c * CHUNK_BYTES + ks * 32), at(dk, c * CHUNK_BYTES + ks * 32),
+        wgmma_qk_ss<F16>(s, at(dq, c * CHUNK_BYTES + ks * 32), at(dk, c * CHUNK_BYTES + ks * 32),
                     (zero_init && ks == 0) ? 0 : 1);
 }
 
 // S += Q_rope K_rope^T, Q's rope columns from registers
+template <bool F16 = false>
 __device__ __forceinline__ void qk_rope(float (&s)[32], const uint32_t (&qr)[4][4], uint64_t dk) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_qk_rs(s, qr[ks], at(dk, 8 * CHUNK_BYTES + ks * 32), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_qk_rs<F16>(s, qr[ks], at(dk, 8 * CHUNK_BYTES + ks * 32), 1);
 }
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

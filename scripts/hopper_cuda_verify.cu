@@ -1,8 +1,8 @@
 // Spike, second step: the Hopper verify kernel's whole contract in CUDA C++, on the step the first
 // step measured (hopper_cuda_step.cu; docs/perf_log.md, run 45), to measure what tree masks, page
 // tables of any page size, ragged segments and the split partials cost there beside FlashMLA and
-// the Gluon kernel before any build of it into the library. Not the library's kernel: bf16 only, the
-// host schedule only (a plan's segments, not the one-sequence schedule in the kernel).
+// the Gluon kernel before any build of it into the library. Not the library's kernel: the host schedule
+// only (a plan's segments, not the one-sequence schedule in the kernel). bf16 and fp16.
 //
 // One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): the segments
 // prog_first_seg[cta] .. prog_first_seg[cta + 1], each 64 packed query rows (row r = node r / H, head
@@ -66,13 +66,13 @@ struct __align__(1024) Smem {
 // the kernel's arguments: the contract's tensors and the plan's tables as the library's flash kernels take
 // them, their strides (in elements) and sizes
 struct Params {
-    const uint8_t* q;  // [T, H, 576] bf16
-    const uint8_t* kv;  // [pages, page_size, 576] bf16
+    const uint8_t* q;  // [T, H, 576] bf16 or fp16 (f16)
+    const uint8_t* kv;  // [pages, page_size, 576], q's dtype
     const int* page_table;  // [B, max pages]
     const int* kv_lens;  // [B]
     const int* qo_indptr;  // [B + 1]
     const int* tree_mask;  // [T, words]
-    uint8_t* out;  // [T, H, 512] bf16
+    uint8_t* out;  // [T, H, 512], q's dtype
     float* lse;  // [T, H] (natural log)
     const int* prog_first_seg;  // [P + 1]
     const int* seg_seq;  // [S] each
@@ -94,6 +94,7 @@ struct Params {
     float scale_log2;  // softmax scale x log2(e)
     int tma;  // KD_TMA and the pool's layout allows it (set by the launch)
     int fuse;  // merge the splits in this kernel after a grid barrier (a cooperative launch of <= 1 CTA an SM)
+    int f16;  // q, kv, out are fp16 (else bf16)
 };
 
 extern __shared__ uint8_t smem_raw[];
@@ -343,6 +344,7 @@ struct StepContext {
 };
 
 // wait for chunk c of a stage, issue its QK, commit it as one group
+template <bool F16>
 __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], const StepContext& ctx,
                                                      int stage, int c, int parity, bool zero_init) {
     wait_phase(&ctx.sm->k_full[stage][c], parity);
@@ -350,9 +352,9 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
     hold(s);
     wgmma_fence();
     if (c == CHUNKS - 1)
-        qk_rope(s, qr, ctx.dk(stage));
+        qk_rope<F16>(s, qr, ctx.dk(stage));
     else
-        qk_chunk(s, ctx.dq(), ctx.dk(stage), c, zero_init);
+        qk_chunk<F16>(s, ctx.dq(), ctx.dk(stage), c, zero_init);
     wgmma_commit();
     hold(s);
 }
@@ -360,7 +362,7 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
 // wg 0's step j (tile 2j at `start`, in stage 0; see hopper_cuda_step.cu) as pair `pair` of the CTA: MASK,
 // its tile may need the mask and whether a next pair follows is `more`; otherwise the tile is clean
 // and a next pair follows
-template <bool MASK>
+template <bool F16, bool MASK>
 __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
                                          bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
                                          const uint32_t (&qr)[4][4]) {
@@ -387,11 +389,11 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     scale_rows(o, f0);
     named_arrive(BAR_FACTOR0);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
+    for (int ks = 0; ks < 4; ++ks) p_fragment<F16>(pa[ks], s, ks);
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
     wgmma_commit();
     wgmma_wait<0>();
     hold(o);
@@ -401,7 +403,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     scale_rows(s, f1);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-        p_fragment(pa[ks], s, ks);
+        p_fragment<F16>(pa[ks], s, ks);
         stmatrix_x4(pa[ks], frag_row_addr(ctx.p0, ctx.warp, ctx.lane, ks));
     }
     fence_proxy_async();
@@ -412,15 +414,15 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss<F16>(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
     wgmma_commit();
     if (MORE) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, parity, c == 0);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
         if (ctx.issuer) release<0, 4>(ctx.sm, 1);
 #pragma unroll
-        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, parity, false);
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, false);
     }
     wgmma_wait<0>();
     hold(o);
@@ -429,7 +431,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
 }
 
 // wg 1's step j (tile 2j + 1 at `start`, in stage 1)
-template <bool MASK>
+template <bool F16, bool MASK>
 __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
                                          bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
                                          const uint32_t (&qr)[4][4]) {
@@ -464,20 +466,20 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
     named_arrive(BAR_FACTOR1);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-        p_fragment(pa[ks], s, ks);
+        p_fragment<F16>(pa[ks], s, ks);
         stmatrix_x4(pa[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
     }
     fence_proxy_async();
     hold(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
     wgmma_commit();
     if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     named_sync(BAR_P0);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
-        wgmma_pv_ss(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
+        wgmma_pv_ss<F16>(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
     wgmma_commit();
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
@@ -486,9 +488,9 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
     if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 0);
     if (MORE) {
 #pragma unroll
-        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 1, c, parity, c == 4);
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, c == 4);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed(s, qr, ctx, 1, c, parity, false);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, false);
     }
     wgmma_wait<0>();
     hold(o);
@@ -516,6 +518,7 @@ __device__ __forceinline__ QueryRows query_rows(const Params& p, const Segment& 
 }
 
 // the segment's normalised output and log-sum-exp: into out / lse (slot < 0) or its partial slot
+template <bool F16>
 __device__ __forceinline__ void write_segment(const Params& p, const StepContext& ctx, const Segment& seg,
                                               const QueryRows& rows, int wg, const float (&o)[128],
                                               float (&rsum)[2]) {
@@ -541,7 +544,7 @@ __device__ __forceinline__ void write_segment(const Params& p, const StepContext
 #pragma unroll
             for (int i = 0; i < 32; ++i)
                 *reinterpret_cast<uint32_t*>(dst + 16 * i) =
-                    pack_bf16(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+                    pack16<F16>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
             if (wg == 0 && (ctx.lane & 3) == 0) p.lse[rows.token[r] * p.l_st + rows.head[r] * p.l_sh] = lse2 * LN2;
         } else {
             const long long row = (long long)seg.slot * BM + local[r];
@@ -559,6 +562,7 @@ __device__ __forceinline__ void write_segment(const Params& p, const StepContext
 
 // the two math warpgroups: per segment, Q's rope columns to registers, the first pair's QK, the clean
 // steps, the masked ones, then the output
+template <bool F16>
 __device__ void compute(const Params& p, const StepContext& ctx, int wg, int first, int end) {
     Smem* sm = ctx.sm;
     int pair = 0;  // pairs computed so far (the barriers' phases)
@@ -580,10 +584,11 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
         // the first pair's QK, in the order the producer fills the chunks
         if (wg == 0) {
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 0, c, pair & 1, c == 0);
+            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, pair & 1, c == 0);
         } else {
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed(s, qr, ctx, 1, (c + 4) % CHUNKS, pair & 1, c == 0);
+            for (int c = 0; c < CHUNKS; ++c)
+                qk_chunk_when_landed<F16>(s, qr, ctx, 1, (c + 4) % CHUNKS, pair & 1, c == 0);
         }
         wgmma_wait<0>();
         hold(s);
@@ -594,11 +599,11 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
         if (wg == 0) {
 #pragma unroll 1
             for (int j = 0; j < clean_steps; ++j)
-                wg0_step<false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+                wg0_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
         } else {
 #pragma unroll 1
             for (int j = 0; j < clean_steps; ++j)
-                wg1_step<false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+                wg1_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
         }
         const QueryRows rows = query_rows(p, seg, ctx);
         MaskRows mask;
@@ -613,14 +618,14 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, int fir
         for (int j = clean_steps; j < steps; ++j) {
             const int start = seg.kv_start + (2 * j + wg) * BN;
             if (wg == 0)
-                wg0_step<true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+                wg0_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
             else
-                wg1_step<true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+                wg1_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
         }
         pair += steps;
         if (ctx.issuer)  // this warpgroup's wgmmas on Q and on P1 (over Q's rope columns) retired
             mbar_arrive(&sm->q_empty);
-        write_segment(p, ctx, seg, rows, wg, o, rsum);
+        write_segment<F16>(p, ctx, seg, rows, wg, o, rsum);
     }
 }
 
@@ -648,6 +653,7 @@ constexpr int MERGE_SPLITS = 4;  // splits whose loads a warp issues before fold
 // blockIdx.x, + gridDim.x, ...; warp w of the 8 takes row 8 (item % 8) + w, each lane 16 of its 512
 // columns, and folds the row's splits in slot order (a running max, sum and output, as online softmax;
 // bitwise the same on every call)
+template <bool F16>
 __device__ void merge_splits(const Params& p, int math_warp, int lane) {
     const int n_items = *p.group_count * (BM / 8);
     for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
@@ -686,7 +692,7 @@ __device__ void merge_splits(const Params& p, int math_warp, int lane) {
         const int head = packed % p.heads;
         uint32_t packed_out[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) packed_out[k] = pack_bf16(acc[2 * k] * inv, acc[2 * k + 1] * inv);
+        for (int k = 0; k < 8; ++k) packed_out[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
         uint4* dst = reinterpret_cast<uint4*>(p.out + (token * p.o_st + head * p.o_sh + lane * 16) * 2);
         dst[0] = make_uint4(packed_out[0], packed_out[1], packed_out[2], packed_out[3]);
         dst[1] = make_uint4(packed_out[4], packed_out[5], packed_out[6], packed_out[7]);
@@ -694,6 +700,7 @@ __device__ void merge_splits(const Params& p, int math_warp, int lane) {
     }
 }
 
+template <bool F16>
 __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
 verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     Smem* sm = smem();
@@ -723,10 +730,10 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         const StepContext ctx{sm, k_major(base), mn_major_v(base), smem_addr(sm->p0),
                               smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane, t == 0,
                               p.scale_log2};
-        compute(p, ctx, wg, first, end);
+        compute<F16>(p, ctx, wg, first, end);
         if (p.fuse && *p.group_count > 0) {  // the producer has left: the math warpgroups merge
             grid_barrier(p.grid_barrier);
-            merge_splits(p, wg * 4 + warp, lane);
+            merge_splits<F16>(p, wg * 4 + warp, lane);
         }
     }
 }
@@ -755,8 +762,10 @@ extern "C" int kd_verify_watchdog(int* words) {
 // 0: launched; 1: the shared memory size could not be set; 2: the launch failed; 3: no tensor map (KD_TMA)
 extern "C" int kd_verify_launch(const void* params, int num_programs, void* stream) {
     static const bool smem_set =  // once: the size does not change
-        cudaFuncSetAttribute(verify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_verify_smem_bytes())
-        == cudaSuccess;
+        cudaFuncSetAttribute(verify_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kd_verify_smem_bytes()) == cudaSuccess
+        && cudaFuncSetAttribute(verify_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kd_verify_smem_bytes()) == cudaSuccess;
     if (!smem_set) return 1;
     Params p = *static_cast<const Params*>(params);
     // TMA reads the pool as [kv_rows, 576] rows kv_ss elements apart: pages back to back, rows 16-byte aligned
@@ -776,5 +785,7 @@ extern "C" int kd_verify_launch(const void* params, int num_programs, void* stre
         config.attrs = cooperative;
         config.numAttrs = 1;
     }
-    return cudaLaunchKernelEx(&config, verify_kernel, p, kv_map) == cudaSuccess ? 0 : 2;
+    const cudaError_t launched = p.f16 ? cudaLaunchKernelEx(&config, verify_kernel<true>, p, kv_map)
+                                       : cudaLaunchKernelEx(&config, verify_kernel<false>, p, kv_map);
+    return launched == cudaSuccess ? 0 : 2;
 }

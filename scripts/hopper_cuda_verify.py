@@ -7,14 +7,14 @@ kernels do so (``combine.fuses``), else by the library's combine kernel (docs/pe
     PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
-The first form checks it against the float64 reference on ten named cases, simplest first, then on
-random ragged batches (the GPU suite's
-kinds of awkward cases: page sizes 1 to 128, 1 to 128 heads, trees of 1 to 300 nodes, prefixes of 0
-to 5,000 positions, NaN in every pool row no sequence uses, repeated calls bitwise equal) and prints
-a PASS / FAIL line per case, half of them on grids of 1-5 programs (several segments a program) and
-half with the library's combine kernel instead of the kernel's own merge; built with ``KD_WATCHDOG``
-(a thread stuck on an mbarrier phase for ~1 s prints which barrier and traps, so a protocol error
-fails at once). The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the
+The first form checks it against the float64 reference on eleven named cases, simplest first, then on
+random ragged batches (the GPU suite's kinds of awkward cases: bf16 and fp16, page sizes 1 to 128, 1
+to 128 heads, trees of 1 to 300 nodes, prefixes of 0 to 5,000 positions, NaN in every pool row no
+sequence uses, repeated calls bitwise equal) and prints a PASS / FAIL line per case, half of them on
+grids of 1-5 programs (several segments a program) and half with the library's combine kernel
+instead of the kernel's own merge; built with ``KD_WATCHDOG`` (a thread that polls an mbarrier phase
+2^26 times says which barrier and traps, so a protocol error fails at once instead of hanging).
+The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the
 reference check, NaN partials before the first call, graph replay).
 
 This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
@@ -56,7 +56,8 @@ class Params(ctypes.Structure):
         + [(name, ctypes.c_void_p) for name in (
             "group_seq", "group_row0", "group_first", "group_splits", "group_count", "grid_barrier")]
         + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
-           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int)])
+           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int),
+           ("f16", ctypes.c_int)])
 
 
 def build(flags: str = "") -> ctypes.CDLL:
@@ -131,8 +132,6 @@ class CudaKernel:
         return f"watchdog: CTA {cta} thread {thread} ({role}) stuck on {name}, parity {parity}"
 
     def prepare(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> _Launch:
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"q must be torch.bfloat16 for the CUDA spike, got {q.dtype}")
         if plan.in_kernel:
             raise ValueError("plan: the CUDA spike runs host-scheduled plans only (not the one-sequence schedule)")
         if not hopper.supports_plan(plan.config) or not hopper.supports(q, kv_cache):
@@ -152,7 +151,7 @@ class CudaKernel:
             qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
             *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
             kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
-            0, int(fused))
+            0, int(fused), int(q.dtype == torch.float16))
         return _Launch(self._so, params, plan.num_programs,
                        None if fused else combine.combine_launch(q, out, lse, qo_indptr, plan))
 
@@ -160,7 +159,7 @@ class CudaKernel:
 def targeted_cases() -> list[CaseSpec]:
     """Named cases, simplest first, that each add one thing to the one before (a first failure says
     which): a tile alone, a pair, the clean steps, page sizes 1 and 16, ragged batches, one key, no
-    prefix, a 1,024-node tree, 128 heads at a long prefix, a wide mask."""
+    prefix, a 1,024-node tree, 128 heads at a long prefix, a wide mask, fp16."""
     gen = torch.Generator().manual_seed(7)
     cases = [
         ("one-tile", 16, [40], [chain_tree(9)], 64),  # 49 keys: one tile, the pair's second missing
@@ -174,9 +173,10 @@ def targeted_cases() -> list[CaseSpec]:
         ("1024-nodes", 4, [3000], [random_tree(1024, gen)], 16),
         ("h128-long", 128, [20000], [random_tree(33, gen)], 1),
         ("wide-mask", 2, [11], [random_tree(5, gen)], 64),
+        ("fp16", 8, [1000], [random_tree(17, gen)], 16),
     ]
     return [CaseSpec(name=name, num_heads=H, prefix_lens=prefixes, trees=trees, page_size=page, seed=i,
-                     extra_mask_words=2 if name == "wide-mask" else 0)
+                     extra_mask_words=2 if name == "wide-mask" else 0, dtype="fp16" if name == "fp16" else "bf16")
             for i, (name, H, prefixes, trees, page) in enumerate(cases)]
 
 
@@ -189,7 +189,7 @@ def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
     prefixes = [rng.choice([0, 1, 63, 64, 65, 127, 200] + ([] if small else [1000, 4097])) for _ in range(B)]
     return CaseSpec(name=f"case{seed}", num_heads=rng.choice([1, 3, 16] + ([] if small else [64, 128])),
                     prefix_lens=prefixes, trees=trees, page_size=rng.choice([1, 7, 16, 64, 128]), seed=seed,
-                    extra_mask_words=rng.choice([0, 1]))
+                    extra_mask_words=rng.choice([0, 1]), dtype=rng.choice(["bf16", "bf16", "fp16"]))
 
 
 def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: bool) -> bool:
@@ -200,7 +200,7 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     plan = plan_verify(spec.kv_lens, c["qo_indptr"].tolist(), H, "cuda", num_programs=num_programs)
     plan.tables.partial_out.fill_(float("nan"))
     plan.tables.partial_lse.fill_(float("nan"))
-    out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=c["q"].dtype)
     lse = torch.full((T, H), float("nan"), device="cuda", dtype=torch.float32)
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     combine.FUSED_COMBINE = fused
@@ -213,13 +213,13 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference(*tensors[:6], spec.sm_scale)
-    r_out = compare(out, ref_out, *TOLERANCES["bf16"]["out"])
-    r_lse = compare(lse, ref_lse, *TOLERANCES["bf16"]["lse"])
+    r_out = compare(out, ref_out, *TOLERANCES[spec.dtype]["out"])
+    r_lse = compare(lse, ref_lse, *TOLERANCES[spec.dtype]["lse"])
     repeat = torch.equal(first[0], out) and torch.equal(first[1], lse)
     ok = r_out.ok and r_lse.ok and repeat
     worst = "" if r_out.ok and r_lse.ok else f" ({(r_lse if r_out.ok else r_out).detail})"
-    print(f"{'PASS' if ok else 'FAIL'} {spec.name}: H={H} page={spec.page_size} nodes={[len(t) for t in spec.trees]} "
-          f"prefix={spec.prefix_lens} programs={plan.num_programs} {'fused' if fused else 'combine'} out {r_out} "
+    print(f"{'PASS' if ok else 'FAIL'} {spec.name}: {spec.dtype} H={H} page={spec.page_size} "
+          f"nodes={[len(t) for t in spec.trees]} prefix={spec.prefix_lens} programs={plan.num_programs} {'fused' if fused else 'combine'} out {r_out} "
           f"lse {r_lse}"
           f"{'' if repeat else ' REPEAT DIFFERS'}{worst}", flush=True)
     return ok
