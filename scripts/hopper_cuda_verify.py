@@ -14,8 +14,8 @@ sequence uses, repeated calls bitwise equal) and prints a PASS / FAIL line per c
 grids of 1-5 programs (several segments a program) and half with the library's combine kernel
 instead of the kernel's own merge; built with ``KD_WATCHDOG`` (a thread that polls an mbarrier phase
 2^26 times says which barrier and traps, so a protocol error fails at once instead of hanging).
-The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the
-reference check, NaN partials before the first call, graph replay).
+The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the reference check, NaN
+partials before the first call, graph replay).
 
 This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
 Hopper module's ``prepare``.
@@ -219,9 +219,9 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     ok = r_out.ok and r_lse.ok and repeat
     worst = "" if r_out.ok and r_lse.ok else f" ({(r_lse if r_out.ok else r_out).detail})"
     print(f"{'PASS' if ok else 'FAIL'} {spec.name}: {spec.dtype} H={H} page={spec.page_size} "
-          f"nodes={[len(t) for t in spec.trees]} prefix={spec.prefix_lens} programs={plan.num_programs} {'fused' if fused else 'combine'} out {r_out} "
-          f"lse {r_lse}"
-          f"{'' if repeat else ' REPEAT DIFFERS'}{worst}", flush=True)
+          f"nodes={[len(t) for t in spec.trees]} prefix={spec.prefix_lens} programs={plan.num_programs} "
+          f"{'fused' if fused else 'combine'} out {r_out} lse {r_lse}{'' if repeat else ' REPEAT DIFFERS'}{worst}",
+          flush=True)
     return ok
 
 
