@@ -9,8 +9,8 @@ file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### abl
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
 applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``unfused``,
 this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``); or ``cuda`` /
-``cuda:FLAGS``, the CUDA C++ spike of the contract (``scripts/hopper_cuda_verify.py``) built with nvcc
-``FLAGS`` (e.g. ``cuda:-DKD_EVICT_FIRST=0``), then the combine kernel. Per shape, this
+``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
+(e.g. ``cuda:-DKD_TMA=1``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's
@@ -93,7 +93,7 @@ def main() -> None:
         if spec == "unfused":
             kernels[spec] = (hopper, False)
             continue
-        if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ spike of the contract
+        if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
             kernels[spec] = (CudaKernel(spec[5:]), True)

@@ -84,7 +84,7 @@ for stage in "${stages[@]}"; do
           > "$OUT/ncu_spike.csv" 2>> "$OUT/log.txt" || status=1
       fi
       tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
-    cudaverify)  # the CUDA C++ spike of the whole contract (scripts/hopper_cuda_verify.py), never run before
+    cudaverify)  # the CUDA C++ kernel (kernel="hopper_cuda", scripts/hopper_cuda_verify.py), never run before
       # session 31: its check against the float64 reference (CUDA_CASES random batches, default 40; the cp.async and
       # the TMA producer), memcheck and synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B of both beside
       # the Gluon kernel (ab_hopper.py cuda + CUDA_AB_VARIANTS, default cuda:-DKD_TMA=1;

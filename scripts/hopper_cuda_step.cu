@@ -59,7 +59,7 @@
 #define KD_PAGE1 0
 #endif
 
-#include "hopper_cuda_ptx.cuh"
+#include "../src/kdtree_engine/verify/hopper_cuda_ptx.cuh"
 
 namespace {
 

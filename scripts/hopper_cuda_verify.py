@@ -1,109 +1,48 @@
-"""Spike, second step: the Hopper verify kernel's whole contract in CUDA C++
-(``scripts/hopper_cuda_verify.cu``: tree masks, page tables of any page size, ragged segments and
-split partials on the step of ``scripts/hopper_cuda_step.cu``), built with nvcc and launched through
-ctypes on a plan's segments, the splits merged in the kernel after a grid barrier where the library's
-kernels do so (``combine.fuses``), else by the library's combine kernel (docs/perf_log.md).
+"""Checks of the Hopper CUDA kernel (``kdtree_engine.verify.hopper_cuda``; ``hopper_cuda.cu``) built
+with nvcc ``--flags`` (its ``KD_*`` variants), on a plan's segments through the module's ``prepare``,
+against the float64 reference (docs/perf_log.md, session 30).
 
     PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
-The first form checks it against the float64 reference on eleven named cases, simplest first, then on
-random ragged batches (the GPU suite's kinds of awkward cases: bf16 and fp16, page sizes 1 to 128, 1
-to 128 heads, trees of 1 to 300 nodes, prefixes of 0 to 5,000 positions, NaN in every pool row no
-sequence uses, repeated calls bitwise equal) and prints a PASS / FAIL line per case, half of them on
-grids of 1-5 programs (several segments a program) and half with the library's combine kernel
-instead of the kernel's own merge; built with ``KD_WATCHDOG`` (a thread that polls an mbarrier phase
-2^26 times says which barrier and traps, so a protocol error fails at once instead of hanging).
-The second times it beside the Gluon kernel (``ab_hopper.py``: same plans, the reference check, NaN
-partials before the first call, graph replay).
-
-This module is also what ``ab_hopper.py`` loads for a ``cuda`` variant: :class:`CudaKernel` has the
-Hopper module's ``prepare``.
+The first form checks it on eleven named cases, simplest first, then on random ragged batches (the
+GPU suite's kinds of awkward cases: bf16 and fp16, page sizes 1 to 128, 1 to 128 heads, trees of 1
+to 300 nodes, prefixes of 0 to 5,000 positions, NaN in every pool row no sequence uses, repeated
+calls bitwise equal) and prints a PASS / FAIL line per case, half of them on grids of 1-5 programs
+(several segments a program) and half with the library's combine kernel instead of the kernel's own
+merge; built with ``KD_WATCHDOG`` (a thread that polls an mbarrier phase 2^26 times says which
+barrier and traps, so a protocol error fails at once instead of hanging). The second times it beside
+the Gluon kernel (``ab_hopper.py``: same plans, the reference check, NaN partials before the first
+call, graph replay); ``ab_hopper.py`` loads a ``cuda[:FLAGS]`` variant as :class:`CudaKernel`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import random
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 from kdtree_engine import reference
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
-from kdtree_engine.verify import combine, hopper
+from kdtree_engine.verify import combine, hopper_cuda
 from kdtree_engine.verify.plan import plan_verify
-
-SOURCE = Path(__file__).with_suffix(".cu")
-HEADER = SOURCE.with_name("hopper_cuda_ptx.cuh")
-LOG2E = 1.4426950408889634
-
-
-class Params(ctypes.Structure):
-    """The kernel's ``Params`` (hopper_cuda_verify.cu), field for field."""
-
-    _fields_ = ([(name, ctypes.c_void_p) for name in (
-        "q", "kv", "page_table", "kv_lens", "qo_indptr", "tree_mask", "out", "lse", "prog_first_seg", "seg_seq",
-        "seg_row0", "seg_kv_start", "seg_kv_end", "seg_partial", "partial_out", "partial_lse")]
-        + [(name, ctypes.c_longlong) for name in (
-            "q_st", "q_sh", "kv_sp", "kv_ss", "pt_s0", "pt_s1", "kl_s", "qo_s", "mt_s", "mw_s", "o_st", "o_sh", "l_st",
-            "l_sh")]
-        + [(name, ctypes.c_void_p) for name in (
-            "group_seq", "group_row0", "group_first", "group_splits", "group_count", "grid_barrier")]
-        + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
-           ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int),
-           ("f16", ctypes.c_int)])
-
-
-def build(flags: str = "") -> ctypes.CDLL:
-    """The kernel built with ``flags`` (cached by source and flags in the temporary directory)."""
-    digest = hashlib.sha256((SOURCE.read_text() + HEADER.read_text() + flags).encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"kdtree_cuda_verify_{digest}.so"
-    if not lib.exists():
-        cmd = ["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-Xptxas", "-v", *flags.split(), "-o", str(lib), str(SOURCE)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        report = [line.strip() for line in r.stderr.splitlines()
-                  if any(word in line for word in ("registers", "spill", "error"))]
-        print(f"cuda ({flags or 'no flags'}): " + "; ".join(report), flush=True)
-        r.check_returncode()
-    so = ctypes.CDLL(str(lib))
-    so.kd_verify_launch.restype = ctypes.c_int
-    so.kd_verify_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    so.kd_verify_params_bytes.restype = ctypes.c_int
-    if so.kd_verify_params_bytes() != ctypes.sizeof(Params):
-        raise RuntimeError(f"Params: {so.kd_verify_params_bytes()} bytes in the kernel, {ctypes.sizeof(Params)} here")
-    return so
-
-
-class _Launch:
-    """One call signature's launches: the kernel on the plan's programs, then the combine kernel unless
-    the kernel merges the splits itself (``merge`` None)."""
-
-    def __init__(self, so, params: Params, num_programs: int, merge):
-        self._so, self._params, self._programs, self._merge = so, params, num_programs, merge
-
-    def __call__(self, tensors, ptrs, num_groups) -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        rc = self._so.kd_verify_launch(ctypes.byref(self._params), self._programs, stream)
-        if rc:
-            raise RuntimeError(f"kd_verify_launch failed ({rc}: 1 shared memory size, 2 launch, 3 tensor map)")
-        if self._merge is not None and (num_groups != 0 or torch.cuda.is_current_stream_capturing()):
-            self._merge(tensors, ptrs)
 
 
 class CudaKernel:
-    """The kernel as a module with :func:`kdtree_engine.verify.hopper.prepare`'s signature."""
+    """The kernel built with nvcc ``flags``, as a module with :func:`kdtree_engine.verify.hopper.prepare`'s
+    signature, and its watchdog (``KD_WATCHDOG`` builds)."""
 
     def __init__(self, flags: str = ""):
         self.flags = flags
-        self._so = build(flags)
+        self._so = hopper_cuda.library(flags)
         self._watchdog = None
+
+    def prepare(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan):
+        return hopper_cuda.prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan,
+                                   flags=self.flags)
 
     def arm_watchdog(self) -> None:
         """Give a ``KD_WATCHDOG`` build words to say which wait got stuck (pinned host memory: still
@@ -130,30 +69,6 @@ class CudaKernel:
             name = f"{kind}[stage {(offset - base) // 8 // 9}][chunk {(offset - base) // 8 % 9}]"
         role = "producer" if thread >= 256 else f"math warpgroup {thread // 128}"
         return f"watchdog: CTA {cta} thread {thread} ({role}) stuck on {name}, parity {parity}"
-
-    def prepare(self, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, out, lse, plan) -> _Launch:
-        if plan.in_kernel:
-            raise ValueError("plan: the CUDA spike runs host-scheduled plans only (not the one-sequence schedule)")
-        if not hopper.supports_plan(plan.config) or not hopper.supports(q, kv_cache):
-            raise ValueError("plan / q / kv_cache: not a layout the Hopper kernels take")
-        if (q.stride(2) != 1 or kv_cache.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) % 8 or out.stride(0) % 8
-                or out.data_ptr() % 16):
-            raise ValueError("q, kv_cache, out: rows must be contiguous (out's 16-byte aligned)")
-        # the kernel merges the splits itself where the library's kernels do (combine.fuses: a GPU, at most one
-        # program an SM)
-        fused = combine.fuses(plan, q.device)
-        ptr = lambda t: t.data_ptr()  # noqa: E731
-        seg = plan.segment_rows
-        params = Params(
-            ptr(q), ptr(kv_cache), ptr(page_table), ptr(kv_lens), ptr(qo_indptr), ptr(tree_mask), ptr(out), ptr(lse),
-            ptr(plan.prog_first_seg), *(ptr(t) for t in seg), ptr(plan.partial_out), ptr(plan.partial_lse),
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), *page_table.stride(), kv_lens.stride(0),
-            qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
-            *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
-            kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
-            0, int(fused), int(q.dtype == torch.float16))
-        return _Launch(self._so, params, plan.num_programs,
-                       None if fused else combine.combine_launch(q, out, lse, qo_indptr, plan))
 
 
 def targeted_cases() -> list[CaseSpec]:

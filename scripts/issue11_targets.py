@@ -1,7 +1,7 @@
 """Issue 11's targets read from a bench JSON of its grid (``kdtree bench --grid issue11 --kernels
 hopper --flashmla DIR``), and with ``--before`` our times against an earlier run's, shape by shape.
 
-    python scripts/issue11_targets.py docs/results/bench_h200_..._issue11.json [--before OLD.json]
+    python scripts/issue11_targets.py docs/results/bench_h200_..._issue11.json [--before OLD.json] [--kernel K]
 
 A shape is (B, H, nodes, prefix). The targets, each printed with the shapes that miss it:
 
@@ -34,9 +34,9 @@ def _misses(ratios, ok):
     return f"{len(ratios) - len(bad)} of {len(ratios)}" + (f"; misses: {', '.join(bad)}" if bad else "")
 
 
-def report(rows) -> list[str]:
-    chain, flashmla = _times(rows, "hopper", "chain", 64), _times(rows, "flashmla", "chain", 64)
-    random64, random1 = _times(rows, "hopper", "random", 64), _times(rows, "hopper", "random", 1)
+def report(rows, ours: str = "hopper") -> list[str]:
+    chain, flashmla = _times(rows, ours, "chain", 64), _times(rows, "flashmla", "chain", 64)
+    random64, random1 = _times(rows, ours, "random", 64), _times(rows, ours, "random", 1)
     vs_flashmla = {s: chain[s] / flashmla[s] for s in chain if s in flashmla}
     long = {s: r for s, r in vs_flashmla.items() if s[3] >= 16384}
     short = {s: r for s, r in vs_flashmla.items() if s[3] < 16384}
@@ -49,7 +49,7 @@ def report(rows) -> list[str]:
         lines.append("chain / FlashMLA, prefix < 16k: <= 1.5 at " + _misses(short, lambda r: r <= 1.5))
     same = {s: random64[s] / chain[s] for s in random64 if s in chain}
     lines.append("random / chain, page 64: within 5% at " + _misses(same, lambda r: abs(r - 1) <= 0.05))
-    floor_ours = _times(rows, "hopper", "random", 64, "pct_floor")
+    floor_ours = _times(rows, ours, "random", 64, "pct_floor")
     floor_theirs = _times(rows, "flashmla", "chain", 64, "pct_floor")
     big = [s for s in floor_ours if s[3] >= 16384 and s[1] * s[2] >= 512]
     if big:
@@ -63,10 +63,10 @@ def report(rows) -> list[str]:
     return lines
 
 
-def compare(rows, before) -> list[str]:
+def compare(rows, before, ours: str = "hopper") -> list[str]:
     lines = []
-    for kernel, tree, page_size in (("hopper", "chain", 64), ("flashmla", "chain", 64), ("hopper", "random", 64),
-                                    ("hopper", "random", 1)):
+    for kernel, tree, page_size in ((ours, "chain", 64), ("flashmla", "chain", 64), (ours, "random", 64),
+                                    (ours, "random", 1)):
         now, then = _times(rows, kernel, tree, page_size), _times(before, kernel, tree, page_size)
         ratios = sorted(now[s] / then[s] for s in now if s in then)
         if ratios:
@@ -79,11 +79,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", help="the bench JSON of the issue-11 grid")
     ap.add_argument("--before", help="an earlier run's bench JSON of the same grid")
+    ap.add_argument("--kernel", default="hopper", help="our kernel whose rows are read (default hopper; "
+                    "hopper_cuda for a grid run with --kernels hopper_cuda)")
     args = ap.parse_args()
     rows = json.load(open(args.json))["rows"]
-    lines = report(rows)
+    lines = report(rows, args.kernel)
     if args.before:
-        lines += compare(rows, json.load(open(args.before))["rows"])
+        lines += compare(rows, json.load(open(args.before))["rows"], args.kernel)
     print("\n".join(lines))
 
 

@@ -1,15 +1,13 @@
-"""The Gluon Hopper kernel (verify/hopper.py) against the float64 reference, through the public
-entry point (``verify_attention(kernel="hopper", plan=...)``) and the flash plan; its CUDA-graph
-replay is in test_verify_kernels.py (one test for both planned kernels).
+"""The Hopper kernels, Gluon (verify/hopper.py) and CUDA C++ (verify/hopper_cuda.py, opt-in), against
+the float64 reference, through the public entry point (``verify_attention(kernel=..., plan=...)``)
+and the flash plan; their CUDA-graph replay is in test_verify_kernels.py (one test for the planned
+kernels).
 
 The kernel tests are GPU-only (sm_90 with Triton's Gluon); on the CPU CI the import (it must never
 fail), the layout guard and the dispatch (``auto`` never picks a kernel that cannot run) are checked.
 """
 
-import ctypes
 import importlib.util
-import shutil
-import sys
 import zlib
 from pathlib import Path
 
@@ -24,6 +22,12 @@ from kdtree_engine.verify.op import resolve
 
 G = torch.Generator().manual_seed(4321)
 requires_hopper = pytest.mark.skipif(not hopper.available(), reason="needs an sm_90 GPU and Triton's Gluon")
+HOPPER_KERNELS = ["hopper", "hopper_cuda"]
+
+
+def skip_unless_it_runs(kernel: str) -> None:
+    if kernel not in available_kernels(DEVICE, opt_in=True):
+        pytest.skip(f"{kernel} does not run here")
 
 SHAPES = {
     "1node-p0": dict(num_heads=4, prefix_lens=[0], trees=[[-1]]),
@@ -62,44 +66,47 @@ def test_supports_refuses_unaligned_strides():
     assert not hopper.supports(q, torch.zeros(4, 16, 584, dtype=torch.bfloat16)[..., :576])
 
 
-@requires_hopper
+@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
 @pytest.mark.parametrize("num_programs", [None, 7, 1])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_hopper_matches_reference(shape, num_programs):
+def test_hopper_matches_reference(shape, num_programs, kernel):
     """``num_programs=1``: one program runs every segment in turn, so every barrier phase carries over
     from segment to segment (odd and even tile counts mixed)."""
+    skip_unless_it_runs(kernel)
     spec = CaseSpec(shape, seed=zlib.crc32(shape.encode()) % 1000, **SHAPES[shape])
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), spec.num_heads, "cuda", num_programs=num_programs)
-    run_checked(c, "hopper", spec.dtype, plan=plan)
+    run_checked(c, kernel, spec.dtype, plan=plan)
 
 
-@requires_hopper
+@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
 @pytest.mark.parametrize("num_programs", [6, 12, None])
-def test_hopper_first_tile_invisible_and_logits_far_below_zero(num_programs):
+def test_hopper_first_tile_invisible_and_logits_far_below_zero(num_programs, kernel):
     """Consumer 0 brings its P to the step's joint max by ``exp2(m0 - m1)``. A row that has seen no
     key yet in its segment and none in consumer 0's tile (``m0 = -inf``) while its keys in consumer
     1's tile score far below zero (``m1 < -128`` in log2 units) made that factor overflow and the
     row NaN. A star tree of 192 nodes after 64 prefix tokens, split so that the segments of nodes
     128-191 start at the tile of nodes 64-127, which none of them sees; every key entry 1 and every
     query entry -8, so each row's logits are -192 (its exact output: the keys' latent part)."""
+    skip_unless_it_runs(kernel)
     spec = CaseSpec("far-below-zero", 1, [64], [star_tree(192)], page_size=64)
     c = build_case(spec, "cuda")
     c["kv_cache"].fill_(1.0)
     c["q"].fill_(-8.0)
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 1, "cuda", num_programs=num_programs)
-    out, _ = run_checked(c, "hopper", "bf16", plan=plan)
+    out, _ = run_checked(c, kernel, "bf16", plan=plan)
     assert torch.equal(out, torch.ones_like(out))
 
 
-@requires_hopper
+@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_hopper_deterministic_and_nan_never_leaks(page_size):
+def test_hopper_deterministic_and_nan_never_leaks(page_size, kernel):
+    skip_unless_it_runs(kernel)
     spec = CaseSpec("poison", 16, [5000, 19], [random_tree(33, G), [-1]], page_size=page_size, spare_pages=5)
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 16, "cuda", num_programs=50)
-    out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
-    out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
+    out1, lse1 = run_checked(c, kernel, "bf16", plan=plan)
+    out2, lse2 = run_checked(c, kernel, "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
 
@@ -181,21 +188,6 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
     copy = timeline.module_from_source(Path(hopper.__file__).read_text(), "hopper_copy")
     assert copy.prepare.__code__.co_varnames[:10] == hopper.prepare.__code__.co_varnames[:10]
     assert copy.HAVE_GLUON == hopper.HAVE_GLUON
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
-def test_cuda_spike_params_fit_its_kernel(monkeypatch):
-    """scripts/hopper_cuda_verify.py hands its CUDA kernel a ``Params`` struct through ctypes: built
-    for sm_90a (no GPU needed to build or to ask), the kernel's struct is the size of the script's,
-    and its shared memory fits an H200 block (232,448 bytes)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
-    monkeypatch.delitem(sys.modules, "hopper_cuda_verify", raising=False)
-    import hopper_cuda_verify as spike
-
-    so = spike.build()
-    assert so.kd_verify_params_bytes() == ctypes.sizeof(spike.Params)
-    so.kd_verify_smem_bytes.restype = ctypes.c_int
-    assert so.kd_verify_smem_bytes() <= 232448
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):

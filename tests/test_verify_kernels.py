@@ -21,6 +21,7 @@ from kdtree_engine.verify import triton_flash
 from kdtree_engine.verify.plan import CONFIGS, plan_verify
 
 KERNELS = ["naive", "flash"]
+PLANNED = ["flash", "hopper", "hopper_cuda"]  # the kernels that read a plan (hopper_cuda: opt-in, where named)
 G = torch.Generator().manual_seed(1234)
 # GPU runs use longer prefixes; the interpreter stays small
 P = 1000 if HAS_CUDA else 40
@@ -267,14 +268,14 @@ def test_row_with_no_visible_key(kernel):
 
 
 @pytest.mark.parametrize("kernel, num_programs",
-                         [("naive", None)] + [(k, n) for k in ("flash", "hopper") for n in (None, 1, 6, 13)])
+                         [("naive", None)] + [(k, n) for k in PLANNED for n in (None, 1, 6, 13)])
 def test_logits_far_below_zero(kernel, num_programs):
     """Every logit near -192 (-277 in log2 units, a spread of a few units): no running max, rescale
     or merge may take 0 for a max it has not seen (``exp2(277)`` overflows fp32), on split KV ranges
     and ragged trees, where segments can begin at a tile their rows do not see (a star's later nodes
     see none of the nodes before them but the root; test_verify_hopper.py builds that case exactly).
     The naive kernel takes no plan: once."""
-    if kernel not in available_kernels(DEVICE):
+    if kernel not in available_kernels(DEVICE, opt_in=True):
         pytest.skip(f"{kernel} does not run here")
     spec = CaseSpec("far-below-zero", 3, [64, P, 0], [star_tree(192), star_tree(70), random_tree(9, G)],
                     page_size=16)
@@ -320,9 +321,9 @@ def test_no_recompile_as_a_decode_loop_changes_its_shapes(kernel):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", ["flash", "hopper"])
+@pytest.mark.parametrize("kernel", PLANNED)
 def test_cuda_graph_capture_and_replay(kernel):
-    if kernel not in available_kernels("cuda"):
+    if kernel not in available_kernels("cuda", opt_in=True):
         pytest.skip(f"{kernel} does not run on this GPU")
     spec = CaseSpec("graph", 16, [5000, 300], [random_tree(9, G), random_tree(17, G)], page_size=1)
     c = build_case(spec, "cuda")
@@ -388,13 +389,13 @@ def test_unplanned_one_sequence_graph_reschedules_on_replay(kernel):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", ["flash", "hopper"])
+@pytest.mark.parametrize("kernel", PLANNED)
 def test_fused_combine_matches_the_combine_kernel(kernel, monkeypatch):
     """On a GPU a kernel merges its KV splits itself after a grid barrier (one launch per call):
     the outputs of the separate combine kernel on the same plan (to rounding: the same code at
     another warp count, or in Gluon, may sum in another order), bitwise equal on repeat, and a grid
     of more programs than SMs falls back to the combine kernel, still right."""
-    if kernel not in available_kernels("cuda"):
+    if kernel not in available_kernels("cuda", opt_in=True):
         pytest.skip(f"{kernel} does not run on this GPU")
     from kdtree_engine.verify import combine
 

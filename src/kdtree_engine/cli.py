@@ -17,7 +17,7 @@ import sys
 from . import __version__
 from .backend import select_device
 from .cliargs import ArgumentParser, UsageError, existing_file, guarded, prepare_output_dir
-from .verify import KERNELS, available_kernels
+from .verify import KERNELS, OPT_IN_KERNELS, available_kernels
 
 
 def refs_generate(args) -> int:
@@ -42,11 +42,11 @@ def refs_check(args) -> int:
     device = select_device(args.device)
     from .bundles import BundleError, check_bundle, load_bundle
 
-    runs = available_kernels(device)
+    runs = available_kernels(device, opt_in=True)
     if args.kernel not in ("all",) + runs:
         raise UsageError(f"argument --kernel: {args.kernel} does not run on {device} "
                          f"(this device runs {', '.join(runs)})")
-    kernels = list(runs) if args.kernel == "all" else [args.kernel]
+    kernels = [k for k in runs if k in KERNELS] if args.kernel == "all" else [args.kernel]
     failures = 0
     for file in args.files:
         try:
@@ -83,7 +83,8 @@ def build_parser() -> ArgumentParser:
     gen.set_defaults(func=refs_generate)
     chk = refs_sub.add_parser("check", help="check kernels against bundles; one PASS/FAIL line each")
     chk.add_argument("files", nargs="+", type=existing_file)
-    chk.add_argument("--kernel", choices=[*KERNELS, "all"], default="all")
+    chk.add_argument("--kernel", choices=[*KERNELS, *OPT_IN_KERNELS, "all"], default="all",
+                     help="a kernel, or all (every kernel this device runs but the opt-in ones, which run when named)")
     chk.add_argument("--device", choices=["cpu", "cuda"])
     chk.set_defaults(func=refs_check)
 

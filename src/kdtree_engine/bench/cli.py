@@ -23,13 +23,13 @@ import torch
 from ..backend import select_device
 from ..cliargs import ArgumentParser, UsageError, float_above, guarded, int_in, int_list, prepare_output_dir, prepare_output_file
 from ..masks import MAX_TREE_NODES
-from ..verify import KERNELS
+from ..verify import KERNELS, OPT_IN_KERNELS
 from ..verify.contract import MAX_HEADS
 from .shapes import TREES
 
 __all__ = ["main", "build_parser"]
 
-OURS = KERNELS
+OURS = KERNELS + OPT_IN_KERNELS  # the opt-in ones only when named in --kernels
 PEERS = ("torch", "sglang", "flashinfer")
 ALL_KERNELS = OURS + PEERS
 
@@ -84,7 +84,8 @@ def build_parser() -> ArgumentParser:
                    help="add FlashMLA as a peer: DIR holds flashmla_peer.py with load_flashmla() "
                         "(chain trees, page size 64, bf16 only)")
     g.add_argument("--kernels", type=_names(ALL_KERNELS), default=None,
-                   help=f"subset of {','.join(ALL_KERNELS)} (default: all available)")
+                   help=f"subset of {','.join(ALL_KERNELS)} (default: all available but "
+                        f"{','.join(OPT_IN_KERNELS)}, which run only when named)")
     t = p.add_argument_group("timing")
     t.add_argument("--repeats", type=int_in(1), help="most timed samples per measurement (preset default)")
     t.add_argument("--min-repeats", type=int_in(1), default=5, help="fewest timed samples per measurement")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..testing import TOLERANCES, compare
-from ..verify import KERNELS, VerifyAttention, available_kernels, verify_attention
+from ..verify import KERNELS, OPT_IN_KERNELS, VerifyAttention, available_kernels, verify_attention
 from ..verify.contract import check_content, check_inputs
 from ..verify.reference import reference
 from .peers import Impl, Prepared, Unavailable
@@ -45,8 +45,8 @@ class OursImpl(Impl):
     has_lse = True
 
     def __init__(self, kernel: str):
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel not in KERNELS + OPT_IN_KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS + OPT_IN_KERNELS}, got {kernel!r}")
         self.name = kernel
         self.kernel = kernel
         entry = "verify_attention" if kernel == "naive" else "VerifyAttention plan/run"
@@ -95,12 +95,16 @@ class OursImpl(Impl):
         }
 
 
+_NEEDS = {"hopper": "needs an sm_90 GPU and Triton's Gluon", "hopper_cuda": "needs an sm_90 GPU and nvcc"}
+
+
 def detect_ours(requested: list[str] | None, device: str = "cuda") -> tuple[list[Impl], dict[str, str]]:
-    """Our kernels that were asked for (all that run on ``device`` when ``requested`` is None),
-    naive first, and a note for each one asked for that does not run there."""
-    runs = available_kernels(device)
-    want = KERNELS if requested is None else [k for k in KERNELS if k in requested]
-    notes = {k: "needs an sm_90 GPU and Triton's Gluon" for k in want if k not in runs}
+    """Our kernels that were asked for (all that run on ``device`` when ``requested`` is None, but
+    the opt-in ones, which run only when named), naive first, and a note for each one asked for that
+    does not run there."""
+    runs = available_kernels(device, opt_in=True)
+    want = KERNELS if requested is None else [k for k in KERNELS + OPT_IN_KERNELS if k in requested]
+    notes = {k: _NEEDS.get(k, "does not run here") for k in want if k not in runs}
     return [OursImpl(k) for k in want if k in runs], notes
 
 

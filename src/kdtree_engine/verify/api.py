@@ -28,16 +28,18 @@ from ..backend import interpreting
 from ..masks import MAX_TREE_NODES
 from .contract import (D_QK, D_V, InputCheck, Signature, VerifyInputs, check_content, check_inputs, check_lengths,
                        host_lengths)
-from .op import KERNELS, launch, preparer, resolve, verify_attention_op
+from .op import KERNELS, OPT_IN_KERNELS, launch, preparer, resolve, verify_attention_op
 from .plan import HOPPER_COSTS, TRITON_COSTS, FlashConfig, VerifyPlan
 
 __all__ = ["verify_attention", "VerifyAttention", "KERNELS"]
 
 
-_KERNEL_NAMES = ("auto",) + KERNELS
+_KERNEL_NAMES = ("auto",) + KERNELS + OPT_IN_KERNELS
 # the host schedule's cost model of a kernel named at construction ("auto" and "naive": the one
 # of the kernel "auto" runs on the device, plan.default_costs)
-_KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS}
+_KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS, "hopper_cuda": HOPPER_COSTS}
+# the kernels that can schedule a one-sequence step themselves (plan.in_kernel; "auto" runs one of them)
+_SCHEDULE_ONE_SEQUENCE = ("auto", "flash", "hopper")
 _DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -196,9 +198,10 @@ def verify_attention(
             Build it with :mod:`kdtree_engine.masks`.
         sm_scale: softmax scale; default ``1/sqrt(576)``.
         kernel: ``"naive"`` (the oracle), ``"flash"`` (Triton, portable), ``"hopper"`` (Gluon,
-            sm_90 only) or ``"auto"``: hopper where it runs (an sm_90 GPU with Triton's Gluon,
-            16-byte aligned q / kv_cache, the default tiles), else flash; see
-            :func:`~kdtree_engine.verify.op.resolve`.
+            sm_90 only), ``"hopper_cuda"`` (CUDA C++ built with nvcc at first use, sm_90 only, opt-in:
+            :mod:`~kdtree_engine.verify.hopper_cuda`) or ``"auto"``: hopper where it runs (an sm_90
+            GPU with Triton's Gluon, 16-byte aligned q / kv_cache, the default tiles), else flash;
+            see :func:`~kdtree_engine.verify.op.resolve`.
         out: optional ``[T, H, 512]`` output buffer in q's dtype (last dim contiguous), written
             through its strides; it must not overlap itself or an input.
         lse: optional ``[T, H]`` float32 buffer, any non-overlapping strides.
@@ -257,7 +260,7 @@ def verify_attention(
         else:  # host lengths: checked first
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             plan = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
-        if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
+        if info.num_seqs == 1 and kernel in _SCHEDULE_ONE_SEQUENCE and plan.schedules_in_kernel(info.num_rows):
             plan._plan_in_kernel()
         elif cuda:
             site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")
@@ -306,7 +309,7 @@ class VerifyAttention:
         num_heads: H of every layer, 1..128.
         device: where the kernels run.
         kernel: ``"auto"`` (hopper where it runs, else flash, decided per call), ``"flash"``,
-            ``"hopper"`` or ``"naive"`` (the oracle: ignores the schedule). Host plans are scheduled
+            ``"hopper"``, ``"hopper_cuda"`` or ``"naive"`` (the oracle: ignores the schedule). Host plans are scheduled
             with the named kernel's cost model (``"auto"``: that of the kernel it runs on the device).
         config: flash tile config (default: the best that fits the device).
         num_programs: the flash grid (tuning / tests); default: the programs the device runs at once.

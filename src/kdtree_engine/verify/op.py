@@ -20,9 +20,12 @@ import torch
 from .contract import D_V
 from .plan import FlashConfig, FlashTables, plan_of
 
-__all__ = ["KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
+__all__ = ["KERNELS", "OPT_IN_KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
 
 KERNELS = ("naive", "flash", "hopper")
+# kernels that run only where named (never "auto", nor a list of the kernels a device runs) until the
+# benchmark has measured them on the GPU: the CUDA C++ Hopper kernel (docs/perf_log.md, session 30)
+OPT_IN_KERNELS = ("hopper_cuda",)
 _PREPARERS: dict[str, Callable] = {}
 
 
@@ -43,8 +46,10 @@ def preparer(kernel: str) -> Callable:
         from .triton_flash import prepare
     elif kernel == "hopper":
         from .hopper import prepare
+    elif kernel == "hopper_cuda":
+        from .hopper_cuda import prepare
     else:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        raise ValueError(f"kernel must be one of {KERNELS + OPT_IN_KERNELS}, got {kernel!r}")
     _PREPARERS[kernel] = prepare
     return prepare
 
@@ -64,37 +69,50 @@ def _hopper_runs_on(device: torch.device) -> bool:
     return available(device)
 
 
-def available_kernels(device: torch.device | str) -> tuple[str, ...]:
+@functools.lru_cache(maxsize=None)
+def _hopper_cuda_runs_on(device: torch.device) -> bool:
+    from .hopper_cuda import available
+
+    return available(device)
+
+
+def available_kernels(device: torch.device | str, *, opt_in: bool = False) -> tuple[str, ...]:
     """The kernels that run on ``device``: naive and flash everywhere (the CPU through Triton's
-    interpreter), hopper on an sm_90 GPU with Triton's Gluon."""
+    interpreter), hopper on an sm_90 GPU with Triton's Gluon; with ``opt_in`` also those of
+    :data:`OPT_IN_KERNELS` that run there (hopper_cuda: an sm_90 GPU and an nvcc to build it with;
+    whether the build succeeds is known at its first call)."""
     device = torch.device(device)
+    kernels = ("naive", "flash")
     if device.type == "cuda" and torch.cuda.is_available():
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if _hopper_runs_on(device):
-            return KERNELS
-    return ("naive", "flash")
+        kernels += ("hopper",) * _hopper_runs_on(device)
+        kernels += ("hopper_cuda",) * (opt_in and _hopper_cuda_runs_on(device))
+    return kernels
 
 
 def resolve(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, config: FlashConfig | None) -> str:
     """The kernel a call runs. ``"auto"``: ``"hopper"`` on an sm_90 GPU with Triton's Gluon when
     the plan's tiles (``config``) and the layouts of ``q`` / ``kv_cache`` suit it (it was faster
     than the Triton flash kernel on every shape measured on the H200: docs/perf_log.md, run 14),
-    else ``"flash"``. A named kernel is returned as it is, ``"hopper"`` after checking that it runs
-    on this device, suits the plan's tiles and the layouts (``ValueError`` otherwise)."""
-    if kernel == "hopper":
-        if not (q.is_cuda and _hopper_runs_on(q.device)):
-            raise ValueError(f"kernel='hopper' needs an sm_90 GPU and Triton's Gluon; q is on {q.device} "
-                             "(kernel='auto' picks it where it runs)")
+    else ``"flash"`` (never ``"hopper_cuda"``, which the benchmark has not yet measured). A named
+    kernel is returned as it is, ``"hopper"`` / ``"hopper_cuda"`` after checking that it runs on this
+    device, suits the plan's tiles and the layouts (``ValueError`` otherwise)."""
+    if kernel in ("hopper", "hopper_cuda"):
+        cuda = kernel == "hopper_cuda"
+        if not (q.is_cuda and (_hopper_cuda_runs_on if cuda else _hopper_runs_on)(q.device)):
+            needs = "an nvcc to build it (see kdtree_engine.verify.hopper_cuda)" if cuda else "Triton's Gluon"
+            raise ValueError(f"kernel={kernel!r} needs an sm_90 GPU and {needs}; q is on {q.device}"
+                             + ("" if cuda else " (kernel='auto' picks it where it runs)"))
         from .hopper import BLOCK_M, BLOCK_N, supports, supports_plan
 
         if not supports_plan(config):
             # block_m: the partial buffers' rows; block_n: segments start on a BLOCK_N boundary, so a
             # tile never straddles a page when the page size is a multiple of BLOCK_N (one page id per tile)
-            raise ValueError(f"kernel='hopper' needs a plan with block_m={BLOCK_M} and block_n a multiple of "
+            raise ValueError(f"kernel={kernel!r} needs a plan with block_m={BLOCK_M} and block_n a multiple of "
                              f"{BLOCK_N}, got {config.block_m}x{config.block_n}")
         if not supports(q, kv_cache):
-            raise ValueError("kernel='hopper' needs q and kv_cache 16-byte aligned with outer strides that are "
+            raise ValueError(f"kernel={kernel!r} needs q and kv_cache 16-byte aligned with outer strides that are "
                              "multiples of 16 elements (see kdtree_engine.verify.hopper.supports)")
         return kernel
     if kernel != "auto":

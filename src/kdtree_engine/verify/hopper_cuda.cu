@@ -1,8 +1,7 @@
-// Spike, second step: the Hopper verify kernel's whole contract in CUDA C++, on the step the first
-// step measured (hopper_cuda_step.cu; docs/perf_log.md, run 45), to measure what tree masks, page
-// tables of any page size, ragged segments and the split partials cost there beside FlashMLA and
-// the Gluon kernel before any build of it into the library. Not the library's kernel: the host schedule
-// only (a plan's segments, not the one-sequence schedule in the kernel). bf16 and fp16.
+// The Hopper (sm_90a) tree-verify kernel in CUDA C++ (kdtree_engine.verify.hopper_cuda builds it with nvcc
+// at first use and launches it through ctypes): the contract of the Gluon kernel (hopper.py) on the same
+// plans, on the step measured in scripts/hopper_cuda_step.cu (docs/perf_log.md, run 45). bf16 and fp16;
+// host- and device-scheduled plans, not the one-sequence schedule in the kernel.
 //
 // One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): the segments
 // prog_first_seg[cta] .. prog_first_seg[cta + 1], each 64 packed query rows (row r = node r / H, head
@@ -690,12 +689,9 @@ __device__ void merge_splits(const Params& p, int math_warp, int lane) {
         const float inv = l > 0.f ? 1.f / l : 1.f;
         const long long token = qo_start + packed / p.heads;
         const int head = packed % p.heads;
-        uint32_t packed_out[8];
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (token * p.o_st + head * p.o_sh + lane * 16) * 2);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) packed_out[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
-        uint4* dst = reinterpret_cast<uint4*>(p.out + (token * p.o_st + head * p.o_sh + lane * 16) * 2);
-        dst[0] = make_uint4(packed_out[0], packed_out[1], packed_out[2], packed_out[3]);
-        dst[1] = make_uint4(packed_out[4], packed_out[5], packed_out[6], packed_out[7]);
+        for (int k = 0; k < 8; ++k) dst[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);  // out: 4-byte
         if (lane == 0) p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     }
 }
@@ -758,15 +754,23 @@ extern "C" int kd_verify_watchdog(int* words) {
     return cudaMemcpyToSymbol(watchdog_words, &words, sizeof(words)) == cudaSuccess ? 0 : 1;
 }
 
-// verify_kernel on num_programs CTAs on `stream`; params: a Params as laid out above (its `tma` set here).
-// 0: launched; 1: the shared memory size could not be set; 2: the launch failed; 3: no tensor map (KD_TMA)
-extern "C" int kd_verify_launch(const void* params, int num_programs, void* stream) {
-    static const bool smem_set =  // once: the size does not change
-        cudaFuncSetAttribute(verify_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kd_verify_smem_bytes()) == cudaSuccess
-        && cudaFuncSetAttribute(verify_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kd_verify_smem_bytes()) == cudaSuccess;
-    if (!smem_set) return 1;
+// verify_kernel on num_programs CTAs of device `device` on `stream`; params: a Params as laid out above (its
+// `tma` set here). 0: launched; 1: the shared memory size could not be set; 2: the launch failed; 3: no tensor
+// map (KD_TMA)
+extern "C" int kd_verify_launch(const void* params, int num_programs, int device, void* stream) {
+    static unsigned long long smem_set = 0;  // the devices whose kernels may use the shared memory (once each)
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || (current != device && cudaSetDevice(device) != cudaSuccess))
+        return 2;
+    if (device >= 64) return 1;
+    if (!(smem_set >> device & 1)) {
+        if (cudaFuncSetAttribute(verify_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kd_verify_smem_bytes()) != cudaSuccess
+            || cudaFuncSetAttribute(verify_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kd_verify_smem_bytes()) != cudaSuccess)
+            return 1;
+        smem_set |= 1ull << device;
+    }
     Params p = *static_cast<const Params*>(params);
     // TMA reads the pool as [kv_rows, 576] rows kv_ss elements apart: pages back to back, rows 16-byte aligned
     p.tma = KD_TMA && p.page_size % BN == 0 && p.kv_sp == p.page_size * p.kv_ss && p.kv_ss % 8 == 0

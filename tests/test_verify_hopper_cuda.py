@@ -1,0 +1,124 @@
+"""The CUDA C++ Hopper kernel (verify/hopper_cuda.py): its build at first use, and where it runs.
+
+On the CPU CI: the import, the nvcc lookup, the build's cache and its message (nvcc builds for sm_90a
+without a GPU where it is installed; skipped where it is not), the clear errors without a compiler
+or a GPU, and that it runs only where named. Its results against the float64 reference are GPU
+tests in test_verify_hopper.py and test_verify_kernels.py (parametrised over the planned kernels).
+"""
+
+import ctypes
+import math
+import types
+
+import pytest
+import torch
+
+from conftest import DEVICE, run_checked, unplanned_workspace
+from kdtree_engine import verify_attention
+from kdtree_engine.bench.runner import detect_ours
+from kdtree_engine.testing import CaseSpec, build_case, random_tree
+from kdtree_engine.verify import available_kernels, hopper_cuda, plan_verify
+from kdtree_engine.verify.op import resolve
+
+G = torch.Generator().manual_seed(77)
+requires_nvcc = pytest.mark.skipif(hopper_cuda.compiler() is None, reason="needs nvcc")
+requires_hopper_cuda = pytest.mark.skipif(not hopper_cuda.available(), reason="needs an sm_90 GPU and nvcc")
+
+
+@pytest.fixture
+def fresh_builds(monkeypatch, tmp_path):
+    """An empty build cache, and the in-process cache of loaded builds cleared before and after."""
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path))
+    hopper_cuda.library.cache_clear()
+    yield tmp_path
+    hopper_cuda.library.cache_clear()
+
+
+def test_import_never_fails_and_the_cpu_does_not_run_it():
+    assert hopper_cuda.available("cpu") is False
+    assert "hopper_cuda" not in available_kernels("cpu", opt_in=True)
+
+
+def test_compiler_lookup(monkeypatch, tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("")
+    monkeypatch.setenv("KDTREE_NVCC", str(fake))
+    assert hopper_cuda.compiler() == str(fake)
+    monkeypatch.setenv("KDTREE_NVCC", str(tmp_path / "missing"))
+    assert hopper_cuda.compiler() is None
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch, fresh_builds):
+    monkeypatch.setenv("KDTREE_NVCC", str(fresh_builds / "missing"))
+    with pytest.raises(hopper_cuda.BuildError, match="no nvcc was found .*KDTREE_NVCC"):
+        hopper_cuda.library()
+    assert hopper_cuda.available("cuda") is False  # and so neither "auto" nor a list of kernels offers it
+
+
+@requires_nvcc
+def test_build_is_cached_says_so_and_fits_its_params(fresh_builds, capfd):
+    """Built once into the cache (a note on stderr), loaded from it afterwards (no note); the
+    kernel's Params is this module's (the library checks it at load) and its shared memory fits an
+    H200 block (232,448 bytes)."""
+    so = hopper_cuda.library()
+    assert "building the Hopper CUDA kernel" in capfd.readouterr().err
+    assert [p.suffix for p in fresh_builds.iterdir()] == [".so"]  # no partial file left behind
+    assert so.kd_verify_params_bytes() == ctypes.sizeof(hopper_cuda.Params)
+    so.kd_verify_smem_bytes.restype = ctypes.c_int
+    assert 0 < so.kd_verify_smem_bytes() <= 232448
+    hopper_cuda.library.cache_clear()
+    hopper_cuda.library()
+    assert "building" not in capfd.readouterr().err
+
+
+@requires_nvcc
+def test_a_failed_build_says_why(fresh_builds):
+    with pytest.raises(hopper_cuda.BuildError, match="nvcc could not build hopper_cuda.cu"):
+        hopper_cuda.library("-DKD_TMA=not_a_number")
+    assert not any(fresh_builds.iterdir())
+
+
+def test_runs_only_where_named():
+    """Opt-in: not in the kernels a device runs, never "auto"; named where it cannot run, a
+    ValueError saying what it needs; the benchmark takes it only by name."""
+    c = build_case(CaseSpec("named", 2, [5], [[-1, 0]]), DEVICE)
+    plan = plan_verify([7], [0, 2], 2, DEVICE)
+    assert "hopper_cuda" not in available_kernels(DEVICE)
+    assert resolve("auto", c["q"], c["kv_cache"], plan.tables.config) != "hopper_cuda"
+    assert "hopper_cuda" not in [impl.name for impl in detect_ours(None, DEVICE)[0]]
+    if "hopper_cuda" not in available_kernels(DEVICE, opt_in=True):
+        with pytest.raises(ValueError, match="kernel='hopper_cuda' needs an sm_90 GPU and an nvcc"):
+            verify_attention(**c, kernel="hopper_cuda")
+        assert detect_ours(["hopper_cuda"], DEVICE) == ([], {"hopper_cuda": "needs an sm_90 GPU and nvcc"})
+
+
+def test_prepare_refuses_what_the_kernel_cannot_take():
+    """The one-sequence schedule in the kernel, and an out it cannot store to (odd strides): refused
+    before anything is built."""
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    out = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    args = (q, torch.zeros(3, 64, 576, dtype=torch.bfloat16), None, None, None, None, 0.04)
+    with pytest.raises(ValueError, match="not the one-sequence schedule"):
+        hopper_cuda.prepare(*args, out, None, types.SimpleNamespace(in_kernel=True))
+    odd = torch.zeros(2, 4, 513, dtype=torch.bfloat16)[..., :512]
+    assert not hopper_cuda.supports_out(odd) and hopper_cuda.supports_out(out)
+    with pytest.raises(ValueError, match="out 4-byte aligned"):
+        hopper_cuda.prepare(*args, odd, None, types.SimpleNamespace(in_kernel=False))
+
+
+@requires_hopper_cuda
+def test_unplanned_one_sequence_goes_to_the_device_scheduler():
+    """Without a plan, one sequence whose parts fill the grid is scheduled by the Gluon and Triton
+    kernels themselves; this kernel cannot, so the device scheduler plans it (still one call)."""
+    c = build_case(CaseSpec("one", 16, [40000], [random_tree(9, G)], page_size=1), "cuda")
+    run_checked(c, "hopper_cuda", "bf16")
+    ws = unplanned_workspace(c)
+    assert ws is not None and not ws.tables.in_kernel and ws.schedules_in_kernel(9)
+
+
+@requires_hopper_cuda
+def test_odd_out_strides_are_refused_on_the_gpu():
+    c = build_case(CaseSpec("odd", 4, [100], [random_tree(5, G)], page_size=16), "cuda")
+    out = torch.full((5, 4, 513), math.nan, dtype=torch.bfloat16, device="cuda")[..., :512]
+    with pytest.raises(ValueError, match="out 4-byte aligned"):
+        verify_attention(**c, kernel="hopper_cuda", out=out)
