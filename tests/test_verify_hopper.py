@@ -111,7 +111,7 @@ def test_hopper_deterministic_and_nan_never_leaks(page_size, kernel):
     assert bool(torch.isfinite(out1).all()) and bool(torch.isfinite(lse1).all())
 
 
-@requires_hopper
+@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "combine-kernel"])
 @pytest.mark.parametrize("heads, nodes, prefix, page_size", [
     (16, 9, 131000, 1),  # 3 row blocks: 44 parts of 46-47 tiles
@@ -120,19 +120,20 @@ def test_hopper_deterministic_and_nan_never_leaks(page_size, kernel):
     (16, 9, 0, 64),  # the tree alone: one tile, one part, nothing split
     (4, 1, 63, 1),  # one row block, one tile
 ])
-def test_hopper_schedules_one_sequence_itself(heads, nodes, prefix, page_size, fused, monkeypatch):
+def test_hopper_schedules_one_sequence_itself(heads, nodes, prefix, page_size, fused, kernel, monkeypatch):
     """An unplanned one-sequence call whose KV parts fill the grid: the kernel's own schedule (the
     workspace's segment tables poisoned: never read), its split groups merged in the kernel or by
     the combine kernel, against the reference and bitwise equal over two calls."""
+    skip_unless_it_runs(kernel)
     monkeypatch.setattr(api, "_UNPLANNED", {})  # a fresh workspace: its launches prepared here
     monkeypatch.setattr(combine, "FUSED_COMBINE", fused)
     c = build_case(CaseSpec("one", heads, [prefix], [random_tree(nodes, G)], page_size=page_size), "cuda")
-    out1, lse1 = run_checked(c, "hopper", "bf16")
+    out1, lse1 = run_checked(c, kernel, "bf16")
     ws = unplanned_workspace(c)
     assert ws.tables.in_kernel and ws.schedules_in_kernel(nodes)
     ws.tables.prog_first_seg.fill_(-(2**30))
     ws.tables.segments.fill_(2**30)
-    out2, lse2 = run_checked(c, "hopper", "bf16")
+    out2, lse2 = run_checked(c, kernel, "bf16")
     assert unplanned_workspace(c) is ws and torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 

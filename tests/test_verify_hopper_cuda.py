@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from conftest import DEVICE, run_checked, unplanned_workspace
+from conftest import DEVICE
 from kdtree_engine import verify_attention
 from kdtree_engine.bench.runner import detect_ours
 from kdtree_engine.testing import CaseSpec, build_case, random_tree
@@ -92,28 +92,15 @@ def test_runs_only_where_named():
         assert detect_ours(["hopper_cuda"], DEVICE) == ([], {"hopper_cuda": "needs an sm_90 GPU and nvcc"})
 
 
-def test_prepare_refuses_what_the_kernel_cannot_take():
-    """The one-sequence schedule in the kernel, and an out it cannot store to (odd strides): refused
-    before anything is built."""
+def test_prepare_refuses_an_out_it_cannot_store_to():
+    """An out with odd strides (the contract allows any): refused before anything is built."""
     q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
     out = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
-    args = (q, torch.zeros(3, 64, 576, dtype=torch.bfloat16), None, None, None, None, 0.04)
-    with pytest.raises(ValueError, match="not the one-sequence schedule"):
-        hopper_cuda.prepare(*args, out, None, types.SimpleNamespace(in_kernel=True))
     odd = torch.zeros(2, 4, 513, dtype=torch.bfloat16)[..., :512]
     assert not hopper_cuda.supports_out(odd) and hopper_cuda.supports_out(out)
     with pytest.raises(ValueError, match="out 4-byte aligned"):
-        hopper_cuda.prepare(*args, odd, None, types.SimpleNamespace(in_kernel=False))
-
-
-@requires_hopper_cuda
-def test_unplanned_one_sequence_goes_to_the_device_scheduler():
-    """Without a plan, one sequence whose parts fill the grid is scheduled by the Gluon and Triton
-    kernels themselves; this kernel cannot, so the device scheduler plans it (still one call)."""
-    c = build_case(CaseSpec("one", 16, [40000], [random_tree(9, G)], page_size=1), "cuda")
-    run_checked(c, "hopper_cuda", "bf16")
-    ws = unplanned_workspace(c)
-    assert ws is not None and not ws.tables.in_kernel and ws.schedules_in_kernel(9)
+        hopper_cuda.prepare(q, torch.zeros(3, 64, 576, dtype=torch.bfloat16), None, None, None, None, 0.04, odd,
+                            None, types.SimpleNamespace(in_kernel=False))
 
 
 @requires_hopper_cuda

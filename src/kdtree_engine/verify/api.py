@@ -38,8 +38,6 @@ _KERNEL_NAMES = ("auto",) + KERNELS + OPT_IN_KERNELS
 # the host schedule's cost model of a kernel named at construction ("auto" and "naive": the one
 # of the kernel "auto" runs on the device, plan.default_costs)
 _KERNEL_COSTS = {"flash": TRITON_COSTS, "hopper": HOPPER_COSTS, "hopper_cuda": HOPPER_COSTS}
-# the kernels that can schedule a one-sequence step themselves (plan.in_kernel; "auto" runs one of them)
-_SCHEDULE_ONE_SEQUENCE = ("auto", "flash", "hopper")
 _DEFAULT_SCALE = 1.0 / math.sqrt(D_QK)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -260,7 +258,7 @@ def verify_attention(
         else:  # host lengths: checked first
             kv, qo = check_lengths(kv_lens, qo_indptr, info)
             plan = _unplanned_workspace(kv.shape[0], int((qo[1:] - qo[:-1]).max()), info.num_heads, q.device, 0)
-        if info.num_seqs == 1 and kernel in _SCHEDULE_ONE_SEQUENCE and plan.schedules_in_kernel(info.num_rows):
+        if info.num_seqs == 1 and plan.schedules_in_kernel(info.num_rows):
             plan._plan_in_kernel()
         elif cuda:
             site = plan.launch_on_device(kv_lens, qo_indptr, sig, None if compiling else ptrs[3:5], "auto")

@@ -1,13 +1,12 @@
 // The Hopper (sm_90a) tree-verify kernel in CUDA C++ (kdtree_engine.verify.hopper_cuda builds it with nvcc
 // at first use and launches it through ctypes): the contract of the Gluon kernel (hopper.py) on the same
 // plans, on the step measured in scripts/hopper_cuda_step.cu (docs/perf_log.md, run 45). bf16 and fp16;
-// host- and device-scheduled plans, not the one-sequence schedule in the kernel.
+// host- and device-scheduled plans, and the one-sequence schedule in the kernel (in_kernel).
 //
-// One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): the segments
-// prog_first_seg[cta] .. prog_first_seg[cta + 1], each 64 packed query rows (row r = node r / H, head
-// r % H) against the KV range [kv_start, kv_end) of its sequence, written to out / lse (partial slot
-// < 0) or to its partial slot (output [64, 512] fp32 normalised, log2-sum-exp2). The split row blocks
-// are then merged (Params::fuse: a cooperative launch of at most one CTA an SM) by the kernel itself,
+// One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): its segments (Work),
+// each 64 packed query rows (row r = node r / H, head r % H) against the KV range [kv_start, kv_end) of
+// its sequence, written to out / lse (partial slot < 0) or to its partial slot (output [64, 512] fp32
+// normalised, log2-sum-exp2). The split row blocks are then merged (Params::fuse: a cooperative launch of at most one CTA an SM) by the kernel itself,
 // after a grid barrier, as the library's fused merge does; otherwise by the library's combine kernel.
 //
 // Warpgroups: two math warpgroups (hopper_cuda_step.cu's step, each its own loop: wg w on the tiles
@@ -82,11 +81,11 @@ struct Params {
     float* partial_out;  // [slots, 64, 512]
     float* partial_lse;  // [slots, 64] (log2)
     long long q_st, q_sh, kv_sp, kv_ss, pt_s0, pt_s1, kl_s, qo_s, mt_s, mw_s, o_st, o_sh, l_st, l_sh;
-    const int* group_seq;  // [G] each: the split row blocks (for the fused merge)
-    const int* group_row0;
-    const int* group_first;  // first partial slot
-    const int* group_splits;  // split count
-    const int* group_count;  // [1]: groups in use
+    int* group_seq;  // [G] each: the split row blocks (for the merge; written here with in_kernel)
+    int* group_row0;
+    int* group_first;  // first partial slot
+    int* group_splits;  // split count
+    int* group_count;  // [1]: groups in use
     int* grid_barrier;  // [1]: the grid barrier's word (combine.grid_barrier's protocol)
     long long kv_rows;  // rows of the pool (pages x page_size)
     int heads, page_size, mask_words;
@@ -94,6 +93,7 @@ struct Params {
     int tma;  // KD_TMA and the pool's layout allows it (set by the launch)
     int fuse;  // merge the splits in this kernel after a grid barrier (a cooperative launch of <= 1 CTA an SM)
     int f16;  // q, kv, out are fp16 (else bf16)
+    int in_kernel;  // a one-sequence step scheduled here from the device lengths (the plan's segments unread)
 };
 
 extern __shared__ uint8_t smem_raw[];
@@ -103,20 +103,79 @@ __device__ __forceinline__ Smem* smem() {
     return reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
 }
 
+// a one-sequence step scheduled here from its device lengths (in_kernel), as the library's
+// scheduler.one_sequence_shape does it: KV length, R row blocks, T tiles, S = max(1, min(P / R, T)) KV
+// parts; segment i is row block i % R against part i / R, dealt to CTA i mod P
+struct OneSequence {
+    int kv_len, R, T, S;
+};
+
+__device__ __forceinline__ OneSequence one_sequence(const Params& p) {
+    OneSequence o;
+    o.kv_len = p.kv_lens[0];
+    const int n = min(max(p.qo_indptr[p.qo_s] - p.qo_indptr[0], 1), MAX_TREE_NODES);
+    o.R = (n * p.heads + BM - 1) / BM;
+    o.T = max((o.kv_len + BN - 1) / BN, 1);
+    o.S = max(min(int(gridDim.x) / o.R, o.T), 1);
+    return o;
+}
+
+// this CTA's segments, i = first, first + step, .. below end: the plan's prog_first_seg[cta] ..
+// prog_first_seg[cta + 1], or (in_kernel) cta, cta + P, .. below S R
+struct Work {
+    int first, end, step;
+};
+
+__device__ __forceinline__ Work work_of(const Params& p) {
+    if (!p.in_kernel) return {p.prog_first_seg[blockIdx.x], p.prog_first_seg[blockIdx.x + 1], 1};
+    const OneSequence o = one_sequence(p);
+    return {int(blockIdx.x), o.S * o.R, int(gridDim.x)};
+}
+
 struct Segment {
     int seq, row0, kv_start, kv_end, slot, qo_start, n_nodes;
 };
 
+// segment i: from the plan's tables, or (in_kernel, its shape computed again here: nothing of it is held
+// across a segment's steps) row block r = i % R against the tiles [g T / S, (g + 1) T / S) of part
+// g = i / R, its partial slot r S + g (-1 with one part: the segment writes out / lse)
 __device__ __forceinline__ Segment load_segment(const Params& p, int i) {
     Segment s;
-    s.seq = p.seg_seq[i];
-    s.row0 = p.seg_row0[i];
-    s.kv_start = p.seg_kv_start[i];
-    s.kv_end = p.seg_kv_end[i];
-    s.slot = p.seg_partial[i];
+    if (p.in_kernel) {
+        const OneSequence o = one_sequence(p);
+        const int r = i % o.R, g = i / o.R;
+        s.seq = 0;
+        s.row0 = r * BM;
+        s.kv_start = int((long long)g * o.T / o.S) * BN;
+        s.kv_end = min(int((long long)(g + 1) * o.T / o.S) * BN, o.kv_len);
+        s.slot = o.S > 1 ? r * o.S + g : -1;
+    } else {
+        s.seq = p.seg_seq[i];
+        s.row0 = p.seg_row0[i];
+        s.kv_start = p.seg_kv_start[i];
+        s.kv_end = p.seg_kv_end[i];
+        s.slot = p.seg_partial[i];
+    }
     s.qo_start = p.qo_indptr[s.seq * p.qo_s];
     s.n_nodes = p.qo_indptr[(s.seq + 1) * p.qo_s] - s.qo_start;
     return s;
+}
+
+// (in_kernel) this CTA's share of the split groups for the merge, after its segments: group r (row
+// block r, slots r S .., S splits) by CTA r < R when S > 1, the count by CTA 0. Returns the count
+__device__ __forceinline__ int write_groups(const Params& p) {
+    const OneSequence o = one_sequence(p);
+    const int n_groups = o.S > 1 ? o.R : 0;
+    if (threadIdx.x == 0) {
+        if (int(blockIdx.x) < n_groups) {
+            p.group_seq[blockIdx.x] = 0;
+            p.group_row0[blockIdx.x] = blockIdx.x * BM;
+            p.group_first[blockIdx.x] = blockIdx.x * o.S;
+            p.group_splits[blockIdx.x] = o.S;
+        }
+        if (blockIdx.x == 0) *p.group_count = n_groups;
+    }
+    return n_groups;
 }
 
 // 16 bytes from src into shared memory at dst, zeros where !valid (src then only a valid address)
@@ -251,9 +310,9 @@ __device__ __forceinline__ int tma_row(const Params& p, const int* pages, int st
 // its tiles in pairs (2j -> stage 0, 2j + 1 -> stage 1), chunk by chunk in the order the step releases
 // them: stage 0's left half (wg 0 after P0 V0), stage 1's right half and rope (wg 1 after P1 V1), stage
 // 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1)
-__device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, int first, int end, int t) {
+__device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, const Work& w, int t) {
     int pair = 0;  // pairs loaded so far (the barriers' phases)
-    for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
+    for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
         const Segment seg = load_segment(p, i);
         if (n_seg > 0) wait_phase(&sm->q_empty, (n_seg - 1) & 1);
         copy_q(p, sm, seg, t);
@@ -562,10 +621,10 @@ __device__ __forceinline__ void write_segment(const Params& p, const StepContext
 // the two math warpgroups: per segment, Q's rope columns to registers, the first pair's QK, the clean
 // steps, the masked ones, then the output
 template <bool F16>
-__device__ void compute(const Params& p, const StepContext& ctx, int wg, int first, int end) {
+__device__ void compute(const Params& p, const StepContext& ctx, int wg, const Work& w) {
     Smem* sm = ctx.sm;
     int pair = 0;  // pairs computed so far (the barriers' phases)
-    for (int i = first, n_seg = 0; i < end; ++i, ++n_seg) {
+    for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
         const Segment seg = load_segment(p, i);
         const int prefix = p.kv_lens[seg.seq * p.kl_s] - seg.n_nodes;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
@@ -653,8 +712,8 @@ constexpr int MERGE_SPLITS = 4;  // splits whose loads a warp issues before fold
 // columns, and folds the row's splits in slot order (a running max, sum and output, as online softmax;
 // bitwise the same on every call)
 template <bool F16>
-__device__ void merge_splits(const Params& p, int math_warp, int lane) {
-    const int n_items = *p.group_count * (BM / 8);
+__device__ void merge_splits(const Params& p, int n_groups, int math_warp, int lane) {
+    const int n_items = n_groups * (BM / 8);
     for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
         const int g = item / (BM / 8), r = (item % (BM / 8)) * 8 + math_warp;
         const int seq = p.group_seq[g], packed = p.group_row0[g] + r, first = p.group_first[g];
@@ -715,10 +774,10 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     }
     if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
     __syncthreads();
-    const int first = p.prog_first_seg[blockIdx.x], end = p.prog_first_seg[blockIdx.x + 1];
+    const Work w = work_of(p);
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
-        produce(p, &kv_map, sm, first, end, t);
+        produce(p, &kv_map, sm, w, t);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
         const uint32_t base = smem_addr(sm);
@@ -726,10 +785,11 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         const StepContext ctx{sm, k_major(base), mn_major_v(base), smem_addr(sm->p0),
                               smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane, t == 0,
                               p.scale_log2};
-        compute<F16>(p, ctx, wg, first, end);
-        if (p.fuse && *p.group_count > 0) {  // the producer has left: the math warpgroups merge
+        compute<F16>(p, ctx, wg, w);
+        const int n_groups = p.in_kernel ? write_groups(p) : (p.fuse ? *p.group_count : 0);
+        if (p.fuse && n_groups > 0) {  // the producer has left: the math warpgroups merge
             grid_barrier(p.grid_barrier);
-            merge_splits<F16>(p, wg * 4 + warp, lane);
+            merge_splits<F16>(p, n_groups, wg * 4 + warp, lane);
         }
     }
 }

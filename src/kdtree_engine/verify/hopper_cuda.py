@@ -9,7 +9,9 @@ prefix tiles with no mask code and no branch around a wgmma) and a producer warp
 and KV rows through the page table by cp.async (any page size; rows past a segment's end
 zero-filled); the tree mask on the tiles that reach the tree nodes or the segment's end only; the
 split row blocks merged by the kernel itself after a grid barrier where the library's kernels fuse
-the merge (:func:`~.combine.fuses`), else by the combine kernel. bf16 and fp16.
+the merge (:func:`~.combine.fuses`), else by the combine kernel; a one-sequence step scheduled by
+the kernel itself from the device lengths where the plan says so (``plan.in_kernel``), as the other
+planned kernels do. bf16 and fp16.
 
 Why CUDA C++ next to the Gluon kernel: the step in Gluon stays ~7% slower than FlashMLA's at long
 context after runs 23-44 measured every structural change Gluon can express; a CUDA C++ step with
@@ -20,10 +22,9 @@ The build: ``nvcc -O3 -arch=sm_90a -shared`` of ``hopper_cuda.cu`` into a shared
 through ctypes (no torch headers: a ~10 s build, independent of the Python and torch ABI), cached
 by the hash of the source, the flags and nvcc's version in ``$KDTREE_CACHE_DIR`` (default
 ``~/.cache/kdtree_engine``); it says on stderr when it builds. nvcc is ``$KDTREE_NVCC``, else the one
-on ``PATH``, else ``$CUDA_HOME/bin/nvcc``. Without one (or when the build fails) ``kernel=
-"hopper_cuda"`` raises a ``ValueError`` saying so, and ``"auto"`` runs the other kernels.
-Host-scheduled plans and the device scheduler's; not the one-sequence schedule in the kernel
-(``plan.in_kernel``, which the unplanned call then leaves to the device scheduler).
+on ``PATH``, else ``$CUDA_HOME/bin/nvcc``. Without one, ``kernel="hopper_cuda"`` raises a
+``ValueError`` saying so (and a list of the kernels a device runs leaves it out); a failed build
+raises :class:`BuildError` with nvcc's message.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Params(ctypes.Structure):
             "group_seq", "group_row0", "group_first", "group_splits", "group_count", "grid_barrier")]
         + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
            ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int),
-           ("f16", ctypes.c_int)])
+           ("f16", ctypes.c_int), ("in_kernel", ctypes.c_int)])
 
 
 def compiler() -> str | None:
@@ -172,14 +173,11 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
             flags: str = "") -> _Launch:
     """The kernel (built with nvcc ``flags``) on the plan's segments, then the merge, laid out for every
     call with the signature of these tensors: :func:`kdtree_engine.verify.hopper.prepare`'s contract
-    (inputs checked against the contract and the plan; ``plan`` a host- or device-scheduled
+    (inputs checked against the contract and the plan; ``plan`` a
     :class:`~kdtree_engine.verify.plan.FlashTables` with 64-row blocks and tiles a multiple of 64,
-    not ``in_kernel``; q / kv_cache as :func:`kdtree_engine.verify.hopper.supports` (16-byte copies:
+    host- or device-scheduled or ``in_kernel``; q / kv_cache as :func:`kdtree_engine.verify.hopper.supports` (16-byte copies:
     checked by :func:`kdtree_engine.verify.op.resolve`), out :func:`supports_out` (checked here)).
     Raises :class:`BuildError` when the kernel cannot be built."""
-    if plan.in_kernel:
-        raise ValueError("kernel='hopper_cuda' runs host- or device-scheduled plans, not the one-sequence "
-                         "schedule in the kernel")
     if not supports_out(out):
         raise ValueError("kernel='hopper_cuda' needs out 4-byte aligned with even outer strides "
                          "(see kdtree_engine.verify.hopper_cuda.supports_out)")
@@ -193,5 +191,5 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
         qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
         *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
         kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
-        0, int(fused), int(q.dtype == torch.float16))
+        0, int(fused), int(q.dtype == torch.float16), int(plan.in_kernel))
     return _Launch(so, params, plan.num_programs, None if fused else combine_launch(q, out, lse, qo_indptr, plan))

@@ -20,6 +20,7 @@ constexpr int CHUNKS = D_QK / 64;  // 64-column chunks of a tile (one 128-byte s
 constexpr int CHUNK_BYTES = BN * 64 * 2;
 constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;
 constexpr int THREADS = 256;  // the two math warpgroups
+constexpr int MAX_TREE_NODES = 1024;  // the contract's most nodes a sequence
 
 // named barriers of the two math warpgroups (0 is __syncthreads)
 enum { BAR_FACTOR0 = 1, BAR_FACTOR1 = 2, BAR_P0 = 3, BAR_P1 = 4, BAR_MATH = 5 /* the math warpgroups alone */ };
