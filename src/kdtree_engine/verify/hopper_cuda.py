@@ -36,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -87,12 +88,17 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: ``$KDTREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kdtree_engine``,
-    else ``~/.cache/kdtree_engine``."""
+    """Where built kernels are kept (made if missing): ``$KDTREE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kdtree_engine``, else ``~/.cache/kdtree_engine``; the temporary directory's
+    ``kdtree_engine`` where that cannot be made (a read-only home)."""
     given = os.environ.get("KDTREE_CACHE_DIR")
-    if given:
-        return Path(given)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdtree_engine"
+    path = Path(given) if given else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdtree_engine"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        path = Path(tempfile.gettempdir()) / "kdtree_engine"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +113,6 @@ def library(flags: str = "") -> ctypes.CDLL:
     digest = hashlib.sha256("\0".join((SOURCE.read_text(), HEADER.read_text(), flags, version)).encode())
     path = cache_dir() / f"hopper_cuda_{digest.hexdigest()[:20]}.so"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         print(f"kdtree_engine: building the Hopper CUDA kernel with {nvcc} (once, ~10 s; kept in {path.parent})",
               file=sys.stderr, flush=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: concurrent builds never mix
