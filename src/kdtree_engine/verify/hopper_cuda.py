@@ -180,9 +180,10 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
     call with the signature of these tensors: :func:`kdtree_engine.verify.hopper.prepare`'s contract
     (inputs checked against the contract and the plan; ``plan`` a
     :class:`~kdtree_engine.verify.plan.FlashTables` with 64-row blocks and tiles a multiple of 64,
-    host- or device-scheduled or ``in_kernel``; q / kv_cache as :func:`kdtree_engine.verify.hopper.supports` (16-byte copies:
-    checked by :func:`kdtree_engine.verify.op.resolve`), out :func:`supports_out` (checked here)).
-    Raises :class:`BuildError` when the kernel cannot be built."""
+    host- or device-scheduled or ``in_kernel``; q / kv_cache as
+    :func:`kdtree_engine.verify.hopper.supports` (16-byte copies: checked by
+    :func:`kdtree_engine.verify.op.resolve`), out :func:`supports_out` (checked here)). Raises
+    :class:`BuildError` when the kernel cannot be built."""
     if not supports_out(out):
         raise ValueError("kernel='hopper_cuda' needs out 4-byte aligned with even outer strides "
                          "(see kdtree_engine.verify.hopper_cuda.supports_out)")
