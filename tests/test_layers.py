@@ -25,6 +25,7 @@ LAYERS = {
     "triton_naive": 5,
     "triton_flash": 5,
     "hopper": 5,
+    "hopper_cuda": 5,
     "op": 6,
     "api": 7,
     "__init__": 8,
