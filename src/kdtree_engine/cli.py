@@ -84,7 +84,7 @@ def build_parser() -> ArgumentParser:
     chk = refs_sub.add_parser("check", help="check kernels against bundles; one PASS/FAIL line each")
     chk.add_argument("files", nargs="+", type=existing_file)
     chk.add_argument("--kernel", choices=[*KERNELS, *OPT_IN_KERNELS, "all"], default="all",
-                     help="a kernel, or all (every kernel this device runs but the opt-in ones, which run when named)")
+                     help="a kernel, or all: every kernel this device runs but the opt-in ones (run when named)")
     chk.add_argument("--device", choices=["cpu", "cuda"])
     chk.set_defaults(func=refs_check)
 

@@ -307,8 +307,9 @@ class VerifyAttention:
         num_heads: H of every layer, 1..128.
         device: where the kernels run.
         kernel: ``"auto"`` (hopper where it runs, else flash, decided per call), ``"flash"``,
-            ``"hopper"``, ``"hopper_cuda"`` or ``"naive"`` (the oracle: ignores the schedule). Host plans are scheduled
-            with the named kernel's cost model (``"auto"``: that of the kernel it runs on the device).
+            ``"hopper"``, ``"hopper_cuda"`` (opt-in) or ``"naive"`` (the oracle: ignores the schedule).
+            Host plans are scheduled with the named kernel's cost model (``"auto"``: that of the
+            kernel it runs on the device).
         config: flash tile config (default: the best that fits the device).
         num_programs: the flash grid (tuning / tests); default: the programs the device runs at once.
 

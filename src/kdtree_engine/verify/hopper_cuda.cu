@@ -6,10 +6,11 @@
 // One persistent CTA per program of a plan (kdtree_engine.verify.plan.FlashTables): its segments (Work),
 // each 64 packed query rows (row r = node r / H, head r % H) against the KV range [kv_start, kv_end) of
 // its sequence, written to out / lse (partial slot < 0) or to its partial slot (output [64, 512] fp32
-// normalised, log2-sum-exp2). The split row blocks are then merged (Params::fuse: a cooperative launch of at most one CTA an SM) by the kernel itself,
-// after a grid barrier, as the library's fused merge does; otherwise by the library's combine kernel.
+// normalised, log2-sum-exp2). The split row blocks are then merged (Params::fuse: a cooperative launch
+// of at most one CTA an SM) by the kernel itself, after a grid barrier, as the library's fused merge
+// does; otherwise by the library's combine kernel.
 //
-// Warpgroups: two math warpgroups (hopper_cuda_step.cu's step, each its own loop: wg w on the tiles
+// Warpgroups: two math warpgroups (the step spike's step, each its own loop: wg w on the tiles
 // 2j + w of a segment, in K stage w, owning output columns [256w, 256w + 256)) and a producer
 // warpgroup (setmaxnreg 40, the math ones 232) whose 128 threads gather with cp.async, through the
 // page table (any page size, 1 included), the segment's Q rows and then its tiles in pairs, each
