@@ -95,6 +95,9 @@ struct Params {
     int fuse;  // merge the splits in this kernel after a grid barrier (a cooperative launch of <= 1 CTA an SM)
     int f16;  // q, kv, out are fp16 (else bf16)
     int in_kernel;  // a one-sequence step scheduled here from the device lengths (the plan's segments unread)
+    // 0, from the host: added to the wgmma descriptors' high words, which ptxas then cannot take for
+    // constants (it re-made them by a UMOV before each wgmma: 88 of the 726 instructions of wg 0's step)
+    unsigned zero;
 };
 
 extern __shared__ uint8_t smem_raw[];
@@ -783,9 +786,10 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MATH_REGS));
         const uint32_t base = smem_addr(sm);
         const int row0 = warp * 16 + lane / 4;
-        const StepContext ctx{sm, k_major(base), mn_major_v(base), smem_addr(sm->p0),
-                              smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane, t == 0,
-                              p.scale_log2};
+        const uint64_t opaque_zero = uint64_t(p.zero) << 32;
+        const StepContext ctx{sm, k_major(base) + opaque_zero, mn_major_v(base) + opaque_zero,
+                              smem_addr(sm->p0), smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane,
+                              t == 0, p.scale_log2};
         compute<F16>(p, ctx, wg, w);
         const int n_groups = p.in_kernel ? write_groups(p) : (p.fuse ? *p.group_count : 0);
         if (p.fuse && n_groups > 0) {  // the producer has left: the math warpgroups merge

@@ -69,7 +69,7 @@ class Params(ctypes.Structure):
             "group_seq", "group_row0", "group_first", "group_splits", "group_count", "grid_barrier")]
         + [("kv_rows", ctypes.c_longlong), ("heads", ctypes.c_int), ("page_size", ctypes.c_int),
            ("mask_words", ctypes.c_int), ("scale_log2", ctypes.c_float), ("tma", ctypes.c_int), ("fuse", ctypes.c_int),
-           ("f16", ctypes.c_int), ("in_kernel", ctypes.c_int)])
+           ("f16", ctypes.c_int), ("in_kernel", ctypes.c_int), ("zero", ctypes.c_uint)])
 
 
 def compiler() -> str | None:
@@ -197,5 +197,5 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
         qo_indptr.stride(0), *tree_mask.stride(), out.stride(0), out.stride(1), *lse.stride(),
         *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
         kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
-        0, int(fused), int(q.dtype == torch.float16), int(plan.in_kernel))
+        0, int(fused), int(q.dtype == torch.float16), int(plan.in_kernel), 0)
     return _Launch(so, params, plan.num_programs, None if fused else combine_launch(q, out, lse, qo_indptr, plan))
