@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..kvpool.step import VerifyStep
 from ..verify.contract import D_QK, D_ROPE, D_V
-from ..verify.op import KERNELS
+from ..verify.op import KERNELS, OPT_IN_KERNELS
 
 __all__ = [
     "MLARunner",
@@ -52,7 +52,7 @@ __all__ = [
     "hf_tree_logits",
 ]
 
-KERNEL_CHOICES = (*KERNELS, "auto", "reference")
+KERNEL_CHOICES = (*KERNELS, *OPT_IN_KERNELS, "auto", "reference")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,10 +254,10 @@ class MLARunner:
 
     Args:
         hf_model: a ``DeepseekV3ForCausalLM`` (eval mode). Its parameters are used in place.
-        kernel: ``"naive"``, ``"flash"``, ``"hopper"``, ``"auto"`` (kernels of :func:`verify_attention`) or
-            ``"reference"`` (:func:`kdtree_engine.reference`: float64 on the same 16-bit q and
-            cache; for CPU tests of the loop, where the Triton interpreter is slow). May be
-            changed between calls.
+        kernel: ``"naive"``, ``"flash"``, ``"hopper"``, ``"hopper_cuda"``, ``"auto"`` (kernels of
+            :func:`verify_attention`) or ``"reference"`` (:func:`kdtree_engine.reference`: float64 on
+            the same 16-bit q and cache; for CPU tests of the loop, where the Triton interpreter is
+            slow). May be changed between calls.
         cache_dtype: bf16 or fp16: the KV cache and the kernel's q. Default: the model dtype when
             it is 16-bit, else bf16.
     """
