@@ -195,24 +195,10 @@ __device__ __forceinline__ void release_chunks(Smem* sm, int stage) {
 }
 
 // what a warpgroup's step reads besides its registers
-struct StepContext {
+struct StepContext : StepDescriptors<Smem> {
     Smem* sm;
     const CUtensorMap* kv_map;
     const int* rows;
-    uint64_t kd, vd;  // K-major and V (MN-major) descriptors of the shared memory's base (sm)
-    // each buffer's descriptor: the base's plus a constant offset (two registers, not one pair a buffer)
-    __device__ __forceinline__ uint64_t dq() const { return at(kd, offsetof(Smem, q)); }
-    __device__ __forceinline__ uint64_t dk(int stage) const { return at(kd, offsetof(Smem, k) + stage * TILE_BYTES); }
-    __device__ __forceinline__ uint64_t dp0() const { return at(kd, offsetof(Smem, p0)); }
-    __device__ __forceinline__ uint64_t dp1() const { return at(kd, offsetof(Smem, q) + 8 * CHUNK_BYTES); }
-    __device__ __forceinline__ uint64_t dv(int stage) const { return at(vd, offsetof(Smem, k) + stage * TILE_BYTES); }
-    // a copy whose base descriptors the compiler cannot see through: taken at each step's start, it keeps
-    // the step's ~50 descriptors from being hoisted out of the loop and spilled (made from the base per use)
-    __device__ __forceinline__ StepContext opaque() const {
-        StepContext c = *this;
-        asm volatile("" : "+l"(c.kd), "+l"(c.vd));
-        return c;
-    }
     uint32_t p0, p1;
     int row0, row1, warp, lane, part_ctas, steps;
     bool issuer;
@@ -310,38 +296,22 @@ template <bool MORE_STATIC>
 __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32],
                                          float (&o)[128], float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
-    const StepContext ctx = shared_ctx.opaque();
+    const StepContext ctx = opaque(shared_ctx);
     const int parity = (j + 1) & 1;
     const int2 next = next_rows(ctx, j, MORE);
-    float mx[2], sum[2];
     uint32_t pa[4][4];
     stamp(ctx, j, 0);
-    row_max(s, mx);
     if (KD_PREFETCH && ctx.issuer && j + 2 < ctx.steps)
         for (int k = blockIdx.x % ctx.part_ctas; k < 2 * CHUNKS; k += ctx.part_ctas)
             tma_prefetch_chunk(ctx.kv_map, (k % CHUNKS) * 64, ctx.rows[2 * j + 4 + k / CHUNKS]);
-    float m_old[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]}, m_new[2], f0[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m_new[r] = fmaxf(m_old[r], mx[r] * ctx.sl2);
-        f0[r] = fast_exp2(m_old[r] - m_new[r]);
-    }
-    if ((ctx.lane & 3) == 0) {
-        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
-        ctx.sm->factor0[ctx.row0] = f0[0], ctx.sm->factor0[ctx.row1] = f0[1];
-    }
-    exponentiate(s, m_new, ctx.sl2, sum);
-    for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
-    scale_rows(o, f0);
+    wg0_softmax(ctx, s, o, rsum);
     named_arrive(BAR_FACTOR0);
     stamp(ctx, j, 1);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) p_fragment(pa[ks], s, ks);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<false>(o, pa, ctx.dv(0));
     wgmma_wait<0>();
     hold(o);
     stamp(ctx, j, 2);
@@ -350,12 +320,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
     stamp(ctx, j, 3);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        p_fragment(pa[ks], s, ks);
-        stmatrix_x4(pa[ks], frag_row_addr(ctx.p0, ctx.warp, ctx.lane, ks));
-    }
-    fence_proxy_async();
+    store_p<false>(ctx, pa, s, ctx.p0);
     named_arrive(BAR_P0);
     stamp(ctx, j, 4);
     scale_rows(o, f1);
@@ -364,9 +329,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
     stamp(ctx, j, 5);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<false>(o, ctx.dp1(), ctx.dv(1));
     if (MORE) {
 #pragma unroll
         for (int c = 0; c < 4; ++c)
@@ -389,55 +352,27 @@ template <bool MORE_STATIC>
 __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, int j, bool more, float (&s)[32],
                                          float (&o)[128], float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = KD_RUNTIME_MORE ? more : MORE_STATIC;
-    const StepContext ctx = shared_ctx.opaque();
+    const StepContext ctx = opaque(shared_ctx);
     const int parity = (j + 1) & 1;
     const int2 next = next_rows(ctx, j, MORE);
-    float mx[2], sum[2];
+    float mx[2];
     uint32_t pa[4][4];
     stamp(ctx, j, 0);
     row_max(s, mx);
     named_sync(BAR_FACTOR0);
     stamp(ctx, j, 1);
-    float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
-    float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
-    float m_new[2], f[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m_new[r] = fmaxf(m0[r], mx[r] * ctx.sl2);
-        f[r] = fast_exp2(m0[r] - m_new[r]);  // wg 0's max to the joint one
-    }
-    if ((ctx.lane & 3) == 0) {
-        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
-        ctx.sm->factor1[ctx.row0] = f[0], ctx.sm->factor1[ctx.row1] = f[1];
-    }
-    exponentiate(s, m_new, ctx.sl2, sum);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        f[r] *= f0[r];  // this warpgroup's previous max to the joint one
-        rsum[r] = rsum[r] * f[r] + sum[r];
-    }
-    scale_rows(o, f);
+    wg1_softmax(ctx, mx, s, o, rsum);
     named_arrive(BAR_FACTOR1);
     stamp(ctx, j, 2);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        p_fragment(pa[ks], s, ks);
-        stmatrix_x4(pa[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
-    }
-    fence_proxy_async();
+    store_p<false>(ctx, pa, s, ctx.p1);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<false>(o, pa, at(ctx.dv(1), 4 * CHUNK_BYTES));
     if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     stamp(ctx, j, 3);
     named_sync(BAR_P0);
     stamp(ctx, j, 4);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-        wgmma_pv_ss(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<false>(o, ctx.dp0(), at(ctx.dv(0), 4 * CHUNK_BYTES));
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     if (MORE) {
         wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
@@ -535,7 +470,7 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     const bool issuer = t == 0 && wg < 2;  // a math warpgroup's first thread
     const int* rows = p.tile_rows + size_t(blockIdx.x) * p.n_tiles * ROWS_A_TILE;
     const uint32_t base = smem_addr(sm), p0 = smem_addr(sm->p0), p1 = smem_addr(sm->q) + 8 * CHUNK_BYTES;
-    const StepContext ctx{sm, &kv_map, rows, k_major(base), mn_major_v(base), p0, p1, row0, row1, warp, lane,
+    const StepContext ctx{{k_major(base), mn_major_v(base)}, sm, &kv_map, rows, p0, p1, row0, row1, warp, lane,
                           p.part_ctas, p.n_tiles / 2, issuer, p.scale_log2,
                           p.stamps + (size_t(blockIdx.x) * 2 + wg) * STAMP_STEPS * STAMP_POINTS};
 

@@ -371,10 +371,6 @@ __device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, in
     }
 }
 
-// a row max as the exponent's offset: 0 where no key of the row is visible yet (-inf), so that exp2 of
-// -inf scores gives 0, not NaN
-__device__ __forceinline__ float offset_of(float m) { return m == -INFINITY ? 0.f : m; }
-
 // this CTA's release of chunks [C0, C1) of a stage to the producer
 template <int C0, int C1>
 __device__ __forceinline__ void release(Smem* sm, int stage) {
@@ -384,21 +380,8 @@ __device__ __forceinline__ void release(Smem* sm, int stage) {
 }
 
 // what a warpgroup's step reads besides its registers
-struct StepContext {
+struct StepContext : StepDescriptors<Smem> {
     Smem* sm;
-    uint64_t kd, vd;  // K-major and V (MN-major) descriptors of the shared memory's base (sm)
-    __device__ __forceinline__ uint64_t dq() const { return at(kd, offsetof(Smem, q)); }
-    __device__ __forceinline__ uint64_t dk(int stage) const { return at(kd, offsetof(Smem, k) + stage * TILE_BYTES); }
-    __device__ __forceinline__ uint64_t dp0() const { return at(kd, offsetof(Smem, p0)); }
-    __device__ __forceinline__ uint64_t dp1() const { return at(kd, offsetof(Smem, q) + 8 * CHUNK_BYTES); }
-    __device__ __forceinline__ uint64_t dv(int stage) const { return at(vd, offsetof(Smem, k) + stage * TILE_BYTES); }
-    // a copy whose base descriptors the compiler cannot see through (hopper_cuda_step.cu: it keeps the
-    // step's descriptors from being hoisted out of the loop and spilled)
-    __device__ __forceinline__ StepContext opaque() const {
-        StepContext c = *this;
-        asm volatile("" : "+l"(c.kd), "+l"(c.vd));
-        return c;
-    }
     uint32_t p0, p1;
     int row0, row1, warp, lane;
     bool issuer;
@@ -429,55 +412,31 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
                                          bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
                                          const uint32_t (&qr)[4][4]) {
     const bool MORE = MASK ? more : true;
-    const StepContext ctx = shared_ctx.opaque();
+    const StepContext ctx = opaque(shared_ctx);
     const int parity = (pair + 1) & 1;  // the next pair's
-    float mx[2], sum[2];
     uint32_t pa[4][4];
     if (MASK) apply_mask(s, mask, start, ctx.lane);
-    row_max(s, mx);
-    float m_old[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]}, m_new[2], m_off[2], f0[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m_new[r] = fmaxf(m_old[r], mx[r] * ctx.sl2);
-        m_off[r] = offset_of(m_new[r]);
-        f0[r] = fast_exp2(m_old[r] - m_off[r]);
-    }
-    if ((ctx.lane & 3) == 0) {
-        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
-        ctx.sm->factor0[ctx.row0] = f0[0], ctx.sm->factor0[ctx.row1] = f0[1];
-    }
-    exponentiate(s, m_off, ctx.sl2, sum);
-    for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
-    scale_rows(o, f0);
+    wg0_softmax(ctx, s, o, rsum);
     named_arrive(BAR_FACTOR0);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) p_fragment<F16>(pa[ks], s, ks);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(o, pa[ks], at(ctx.dv(0), ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<F16>(o, pa, ctx.dv(0));
     wgmma_wait<0>();
     hold(o);
     if (ctx.issuer) release<0, 4>(ctx.sm, 0);
     named_sync(BAR_FACTOR1);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        p_fragment<F16>(pa[ks], s, ks);
-        stmatrix_x4(pa[ks], frag_row_addr(ctx.p0, ctx.warp, ctx.lane, ks));
-    }
-    fence_proxy_async();
+    store_p<F16>(ctx, pa, s, ctx.p0);
     named_arrive(BAR_P0);
     scale_rows(o, f1);
     for (int r = 0; r < 2; ++r) rsum[r] *= f1[r];
     named_sync(BAR_P1);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss<F16>(o, at(ctx.dp1(), ks * 32), at(ctx.dv(1), ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<F16>(o, ctx.dp1(), ctx.dv(1));
     if (MORE) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0);
@@ -498,51 +457,22 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
                                          bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
                                          const uint32_t (&qr)[4][4]) {
     const bool MORE = MASK ? more : true;
-    const StepContext ctx = shared_ctx.opaque();
+    const StepContext ctx = opaque(shared_ctx);
     const int parity = (pair + 1) & 1;
-    float mx[2], sum[2];
+    float mx[2];
     uint32_t pa[4][4];
     if (MASK) apply_mask(s, mask, start, ctx.lane);
     row_max(s, mx);
     named_sync(BAR_FACTOR0);
-    float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
-    float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
-    float m_new[2], m_off[2], f[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m_new[r] = fmaxf(m0[r], mx[r] * ctx.sl2);
-        m_off[r] = offset_of(m_new[r]);
-        f[r] = fast_exp2(m0[r] - m_off[r]);  // wg 0's max to the joint one
-    }
-    if ((ctx.lane & 3) == 0) {
-        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
-        ctx.sm->factor1[ctx.row0] = f[0], ctx.sm->factor1[ctx.row1] = f[1];
-    }
-    exponentiate(s, m_off, ctx.sl2, sum);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        f[r] *= f0[r];  // this warpgroup's previous max to the joint one
-        rsum[r] = rsum[r] * f[r] + sum[r];
-    }
-    scale_rows(o, f);
+    wg1_softmax(ctx, mx, s, o, rsum);
     named_arrive(BAR_FACTOR1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        p_fragment<F16>(pa[ks], s, ks);
-        stmatrix_x4(pa[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
-    }
-    fence_proxy_async();
+    store_p<F16>(ctx, pa, s, ctx.p1);
     hold(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(o, pa[ks], at(ctx.dv(1), 4 * CHUNK_BYTES + ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<F16>(o, pa, at(ctx.dv(1), 4 * CHUNK_BYTES));
     if (!KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     named_sync(BAR_P0);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-        wgmma_pv_ss<F16>(o, at(ctx.dp0(), ks * 32), at(ctx.dv(0), 4 * CHUNK_BYTES + ks * 2048), 1);
-    wgmma_commit();
+    issue_pv<F16>(o, ctx.dp0(), at(ctx.dv(0), 4 * CHUNK_BYTES));
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
     if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 1);
@@ -787,7 +717,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         const uint32_t base = smem_addr(sm);
         const int row0 = warp * 16 + lane / 4;
         const uint64_t opaque_zero = uint64_t(p.zero) << 32;
-        const StepContext ctx{sm, k_major(base) + opaque_zero, mn_major_v(base) + opaque_zero,
+        const StepContext ctx{{k_major(base) + opaque_zero, mn_major_v(base) + opaque_zero}, sm,
                               smem_addr(sm->p0), smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane,
                               t == 0, p.scale_log2};
         compute<F16>(p, ctx, wg, w);

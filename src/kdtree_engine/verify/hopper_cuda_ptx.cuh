@@ -294,6 +294,117 @@ __device__ __forceinline__ void qk_rope(float (&s)[32], const uint32_t (&qr)[4][
     for (int ks = 0; ks < 4; ++ks) wgmma_qk_rs<F16>(s, qr[ks], at(dk, 8 * CHUNK_BYTES + ks * 32), 1);
 }
 
+// the wgmma descriptors of a step's shared memory S (its q, k[2] and p0 buffers: Q in 9 chunks whose rope
+// chunk 8 holds wg 1's P, the two K stages, wg 0's P), each made from two base descriptors plus a constant
+// offset (two registers, not one pair a buffer)
+template <class S>
+struct StepDescriptors {
+    uint64_t kd, vd;  // K-major and V (MN-major) descriptors of the shared memory's base
+    __device__ __forceinline__ uint64_t dq() const { return at(kd, offsetof(S, q)); }
+    __device__ __forceinline__ uint64_t dk(int stage) const { return at(kd, offsetof(S, k) + stage * TILE_BYTES); }
+    __device__ __forceinline__ uint64_t dp0() const { return at(kd, offsetof(S, p0)); }
+    __device__ __forceinline__ uint64_t dp1() const { return at(kd, offsetof(S, q) + 8 * CHUNK_BYTES); }
+    __device__ __forceinline__ uint64_t dv(int stage) const { return at(vd, offsetof(S, k) + stage * TILE_BYTES); }
+};
+
+// a copy of a step's context whose base descriptors the compiler cannot see through: taken at each step's
+// start, it keeps the step's ~50 descriptors from being hoisted out of the loop and spilled (made from the
+// bases at each use)
+template <class Ctx>
+__device__ __forceinline__ Ctx opaque(const Ctx& ctx) {
+    Ctx c = ctx;
+    asm volatile("" : "+l"(c.kd), "+l"(c.vd));
+    return c;
+}
+
+// ---- the step's arithmetic, shared by the step spike and the kernel. Ctx: their StepContext (sm with the
+// row vectors row_max, factor0, factor1; the thread's rows row0, row1; warp, lane; sl2, the softmax scale x
+// log2(e); the descriptors dv(stage), dp0(), dp1())
+
+// a row max as the exponent's offset: 0 where no key of the row is visible yet (-inf), so that exp2 of
+// -inf scores gives 0, not NaN
+__device__ __forceinline__ float offset_of(float m) { return m == -INFINITY ? 0.f : m; }
+
+// wg 0's softmax of its tile's scores s: m0 = max(the running max m, its rows' max) and f0 = exp2(m - m0)
+// published for wg 1 (a quad's first lane), s <- P0 = exp2(s sl2 - m0), this thread's row sums and O
+// rescaled by f0
+template <class Ctx>
+__device__ __forceinline__ void wg0_softmax(const Ctx& ctx, float (&s)[32], float (&o)[128], float (&rsum)[2]) {
+    float mx[2], sum[2];
+    row_max(s, mx);
+    float m_old[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]}, m_new[2], m_off[2], f0[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m_old[r], mx[r] * ctx.sl2);
+        m_off[r] = offset_of(m_new[r]);
+        f0[r] = fast_exp2(m_old[r] - m_off[r]);
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor0[ctx.row0] = f0[0], ctx.sm->factor0[ctx.row1] = f0[1];
+    }
+    exponentiate(s, m_off, ctx.sl2, sum);
+    for (int r = 0; r < 2; ++r) rsum[r] = rsum[r] * f0[r] + sum[r];
+    scale_rows(o, f0);
+}
+
+// wg 1's softmax, once wg 0 published m0: m1 = max(m0, mx, its rows' raw max scaled) and f1 = exp2(m0 - m1)
+// published for wg 0, s <- P1 = exp2(s sl2 - m1), its row sums and O rescaled from its previous max to
+// m1 (f0 f1)
+template <class Ctx>
+__device__ __forceinline__ void wg1_softmax(const Ctx& ctx, const float (&mx)[2], float (&s)[32], float (&o)[128],
+                                            float (&rsum)[2]) {
+    float m0[2] = {ctx.sm->row_max[ctx.row0], ctx.sm->row_max[ctx.row1]};
+    float f0[2] = {ctx.sm->factor0[ctx.row0], ctx.sm->factor0[ctx.row1]};
+    float m_new[2], m_off[2], f[2], sum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m0[r], mx[r] * ctx.sl2);
+        m_off[r] = offset_of(m_new[r]);
+        f[r] = fast_exp2(m0[r] - m_off[r]);  // wg 0's max to the joint one
+    }
+    if ((ctx.lane & 3) == 0) {
+        ctx.sm->row_max[ctx.row0] = m_new[0], ctx.sm->row_max[ctx.row1] = m_new[1];
+        ctx.sm->factor1[ctx.row0] = f[0], ctx.sm->factor1[ctx.row1] = f[1];
+    }
+    exponentiate(s, m_off, ctx.sl2, sum);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        f[r] *= f0[r];  // this warpgroup's previous max to the joint one
+        rsum[r] = rsum[r] * f[r] + sum[r];
+    }
+    scale_rows(o, f);
+}
+
+// this thread's P (s) as A fragments pa, also stored into the [64, 64] P buffer at shared address `buffer`
+// for the other warpgroup's wgmmas (then the proxy fence they need)
+template <bool F16, class Ctx>
+__device__ __forceinline__ void store_p(const Ctx& ctx, uint32_t (&pa)[4][4], const float (&s)[32], uint32_t buffer) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        p_fragment<F16>(pa[ks], s, ks);
+        stmatrix_x4(pa[ks], frag_row_addr(buffer, ctx.warp, ctx.lane, ks));
+    }
+    fence_proxy_async();
+}
+
+// O += P V, 4 k16 steps committed as one group (after a wgmma_fence where O was touched since the last
+// wgmma), P from registers pa; v: V's descriptor ([64 keys, 256 columns])
+template <bool F16>
+__device__ __forceinline__ void issue_pv(float (&o)[128], const uint32_t (&pa)[4][4], uint64_t v) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(o, pa[ks], at(v, ks * 2048), 1);
+    wgmma_commit();
+}
+
+// the same with P from the [64, 64] buffer of descriptor p
+template <bool F16>
+__device__ __forceinline__ void issue_pv(float (&o)[128], uint64_t p, uint64_t v) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss<F16>(o, at(p, ks * 32), at(v, ks * 2048), 1);
+    wgmma_commit();
+}
+
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
