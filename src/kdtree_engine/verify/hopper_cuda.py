@@ -41,14 +41,13 @@ from pathlib import Path
 
 import torch
 
-from .combine import combine_launch, fuses
+from .combine import LOG2E, combine_launch, fuses
 from .launch import current_device, current_stream
 
 __all__ = ["BuildError", "Params", "available", "compiler", "library", "prepare", "supports_out"]
 
 SOURCE = Path(__file__).with_suffix(".cu")
 HEADER = SOURCE.with_name("hopper_cuda_ptx.cuh")
-LOG2E = 1.4426950408889634
 
 
 class BuildError(RuntimeError):
