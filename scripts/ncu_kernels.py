@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ab_hopper import planned_call  # noqa: E402
+from hopper_cuda_verify import CudaKernel  # noqa: E402
 from tune_flash import make_inputs  # noqa: E402
 
 from kdtree_engine.bench.flashmla import load_flashmla_module  # noqa: E402
@@ -62,6 +63,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shapes", nargs="?", help="H x nodes x B x prefix, comma-separated")
     p.add_argument("--flashmla", default=".peers/flashmla", help="folder holding flashmla_peer.py")
+    p.add_argument("--cuda", action="append", default=[], metavar="FLAGS",
+                   help="also the CUDA C++ kernel (hopper_cuda.cu, fused) built with nvcc FLAGS, after ours; repeatable "
+                   "(its kernel is named verify_kernel)")
     p.add_argument("--metrics-list", action="store_true", help="print the step comparisons' metrics, comma-separated, "
                    "and exit")
     a = p.parse_args()
@@ -84,11 +88,14 @@ def main() -> None:
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         unfused = planned_call(hopper, c, plan, out, lse, fused=False)
         fused = planned_call(hopper, c, plan, out, lse, fused=True)
+        cuda = [planned_call(CudaKernel(flags), c, plan, out, lse) for flags in a.cuda]
         for _ in range(2):
             fm.dense_decode_fwd(c["q"].view(B, n, H, -1), c["kv_cache"].view(num_pages, 64, 1, -1), 512,
                                 c["kv_lens"], c["page_table"], 1 / math.sqrt(576), True, meta, num_splits)
             unfused()
             fused()
+            for call in cuda:
+                call()
         torch.cuda.synchronize()
         print(f"shape {text}: FlashMLA splits {int(num_splits[-1])}, our plan's split groups {plan.num_groups}",
               flush=True)

@@ -35,6 +35,10 @@
 // the warpgroup's cp.async gathers (partial tiles, other page sizes: cp.async)
 #define KD_TMA 0
 #endif
+#ifndef KD_L2_PREFETCH
+// the producer prefetches into L2 its share of the pair two ahead (the Gluon kernel's prefetch, run 42)
+#define KD_L2_PREFETCH 0
+#endif
 #ifndef KD_WATCHDOG
 // a thread that polls an mbarrier phase 2^26 times (1-70 s) says which one (kd_verify_watchdog) and traps:
 // a protocol error then fails the launch at once instead of hanging it (the checks build with it)
@@ -279,27 +283,23 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
-// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair):
-// gathered by the warpgroup's cp.asyncs, or (tma_row >= 0) a box of the pool's rows from tma_row loaded by
-// TMA, issued by the first thread (the others arrive at once: the barrier counts 128 arrivals either way)
-template <int C0, int C1>
-__device__ __forceinline__ void fill_chunks(const Params& p, const CUtensorMap* kv_map, Smem* sm, int stage,
-                                            const ProducerRows& rows, int tma_row, int pair, int t) {
-#pragma unroll
-    for (int c = C0; c < C1; ++c) {
-        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
-        if (KD_TMA && tma_row >= 0) {
-            if (t == 0) {
-                mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
-                tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64,
-                                               tma_row);
-            } else {
-                mbar_arrive(&sm->k_full[stage][c]);
-            }
+// chunk c of a K stage once its last reader released it (no wait for the very first pair): gathered by the
+// warpgroup's cp.asyncs, or (tma_row >= 0) a box of the pool's rows from tma_row loaded by TMA, issued by the
+// first thread (the others arrive at once: the barrier counts 128 arrivals either way)
+__device__ __forceinline__ void fill_chunk(const Params& p, const CUtensorMap* kv_map, Smem* sm, int stage, int c,
+                                           const ProducerRows& rows, int tma_row, int pair, int t) {
+    if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
+    if (KD_TMA && tma_row >= 0) {
+        if (t == 0) {
+            mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+            tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64,
+                                           tma_row);
         } else {
-            copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
-            arrive_when_copied(&sm->k_full[stage][c]);
+            mbar_arrive(&sm->k_full[stage][c]);
         }
+    } else {
+        copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
+        arrive_when_copied(&sm->k_full[stage][c]);
     }
 }
 
@@ -310,10 +310,29 @@ __device__ __forceinline__ int tma_row(const Params& p, const int* pages, int st
     return pages[(start / p.page_size) * p.pt_s1] * p.page_size + start % p.page_size;
 }
 
+// KD_L2_PREFETCH: this CTA's share [lo, hi) of the 128 KV rows of the pair at `start` prefetched into L2, a
+// bulk prefetch for each run of its rows within a page (row block b of a sequence's R takes rows
+// [128 b / R, 128 (b + 1) / R): the R CTAs that read the pair request each row once between them)
+__device__ __forceinline__ void prefetch_pair(const Params& p, const int* pages, int start, int kv_end, int lo, int hi,
+                                              int t) {
+    const int pos = start + t;
+    if (t < lo || t >= hi || pos >= kv_end) return;
+    const int in_page = pos % p.page_size;
+    if (t != lo && in_page != 0) return;  // not the first row of a run
+    const int run = min(min(hi - t, p.page_size - in_page), kv_end - pos);
+    const long long page = pages[(pos / p.page_size) * p.pt_s1];
+    const uint8_t* src = p.kv + (page * p.kv_sp + in_page * p.kv_ss) * 2;
+    const uint32_t bytes = (uint32_t(((run - 1) * p.kv_ss + D_QK) * 2) + 15u) & ~15u;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
+}
+
 // the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
 // its tiles in pairs (2j -> stage 0, 2j + 1 -> stage 1), chunk by chunk in the order the step releases
 // them: stage 0's left half (wg 0 after P0 V0), stage 1's right half and rope (wg 1 after P1 V1), stage
-// 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1)
+// 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1). The 18 chunks of a
+// pair are one loop, not unrolled: the producer's code then stays in the instruction cache beside the math
+// warpgroups' steps (run 46: unrolled, 2,500 instructions a pair, and instruction fetches delayed its
+// copies: gcc instruction requests at 80% of peak against the Gluon kernel's 8%)
 __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, const Work& w, int t) {
     int pair = 0;  // pairs loaded so far (the barriers' phases)
     for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
@@ -322,16 +341,26 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
         copy_q(p, sm, seg, t);
         const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
+        // KD_L2_PREFETCH: this row block's share of each pair's rows (bulk prefetches need 16-byte aligned rows)
+        const int blocks = (seg.n_nodes * p.heads + BM - 1) / BM, block = seg.row0 / BM;
+        const bool prefetch = KD_L2_PREFETCH && ((reinterpret_cast<uintptr_t>(p.kv) | p.kv_ss * 2 | p.kv_sp * 2) & 15) == 0;
+        const int lo = 2 * BN * block / blocks, hi = 2 * BN * (block + 1) / blocks;
 #pragma unroll 1
         for (int j = 0; j < steps; ++j, ++pair) {
             const int start = seg.kv_start + 2 * j * BN;
+            if (prefetch && j + 2 < steps) prefetch_pair(p, pages, start + 4 * BN, seg.kv_end, lo, hi, t);
             const int tma0 = tma_row(p, pages, start, seg.kv_end), tma1 = tma_row(p, pages, start + BN, seg.kv_end);
             const ProducerRows rows0 = tma0 < 0 ? kv_rows(p, pages, start, seg.kv_end, t) : ProducerRows{};
             const ProducerRows rows1 = tma1 < 0 ? kv_rows(p, pages, start + BN, seg.kv_end, t) : ProducerRows{};
-            fill_chunks<0, 4>(p, kv_map, sm, 0, rows0, tma0, pair, t);
-            fill_chunks<4, CHUNKS>(p, kv_map, sm, 1, rows1, tma1, pair, t);
-            fill_chunks<4, CHUNKS>(p, kv_map, sm, 0, rows0, tma0, pair, t);
-            fill_chunks<0, 4>(p, kv_map, sm, 1, rows1, tma1, pair, t);
+#pragma unroll 1
+            for (int k = 0; k < 2 * CHUNKS; ++k) {  // (stage, chunk): (0, 0-3), (1, 4-8), (0, 4-8), (1, 0-3)
+                const int stage = k < 4 || (k >= 9 && k < 14) ? 0 : 1;
+                const int c = k < 4 ? k : (k < 9 ? k : (k < 14 ? k - 5 : k - 14));
+                ProducerRows rows;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) rows.row[r] = stage ? rows1.row[r] : rows0.row[r];
+                fill_chunk(p, kv_map, sm, stage, c, rows, stage ? tma1 : tma0, pair, t);
+            }
         }
     }
 }
