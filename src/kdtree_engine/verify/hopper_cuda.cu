@@ -31,8 +31,8 @@
 #endif
 #ifndef KD_TMA
 // where pages hold whole tiles (page size a multiple of 64, pages back to back in the pool), the producer's
-// first thread loads a tile that ends before the segment's end by TMA, a [64, 64] box a chunk, instead of
-// the warpgroup's cp.async gathers (partial tiles, other page sizes: cp.async)
+// first thread loads a pair of tiles that ends before the segment's end by TMA, a [64, 64] box a chunk,
+// instead of the warpgroup's cp.async gathers (a pair with a partial tile, other page sizes: cp.async)
 #define KD_TMA 0
 #endif
 #ifndef KD_L2_PREFETCH
@@ -283,23 +283,32 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
-// chunk c of a K stage once its last reader released it (no wait for the very first pair): gathered by the
-// warpgroup's cp.asyncs, or (tma_row >= 0) a box of the pool's rows from tma_row loaded by TMA, issued by the
-// first thread (the others arrive at once: the barrier counts 128 arrivals either way)
-__device__ __forceinline__ void fill_chunk(const Params& p, const CUtensorMap* kv_map, Smem* sm, int stage, int c,
-                                           const ProducerRows& rows, int tma_row, int pair, int t) {
-    if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
-    if (KD_TMA && tma_row >= 0) {
+// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair),
+// gathered by the warpgroup's cp.asyncs (rows past the segment's end zero-filled)
+template <int C0, int C1>
+__device__ __forceinline__ void copy_chunks(const Params& p, Smem* sm, int stage, const ProducerRows& rows, int pair,
+                                            int t) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c) {
+        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
+        copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
+        arrive_when_copied(&sm->k_full[stage][c]);
+    }
+}
+
+// chunks [C0, C1) of a K stage as copy_chunks, each a [64, 64] box of the pool's rows from `row` loaded by TMA,
+// issued by the first thread (the others arrive at once: the barrier counts 128 arrivals either way)
+template <int C0, int C1>
+__device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, int stage, int row, int pair, int t) {
+#pragma unroll
+    for (int c = C0; c < C1; ++c) {
+        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         if (t == 0) {
             mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
-            tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64,
-                                           tma_row);
+            tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
         } else {
             mbar_arrive(&sm->k_full[stage][c]);
         }
-    } else {
-        copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
-        arrive_when_copied(&sm->k_full[stage][c]);
     }
 }
 
@@ -329,10 +338,11 @@ __device__ __forceinline__ void prefetch_pair(const Params& p, const int* pages,
 // the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
 // its tiles in pairs (2j -> stage 0, 2j + 1 -> stage 1), chunk by chunk in the order the step releases
 // them: stage 0's left half (wg 0 after P0 V0), stage 1's right half and rope (wg 1 after P1 V1), stage
-// 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1). The 18 chunks of a
-// pair are one loop, not unrolled: the producer's code then stays in the instruction cache beside the math
-// warpgroups' steps (run 46: unrolled, 2,500 instructions a pair, and instruction fetches delayed its
-// copies: gcc instruction requests at 80% of peak against the Gluon kernel's 8%)
+// 0's right half and rope (wg 1 after P0 V0), stage 1's left half (wg 0 after P1 V1). A pair is either
+// two TMA tiles or two gathered ones, each path unrolled apart: run 46 measured one unrolled path with
+// both (~2,500 instructions a pair) missing the instruction cache (the producer's issue delayed by its
+// fetches), and the 18 fills as one loop slower still (~50 dependent instructions between a release and
+// its copy)
 __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, const Work& w, int t) {
     int pair = 0;  // pairs loaded so far (the barriers' phases)
     for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
@@ -350,16 +360,18 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
             const int start = seg.kv_start + 2 * j * BN;
             if (prefetch && j + 2 < steps) prefetch_pair(p, pages, start + 4 * BN, seg.kv_end, lo, hi, t);
             const int tma0 = tma_row(p, pages, start, seg.kv_end), tma1 = tma_row(p, pages, start + BN, seg.kv_end);
-            const ProducerRows rows0 = tma0 < 0 ? kv_rows(p, pages, start, seg.kv_end, t) : ProducerRows{};
-            const ProducerRows rows1 = tma1 < 0 ? kv_rows(p, pages, start + BN, seg.kv_end, t) : ProducerRows{};
-#pragma unroll 1
-            for (int k = 0; k < 2 * CHUNKS; ++k) {  // (stage, chunk): (0, 0-3), (1, 4-8), (0, 4-8), (1, 0-3)
-                const int stage = k < 4 || (k >= 9 && k < 14) ? 0 : 1;
-                const int c = k < 4 ? k : (k < 9 ? k : (k < 14 ? k - 5 : k - 14));
-                ProducerRows rows;
-#pragma unroll
-                for (int r = 0; r < 4; ++r) rows.row[r] = stage ? rows1.row[r] : rows0.row[r];
-                fill_chunk(p, kv_map, sm, stage, c, rows, stage ? tma1 : tma0, pair, t);
+            if (tma0 >= 0 && tma1 >= 0) {
+                tma_chunks<0, 4>(kv_map, sm, 0, tma0, pair, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, pair, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, pair, t);
+                tma_chunks<0, 4>(kv_map, sm, 1, tma1, pair, t);
+            } else {
+                const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
+                const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
+                copy_chunks<0, 4>(p, sm, 0, rows0, pair, t);
+                copy_chunks<4, CHUNKS>(p, sm, 1, rows1, pair, t);
+                copy_chunks<4, CHUNKS>(p, sm, 0, rows0, pair, t);
+                copy_chunks<0, 4>(p, sm, 1, rows1, pair, t);
             }
         }
     }
