@@ -35,6 +35,12 @@
 // instead of the warpgroup's cp.async gathers (a pair with a partial tile, other page sizes: cp.async)
 #define KD_TMA 0
 #endif
+#ifndef KD_ONE_ARRIVAL
+// a K chunk's full barrier counts one arrival, not 128: a TMA pair is the first thread's alone (the others
+// wait for it at the pair's end), a gathered chunk's threads each raise the count by their cp.async arrival
+// and the first thread arrives after a producer barrier
+#define KD_ONE_ARRIVAL 0
+#endif
 #ifndef KD_L2_PREFETCH
 // the producer prefetches into L2 its share of the pair two ahead (the Gluon kernel's prefetch, run 42)
 #define KD_L2_PREFETCH 0
@@ -49,6 +55,7 @@ namespace {
 
 constexpr int PRODUCER_THREADS = 128;
 constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
+constexpr int BAR_PRODUCER = BAR_MATH + 1;  // the producer warpgroup's named barrier (KD_ONE_ARRIVAL)
 constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536
 constexpr uint64_t EVICT_FIRST_POLICY = 0x12F0000000000000ull;
 constexpr float LN2 = 0.6931471805599453f;
@@ -283,6 +290,10 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
+__device__ __forceinline__ void producer_sync() {
+    asm volatile("bar.sync %0, %1;" :: "n"(BAR_PRODUCER), "n"(PRODUCER_THREADS) : "memory");
+}
+
 // chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair),
 // gathered by the warpgroup's cp.asyncs (rows past the segment's end zero-filled)
 template <int C0, int C1>
@@ -292,7 +303,14 @@ __device__ __forceinline__ void copy_chunks(const Params& p, Smem* sm, int stage
     for (int c = C0; c < C1; ++c) {
         if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
-        arrive_when_copied(&sm->k_full[stage][c]);
+        if (KD_ONE_ARRIVAL) {  // each thread's copies raise the count, then the first thread's arrival
+            asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(smem_addr(&sm->k_full[stage][c]))
+                         : "memory");
+            producer_sync();
+            if (t == 0) mbar_arrive(&sm->k_full[stage][c]);
+        } else {
+            arrive_when_copied(&sm->k_full[stage][c]);
+        }
     }
 }
 
@@ -302,6 +320,7 @@ template <int C0, int C1>
 __device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, int stage, int row, int pair, int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
+        if (KD_ONE_ARRIVAL && t != 0) continue;
         if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         if (t == 0) {
             mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
@@ -365,6 +384,7 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
                 tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, pair, t);
                 tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, pair, t);
                 tma_chunks<0, 4>(kv_map, sm, 1, tma1, pair, t);
+                if (KD_ONE_ARRIVAL) producer_sync();  // (the others' waits stay within a phase of the barriers')
             } else {
                 const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
                 const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
@@ -740,7 +760,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s)
             for (int c = 0; c < CHUNKS; ++c) {
-                mbar_init(&sm->k_full[s][c], PRODUCER_THREADS);
+                mbar_init(&sm->k_full[s][c], KD_ONE_ARRIVAL ? 1 : PRODUCER_THREADS);
                 mbar_init(&sm->k_empty[s][c], 1);
             }
         mbar_init(&sm->q_full, PRODUCER_THREADS);
