@@ -10,7 +10,7 @@ file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_varian
 applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``unfused``,
 this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``); or ``cuda`` /
 ``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
-(e.g. ``cuda:-DKD_TMA=1``). Per shape, this
+(e.g. ``cuda:-DKD_TMA=0``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's

@@ -84,12 +84,12 @@ for stage in "${stages[@]}"; do
           > "$OUT/ncu_spike.csv" 2>> "$OUT/log.txt" || status=1
       fi
       tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
-    cudaverify)  # the CUDA C++ kernel (kernel="hopper_cuda", scripts/hopper_cuda_verify.py), never run before
-      # session 31: its check against the float64 reference (CUDA_CASES random batches, default 40; the cp.async and
-      # the TMA producer), memcheck and synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B of both beside
-      # the Gluon kernel (ab_hopper.py cuda + CUDA_AB_VARIANTS, default cuda:-DKD_TMA=1;
+    cudaverify)  # the CUDA C++ kernel (kernel="hopper_cuda", scripts/hopper_cuda_verify.py), first run in
+      # run 46: its check against the float64 reference (CUDA_CASES random batches, default 40; the default build and
+      # the cp.async producer alone), memcheck and synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B of both beside
+      # the Gluon kernel (ab_hopper.py cuda + CUDA_AB_VARIANTS, default cuda:-DKD_TMA=0;
       # cudaverify_ab.json); under timeouts (CUDA_TIMEOUT 150 s, CUDA_AB_TIMEOUT 300 s): a build that never ran may hang
-      for flags in "" "-DKD_TMA=1"; do  # the cp.async producer, then with TMA for whole tiles
+      for flags in "" "-DKD_TMA=0"; do  # TMA for pairs of whole tiles (the default), then the cp.async producer alone
         timeout "${CUDA_TIMEOUT:-150}" python3 scripts/hopper_cuda_verify.py --cases "${CUDA_CASES:-40}" --flags="$flags" \
           2>&1 | tee -a "$OUT/log.txt" | grep -vE "^PASS" || status=1
       done
@@ -99,7 +99,7 @@ for stage in "${stages[@]}"; do
           | grep -E "PASS|FAIL|ERROR SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
       done
       if [ -n "${CUDA_AB_SHAPES:-}" ]; then
-        timeout "${CUDA_AB_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS-cuda:-DKD_TMA=1} \
+        timeout "${CUDA_AB_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS-cuda:-DKD_TMA=0} \
           --shapes "$CUDA_AB_SHAPES" \
           --rounds "${AB_ROUNDS:-3}" --json "$OUT/cudaverify_ab.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
       fi ;;

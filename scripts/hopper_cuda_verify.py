@@ -2,7 +2,7 @@
 with nvcc ``--flags`` (its ``KD_*`` variants), on a plan's segments through the module's ``prepare``,
 against the float64 reference (docs/perf_log.md, session 30).
 
-    PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=1]
+    PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=0]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
 The first form checks it on eleven named cases, simplest first, then on random ragged batches (the

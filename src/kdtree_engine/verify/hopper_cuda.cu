@@ -12,8 +12,9 @@
 //
 // Warpgroups: two math warpgroups (the step spike's step, each its own loop: wg w on the tiles
 // 2j + w of a segment, in K stage w, owning output columns [256w, 256w + 256)) and a producer
-// warpgroup (setmaxnreg 40, the math ones 232) whose 128 threads gather with cp.async, through the
-// page table (any page size, 1 included), the segment's Q rows and then its tiles in pairs, each
+// warpgroup (setmaxnreg 40, the math ones 232) that loads, through the page table, the segment's Q rows
+// (cp.async) and then its tiles in pairs (pairs of whole tiles where pages hold them by TMA, others
+// gathered by its 128 threads' cp.asyncs: any page size, 1 included), each
 // 64-column chunk of a stage as soon as its last reader released it (the chunk's empty mbarrier, one
 // arrival by the releasing warpgroup), rows past the segment's end (and a pair's missing second tile)
 // zero-filled so that no NaN of an unused row reaches a product. Tiles that reach the tree nodes or
@@ -32,18 +33,9 @@
 #ifndef KD_TMA
 // where pages hold whole tiles (page size a multiple of 64, pages back to back in the pool), the producer's
 // first thread loads a pair of tiles that ends before the segment's end by TMA, a [64, 64] box a chunk,
-// instead of the warpgroup's cp.async gathers (a pair with a partial tile, other page sizes: cp.async)
-#define KD_TMA 0
-#endif
-#ifndef KD_ONE_ARRIVAL
-// a K chunk's full barrier counts one arrival, not 128: a TMA pair is the first thread's alone (the others
-// wait for it at the pair's end), a gathered chunk's threads each raise the count by their cp.async arrival
-// and the first thread arrives after a producer barrier
-#define KD_ONE_ARRIVAL 0
-#endif
-#ifndef KD_L2_PREFETCH
-// the producer prefetches into L2 its share of the pair two ahead (the Gluon kernel's prefetch, run 42)
-#define KD_L2_PREFETCH 0
+// instead of the warpgroup's cp.async gathers (a pair with a partial tile, other page sizes: cp.async).
+// Run 46: 0.98-1.16 of the Gluon kernel's time at pages of 64 against 1.24-1.45 gathering (-DKD_TMA=0)
+#define KD_TMA 1
 #endif
 #ifndef KD_WATCHDOG
 // a thread that polls an mbarrier phase 2^26 times (1-70 s) says which one (kd_verify_watchdog) and traps:
@@ -55,7 +47,6 @@ namespace {
 
 constexpr int PRODUCER_THREADS = 128;
 constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
-constexpr int BAR_PRODUCER = BAR_MATH + 1;  // the producer warpgroup's named barrier (KD_ONE_ARRIVAL)
 constexpr int MATH_REGS = 232, PRODUCER_REGS = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 of the 65,536
 constexpr uint64_t EVICT_FIRST_POLICY = 0x12F0000000000000ull;
 constexpr float LN2 = 0.6931471805599453f;
@@ -290,10 +281,6 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
-__device__ __forceinline__ void producer_sync() {
-    asm volatile("bar.sync %0, %1;" :: "n"(BAR_PRODUCER), "n"(PRODUCER_THREADS) : "memory");
-}
-
 // chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair),
 // gathered by the warpgroup's cp.asyncs (rows past the segment's end zero-filled)
 template <int C0, int C1>
@@ -303,14 +290,7 @@ __device__ __forceinline__ void copy_chunks(const Params& p, Smem* sm, int stage
     for (int c = C0; c < C1; ++c) {
         if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
-        if (KD_ONE_ARRIVAL) {  // each thread's copies raise the count, then the first thread's arrival
-            asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(smem_addr(&sm->k_full[stage][c]))
-                         : "memory");
-            producer_sync();
-            if (t == 0) mbar_arrive(&sm->k_full[stage][c]);
-        } else {
-            arrive_when_copied(&sm->k_full[stage][c]);
-        }
+        arrive_when_copied(&sm->k_full[stage][c]);
     }
 }
 
@@ -320,7 +300,6 @@ template <int C0, int C1>
 __device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, int stage, int row, int pair, int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
-        if (KD_ONE_ARRIVAL && t != 0) continue;
         if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
         if (t == 0) {
             mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
@@ -336,22 +315,6 @@ __device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, 
 __device__ __forceinline__ int tma_row(const Params& p, const int* pages, int start, int kv_end) {
     if (!KD_TMA || !p.tma || start + BN > kv_end) return -1;
     return pages[(start / p.page_size) * p.pt_s1] * p.page_size + start % p.page_size;
-}
-
-// KD_L2_PREFETCH: this CTA's share [lo, hi) of the 128 KV rows of the pair at `start` prefetched into L2, a
-// bulk prefetch for each run of its rows within a page (row block b of a sequence's R takes rows
-// [128 b / R, 128 (b + 1) / R): the R CTAs that read the pair request each row once between them)
-__device__ __forceinline__ void prefetch_pair(const Params& p, const int* pages, int start, int kv_end, int lo, int hi,
-                                              int t) {
-    const int pos = start + t;
-    if (t < lo || t >= hi || pos >= kv_end) return;
-    const int in_page = pos % p.page_size;
-    if (t != lo && in_page != 0) return;  // not the first row of a run
-    const int run = min(min(hi - t, p.page_size - in_page), kv_end - pos);
-    const long long page = pages[(pos / p.page_size) * p.pt_s1];
-    const uint8_t* src = p.kv + (page * p.kv_sp + in_page * p.kv_ss) * 2;
-    const uint32_t bytes = (uint32_t(((run - 1) * p.kv_ss + D_QK) * 2) + 15u) & ~15u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
 }
 
 // the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
@@ -370,21 +333,15 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
         copy_q(p, sm, seg, t);
         const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
-        // KD_L2_PREFETCH: this row block's share of each pair's rows (bulk prefetches need 16-byte aligned rows)
-        const int blocks = (seg.n_nodes * p.heads + BM - 1) / BM, block = seg.row0 / BM;
-        const bool prefetch = KD_L2_PREFETCH && ((reinterpret_cast<uintptr_t>(p.kv) | p.kv_ss * 2 | p.kv_sp * 2) & 15) == 0;
-        const int lo = 2 * BN * block / blocks, hi = 2 * BN * (block + 1) / blocks;
 #pragma unroll 1
         for (int j = 0; j < steps; ++j, ++pair) {
             const int start = seg.kv_start + 2 * j * BN;
-            if (prefetch && j + 2 < steps) prefetch_pair(p, pages, start + 4 * BN, seg.kv_end, lo, hi, t);
             const int tma0 = tma_row(p, pages, start, seg.kv_end), tma1 = tma_row(p, pages, start + BN, seg.kv_end);
             if (tma0 >= 0 && tma1 >= 0) {
                 tma_chunks<0, 4>(kv_map, sm, 0, tma0, pair, t);
                 tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, pair, t);
                 tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, pair, t);
                 tma_chunks<0, 4>(kv_map, sm, 1, tma1, pair, t);
-                if (KD_ONE_ARRIVAL) producer_sync();  // (the others' waits stay within a phase of the barriers')
             } else {
                 const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
                 const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
@@ -760,7 +717,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s)
             for (int c = 0; c < CHUNKS; ++c) {
-                mbar_init(&sm->k_full[s][c], KD_ONE_ARRIVAL ? 1 : PRODUCER_THREADS);
+                mbar_init(&sm->k_full[s][c], PRODUCER_THREADS);
                 mbar_init(&sm->k_empty[s][c], 1);
             }
         mbar_init(&sm->q_full, PRODUCER_THREADS);
