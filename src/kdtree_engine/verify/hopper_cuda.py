@@ -1,13 +1,14 @@
 """Hopper (sm_90a) tree-verify kernel in CUDA C++ (``hopper_cuda.cu``), built with nvcc at first use:
-a drop-in for the Gluon kernel (:mod:`.hopper`) on the same plans. Opt-in (``kernel="hopper_cuda"``);
-``"auto"`` does not pick it until the benchmark has measured it on the GPU (docs/perf_log.md).
+a drop-in for the Gluon kernel (:mod:`.hopper`) on the same plans. Opt-in (``kernel="hopper_cuda"``):
+``"auto"`` does not pick it (perf log run 46, H200: 0.98-1.03 of the Gluon kernel's time at batch 4
+with pages of 64, but 1.16 at one sequence and 1.41 at pages of one row).
 
 The kernel (see the head of ``hopper_cuda.cu``): one persistent CTA per program of a plan, two math
 warpgroups running the two-tile step of FlashMLA's design in our own code (each warpgroup its own
 KV tile and 256 of the 512 output columns, P exchanged through shared memory, the pairs of clean
-prefix tiles with no mask code and no branch around a wgmma) and a producer warpgroup gathering Q
-and KV rows through the page table by cp.async (any page size; rows past a segment's end
-zero-filled); the tree mask on the tiles that reach the tree nodes or the segment's end only; the
+prefix tiles with no mask code and no branch around a wgmma) and a producer warpgroup loading Q
+and KV rows through the page table (pairs of whole tiles by TMA where pages hold them, otherwise
+gathered by cp.async: any page size; rows past a segment's end zero-filled); the tree mask on the tiles that reach the tree nodes or the segment's end only; the
 split row blocks merged by the kernel itself after a grid barrier where the library's kernels fuse
 the merge (:func:`~.combine.fuses`), else by the combine kernel; a one-sequence step scheduled by
 the kernel itself from the device lengths where the plan says so (``plan.in_kernel``), as the other
