@@ -8,11 +8,12 @@ warpgroups running the two-tile step of FlashMLA's design in our own code (each 
 KV tile and 256 of the 512 output columns, P exchanged through shared memory, the pairs of clean
 prefix tiles with no mask code and no branch around a wgmma) and a producer warpgroup loading Q
 and KV rows through the page table (pairs of whole tiles by TMA where pages hold them, otherwise
-gathered by cp.async: any page size; rows past a segment's end zero-filled); the tree mask on the tiles that reach the tree nodes or the segment's end only; the
-split row blocks merged by the kernel itself after a grid barrier where the library's kernels fuse
-the merge (:func:`~.combine.fuses`), else by the combine kernel; a one-sequence step scheduled by
-the kernel itself from the device lengths where the plan says so (``plan.in_kernel``), as the other
-planned kernels do. bf16 and fp16.
+gathered by cp.async: any page size; rows past a segment's end zero-filled); the tree mask on the
+tiles that reach the tree nodes or the segment's end only; the split row blocks merged by the
+kernel itself after a grid barrier where the library's kernels fuse the merge
+(:func:`~.combine.fuses`), else by the combine kernel; a one-sequence step scheduled by the kernel
+itself from the device lengths where the plan says so (``plan.in_kernel``), as the other planned
+kernels do. bf16 and fp16.
 
 Why CUDA C++ next to the Gluon kernel: the step in Gluon stays ~7% slower than FlashMLA's at long
 context after runs 23-44 measured every structural change Gluon can express; a CUDA C++ step with

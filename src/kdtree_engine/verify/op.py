@@ -23,8 +23,8 @@ from .plan import FlashConfig, FlashTables, plan_of
 __all__ = ["KERNELS", "OPT_IN_KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
 
 KERNELS = ("naive", "flash", "hopper")
-# kernels that run only where named (never "auto", nor a list of the kernels a device runs) until the
-# benchmark has measured them on the GPU: the CUDA C++ Hopper kernel (docs/perf_log.md, session 30)
+# kernels that run only where named (never "auto", nor a list of the kernels a device runs): the CUDA
+# C++ Hopper kernel, slower than the Gluon one at one sequence and at pages of one row (perf log run 46)
 OPT_IN_KERNELS = ("hopper_cuda",)
 _PREPARERS: dict[str, Callable] = {}
 
@@ -95,7 +95,7 @@ def resolve(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, config: FlashC
     """The kernel a call runs. ``"auto"``: ``"hopper"`` on an sm_90 GPU with Triton's Gluon when
     the plan's tiles (``config``) and the layouts of ``q`` / ``kv_cache`` suit it (it was faster
     than the Triton flash kernel on every shape measured on the H200: docs/perf_log.md, run 14),
-    else ``"flash"`` (never ``"hopper_cuda"``, which the benchmark has not yet measured). A named
+    else ``"flash"`` (never ``"hopper_cuda"``, opt-in: :data:`OPT_IN_KERNELS`). A named
     kernel is returned as it is, ``"hopper"`` / ``"hopper_cuda"`` after checking that it runs on this
     device, suits the plan's tiles and the layouts (``ValueError`` otherwise)."""
     if kernel in ("hopper", "hopper_cuda"):
