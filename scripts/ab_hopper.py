@@ -52,13 +52,13 @@ SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
-def planned_call(module, c, plan, out, lse, fused: bool = True):
+def planned_call(module, c, plan, out, lse, fused: bool = True, sm_scale: float = 1.0 / math.sqrt(576)):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``fused``: the
     kernel merges its splits itself where it can, see :mod:`kdtree_engine.verify.combine`)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     combine.FUSED_COMBINE = fused
     try:
-        launch = module.prepare(*tensors[:6], 1.0 / math.sqrt(576), out, lse, plan.tables)
+        launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
     finally:
         combine.FUSED_COMBINE = True
     ptrs = tuple(t.data_ptr() for t in tensors)

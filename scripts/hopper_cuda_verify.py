@@ -25,9 +25,10 @@ import sys
 
 import torch
 
+from ab_hopper import planned_call  # (scripts/: this script's directory, first on sys.path when it runs)
 from kdtree_engine import reference
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
-from kdtree_engine.verify import combine, hopper_cuda
+from kdtree_engine.verify import hopper_cuda
 from kdtree_engine.verify.plan import plan_verify
 
 
@@ -117,17 +118,13 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     plan.tables.partial_lse.fill_(float("nan"))
     out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=c["q"].dtype)
     lse = torch.full((T, H), float("nan"), device="cuda", dtype=torch.float32)
-    tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
-    combine.FUSED_COMBINE = fused
-    try:
-        launch = kernel.prepare(*tensors[:6], spec.sm_scale, out, lse, plan.tables)
-    finally:
-        combine.FUSED_COMBINE = True
-    launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
+    call = planned_call(kernel, c, plan, out, lse, fused, spec.sm_scale)
+    call()
     first = (out.clone(), lse.clone())
-    launch(tensors, tuple(t.data_ptr() for t in tensors), plan.num_groups)
+    call()
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference(*tensors[:6], spec.sm_scale)
+    ref_out, ref_lse = reference(c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"],
+                                 spec.sm_scale)
     r_out = compare(out, ref_out, *TOLERANCES[spec.dtype]["out"])
     r_lse = compare(lse, ref_lse, *TOLERANCES[spec.dtype]["lse"])
     repeat = torch.equal(first[0], out) and torch.equal(first[1], lse)
