@@ -657,53 +657,89 @@ __device__ __forceinline__ void grid_barrier(int* word) {
     named_sync(BAR_MATH);
 }
 
-constexpr int MERGE_SPLITS = 4;  // splits whose loads a warp issues before folding them in
+constexpr int MERGE_SPLITS = 8;  // splits whose loads a warp issues before folding them in
 
-// the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 rows of its block)
-// blockIdx.x, + gridDim.x, ...; warp w of the 8 takes row 8 (item % 8) + w, each lane 16 of its 512
-// columns, and folds the row's splits in slot order (a running max, sum and output, as online softmax;
-// bitwise the same on every call)
+// the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 / W rows of its block)
+// blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8 that keep every CTA at one
+// item, so that few groups of many splits, one sequence's, spread over the grid) each take its splits
+// w, w + W, .. (MERGE_SPLITS loads a round, each lane 16 of the 512 columns) and fold them in that order
+// (a running max, sum and output, as online softmax); with W > 1 they then fold their W parts in order
+// through shared memory (the K stages: every chunk was read before the barrier), each finishing 512 / W
+// of the row's columns. Bitwise the same on every call
 template <bool F16>
-__device__ void merge_splits(const Params& p, int n_groups, int math_warp, int lane) {
-    const int n_items = n_groups * (BM / 8);
+__device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_warp, int lane) {
+    int W = 1;
+    while (W < 8 && n_groups * (BM / 8) * 2 * W <= int(gridDim.x)) W *= 2;
+    const int rows = 8 / W, row_in_item = math_warp / W, part = math_warp % W, items_a_group = BM / rows;
+    const int n_items = n_groups * items_a_group;
+    float* fold_out = reinterpret_cast<float*>(sm->k[0]);  // [8 warps][512]
+    float* fold_ml = fold_out + 8 * D_V;                      // [8 warps][2]: max, sum
     for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-        const int g = item / (BM / 8), r = (item % (BM / 8)) * 8 + math_warp;
+        const int g = item / items_a_group, r = (item % items_a_group) * rows + row_in_item;
         const int seq = p.group_seq[g], packed = p.group_row0[g] + r, first = p.group_first[g];
         const int count = p.group_splits[g];
         const int qo_start = p.qo_indptr[seq * p.qo_s], n_nodes = p.qo_indptr[(seq + 1) * p.qo_s] - qo_start;
-        if (packed >= n_nodes * p.heads) continue;  // a padding row
+        const bool real = packed < n_nodes * p.heads;  // (not: a padding row; the same for the row's W warps)
         float m = -INFINITY, l = 0.f, acc[16];
 #pragma unroll
         for (int k = 0; k < 16; ++k) acc[k] = 0.f;
-        for (int s0 = 0; s0 < count; s0 += MERGE_SPLITS) {
+        for (int s0 = part; real && s0 < count; s0 += W * MERGE_SPLITS) {
             float lse2[MERGE_SPLITS];
-            float4 part[MERGE_SPLITS][4];
+            float4 chunk[MERGE_SPLITS][4];
 #pragma unroll
             for (int k = 0; k < MERGE_SPLITS; ++k) {  // the round's loads first (past L1: other CTAs wrote them)
-                const long long row = (long long)(first + min(s0 + k, count - 1)) * BM + r;
-                lse2[k] = s0 + k < count ? __ldcg(p.partial_lse + row) : -INFINITY;
+                const int split = s0 + k * W;
+                const long long row = (long long)(first + min(split, count - 1)) * BM + r;
+                lse2[k] = split < count ? __ldcg(p.partial_lse + row) : -INFINITY;
                 const float4* src = reinterpret_cast<const float4*>(p.partial_out + row * D_V + lane * 16);
 #pragma unroll
-                for (int v = 0; v < 4; ++v) part[k][v] = __ldcg(src + v);
+                for (int v = 0; v < 4; ++v) chunk[k][v] = __ldcg(src + v);
             }
 #pragma unroll
             for (int k = 0; k < MERGE_SPLITS; ++k) {
                 const float m_new = fmaxf(m, lse2[k]), off = offset_of(m_new);
                 const float alpha = fast_exp2(m - off), w = fast_exp2(lse2[k] - off);
-                const float* x = reinterpret_cast<const float*>(part[k]);
+                const float* x = reinterpret_cast<const float*>(chunk[k]);
 #pragma unroll
                 for (int c = 0; c < 16; ++c) acc[c] = acc[c] * alpha + w * x[c];
                 l = l * alpha + w;
                 m = m_new;
             }
         }
+        int col = lane * 16, cols = 16;  // the columns this lane finishes
+        if (W > 1) {  // the row's W parts, in order, from shared memory
+            float4* mine = reinterpret_cast<float4*>(fold_out + math_warp * D_V + lane * 16);
+#pragma unroll
+            for (int v = 0; v < 4; ++v) mine[v] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+            if (lane == 0) fold_ml[2 * math_warp] = m, fold_ml[2 * math_warp + 1] = l;
+            named_sync(BAR_MATH);
+            cols = 16 / W;
+            col = part * (D_V / W) + lane * cols;
+            m = -INFINITY, l = 0.f;
+#pragma unroll
+            for (int c = 0; c < 16; ++c) acc[c] = 0.f;
+            for (int q = 0; q < W; ++q) {
+                const int from = row_in_item * W + q;
+                const float m_q = fold_ml[2 * from], m_new = fmaxf(m, m_q), off = offset_of(m_new);
+                const float alpha = fast_exp2(m - off), w = fast_exp2(m_q - off);
+                const float* x = fold_out + from * D_V + col;
+#pragma unroll
+                for (int c = 0; c < 8; ++c)
+                    if (c < cols) acc[c] = acc[c] * alpha + w * x[c];
+                l = l * alpha + w * fold_ml[2 * from + 1];
+                m = m_new;
+            }
+            named_sync(BAR_MATH);  // every part read: the next item may write its own
+        }
+        if (!real) continue;
         const float inv = l > 0.f ? 1.f / l : 1.f;
         const long long token = qo_start + packed / p.heads;
         const int head = packed % p.heads;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (token * p.o_st + head * p.o_sh + lane * 16) * 2);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (token * p.o_st + head * p.o_sh + col) * 2);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) dst[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);  // out: 4-byte
-        if (lane == 0) p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
+        for (int k = 0; k < 8; ++k)  // out: 4-byte
+            if (2 * k < cols) dst[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
+        if (lane == 0 && part == 0) p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     }
 }
 
@@ -742,7 +778,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         const int n_groups = p.in_kernel ? write_groups(p) : (p.fuse ? *p.group_count : 0);
         if (p.fuse && n_groups > 0) {  // the producer has left: the math warpgroups merge
             grid_barrier(p.grid_barrier);
-            merge_splits<F16>(p, n_groups, wg * 4 + warp, lane);
+            merge_splits<F16>(p, sm, n_groups, wg * 4 + warp, lane);
         }
     }
 }
