@@ -37,6 +37,15 @@
 // Run 46: 0.98-1.16 of the Gluon kernel's time at pages of 64 against 1.24-1.45 gathering (-DKD_TMA=0)
 #define KD_TMA 1
 #endif
+#ifndef KD_MERGE_SPLITS
+// the fused merge's loads a warp issues before folding them in, and the most warps that share a row's
+// splits (run 47: 8 and 8 took 16x9x1 from 1.75 to 1.24 of the Gluon kernel's time at 4k; 4 and 1 are
+// the merge before it, for A/Bs)
+#define KD_MERGE_SPLITS 8
+#endif
+#ifndef KD_MERGE_WARPS
+#define KD_MERGE_WARPS 8
+#endif
 #ifndef KD_WATCHDOG
 // a thread that polls an mbarrier phase 2^26 times (1-70 s) says which one (kd_verify_watchdog) and traps:
 // a protocol error then fails the launch at once instead of hanging it (the checks build with it)
@@ -657,19 +666,19 @@ __device__ __forceinline__ void grid_barrier(int* word) {
     named_sync(BAR_MATH);
 }
 
-constexpr int MERGE_SPLITS = 8;  // splits whose loads a warp issues before folding them in
+constexpr int MERGE_SPLITS = KD_MERGE_SPLITS;
 
 // the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 / W rows of its block)
-// blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8 that keep every CTA at one
-// item, so that few groups of many splits, one sequence's, spread over the grid) each take its splits
-// w, w + W, .. (MERGE_SPLITS loads a round, each lane 16 of the 512 columns) and fold them in that order
+// blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8, up to KD_MERGE_WARPS, that
+// keep every CTA at one item, so that few groups of many splits, one sequence's, spread over the grid) each
+// take its splits w, w + W, .. (MERGE_SPLITS loads a round, each lane 16 of the 512 columns) and fold them in that order
 // (a running max, sum and output, as online softmax); with W > 1 they then fold their W parts in order
 // through shared memory (the K stages: every chunk was read before the barrier), each finishing 512 / W
 // of the row's columns. Bitwise the same on every call
 template <bool F16>
 __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_warp, int lane) {
     int W = 1;
-    while (W < 8 && n_groups * (BM / 8) * 2 * W <= int(gridDim.x)) W *= 2;
+    while (W < KD_MERGE_WARPS && n_groups * (BM / 8) * 2 * W <= int(gridDim.x)) W *= 2;
     const int rows = 8 / W, row_in_item = math_warp / W, part = math_warp % W, items_a_group = BM / rows;
     const int n_items = n_groups * items_a_group;
     float* fold_out = reinterpret_cast<float*>(sm->k[0]);  // [8 warps][512]
@@ -710,7 +719,8 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
         if (W > 1) {  // the row's W parts, in order, from shared memory
             float4* mine = reinterpret_cast<float4*>(fold_out + math_warp * D_V + lane * 16);
 #pragma unroll
-            for (int v = 0; v < 4; ++v) mine[v] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+            for (int v = 0; v < 4; ++v)
+                mine[v] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
             if (lane == 0) fold_ml[2 * math_warp] = m, fold_ml[2 * math_warp + 1] = l;
             named_sync(BAR_MATH);
             cols = 16 / W;
