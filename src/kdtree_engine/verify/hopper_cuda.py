@@ -1,7 +1,8 @@
 """Hopper (sm_90a) tree-verify kernel in CUDA C++ (``hopper_cuda.cu``), built with nvcc at first use:
 a drop-in for the Gluon kernel (:mod:`.hopper`) on the same plans. Opt-in (``kernel="hopper_cuda"``):
-``"auto"`` does not pick it (perf log run 46, H200: 0.98-1.03 of the Gluon kernel's time at batch 4
-with pages of 64, but 1.16 at one sequence and 1.41 at pages of one row).
+``"auto"`` does not pick it (perf log run 47, H200, the issue-11 grid: 0.98-1.06 of the Gluon kernel's
+time at batch 4 with pages of 64 from 16k, but up to 1.28 at one sequence and 1.21-1.92 at pages of one
+row).
 
 The kernel (see the head of ``hopper_cuda.cu``): one persistent CTA per program of a plan, two math
 warpgroups running the two-tile step of FlashMLA's design in our own code (each warpgroup its own

@@ -24,7 +24,7 @@ __all__ = ["KERNELS", "OPT_IN_KERNELS", "available_kernels", "preparer", "launch
 
 KERNELS = ("naive", "flash", "hopper")
 # kernels that run only where named (never "auto", nor a list of the kernels a device runs): the CUDA
-# C++ Hopper kernel, slower than the Gluon one at one sequence and at pages of one row (perf log run 46)
+# C++ Hopper kernel, slower than the Gluon one at one sequence and at pages of one row (perf log run 47)
 OPT_IN_KERNELS = ("hopper_cuda",)
 _PREPARERS: dict[str, Callable] = {}
 
