@@ -668,13 +668,13 @@ __device__ __forceinline__ void grid_barrier(int* word) {
 
 constexpr int MERGE_SPLITS = KD_MERGE_SPLITS;
 
-// the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 / W rows of its block)
-// blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8, up to KD_MERGE_WARPS, that
-// keep every CTA at one item, so that few groups of many splits, one sequence's, spread over the grid) each
-// take its splits w, w + W, .. (MERGE_SPLITS loads a round, each lane 16 of the 512 columns) and fold them in that order
-// (a running max, sum and output, as online softmax); with W > 1 they then fold their W parts in order
-// through shared memory (the K stages: every chunk was read before the barrier), each finishing 512 / W
-// of the row's columns. Bitwise the same on every call
+// the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 / W rows of its
+// block) blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8, up to
+// KD_MERGE_WARPS, that keep every CTA at one item, so that few groups of many splits, one sequence's,
+// spread over the grid) each take its splits w, w + W, .. (MERGE_SPLITS loads a round, each lane 16 of the
+// 512 columns) and fold them in that order (a running max, sum and output, as online softmax); with W > 1
+// they then fold their W parts in order through shared memory (the K stages: every chunk was read before
+// the barrier), each finishing 512 / W of the row's columns. Bitwise the same on every call
 template <bool F16>
 __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_warp, int lane) {
     int W = 1;
@@ -749,7 +749,8 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
 #pragma unroll
         for (int k = 0; k < 8; ++k)  // out: 4-byte
             if (2 * k < cols) dst[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
-        if (lane == 0 && part == 0) p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
+        if (lane == 0 && part == 0)
+            p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     }
 }
 
