@@ -1,4 +1,5 @@
-"""The CUDA C++ Hopper kernel (verify/hopper_cuda.py): its build at first use, and where it runs.
+"""The CUDA C++ Hopper kernel (verify/hopper_cuda.py): its build at first use, where it runs, and its
+fused merge.
 
 On the CPU CI: the import, the nvcc lookup, the build's cache and its message (nvcc builds for sm_90a
 without a GPU where it is installed; skipped where it is not), the clear errors without a compiler
@@ -13,7 +14,7 @@ import types
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, run_checked
 from kdtree_engine import verify_attention
 from kdtree_engine.bench.runner import detect_ours
 from kdtree_engine.testing import CaseSpec, build_case, random_tree
@@ -109,3 +110,20 @@ def test_odd_out_strides_are_refused_on_the_gpu():
     out = torch.full((5, 4, 513), math.nan, dtype=torch.bfloat16, device="cuda")[..., :512]
     with pytest.raises(ValueError, match="out 4-byte aligned"):
         verify_attention(**c, kernel="hopper_cuda", out=out)
+
+
+@requires_hopper_cuda
+@pytest.mark.parametrize("heads, nodes", [(8, 8), (16, 8), (16, 9), (64, 5), (64, 9)],
+                         ids=["1-group", "2-groups", "3-groups", "5-groups", "9-groups"])
+def test_fused_merge_shares_a_rows_splits_between_warps(heads, nodes):
+    """The fused merge on one planned sequence whose 1, 2, 3, 5 or 9 row blocks are each split across
+    the grid: the W warps of a row share its splits, W the most of 1, 2, 4, 8 that keeps every CTA at
+    one item (at 132 SMs: 8, 8, 4, 2, 1), and with W > 1 fold their parts through shared memory.
+    Against the reference, and bitwise equal over two calls."""
+    spec = CaseSpec("merge", heads, [20000], [random_tree(nodes, G)], page_size=64)
+    c = build_case(spec, "cuda")
+    plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), heads, "cuda")
+    assert plan.num_groups == math.ceil(heads * nodes / 64)
+    out1, lse1 = run_checked(c, "hopper_cuda", "bf16", plan=plan)
+    out2, lse2 = run_checked(c, "hopper_cuda", "bf16", plan=plan)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
