@@ -123,8 +123,7 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     first = (out.clone(), lse.clone())
     call()
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference(c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"],
-                                 spec.sm_scale)
+    ref_out, ref_lse = reference(**c, sm_scale=spec.sm_scale)
     r_out = compare(out, ref_out, *TOLERANCES[spec.dtype]["out"])
     r_lse = compare(lse, ref_lse, *TOLERANCES[spec.dtype]["lse"])
     repeat = torch.equal(first[0], out) and torch.equal(first[1], lse)
