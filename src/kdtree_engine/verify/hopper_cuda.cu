@@ -668,6 +668,21 @@ __device__ __forceinline__ void grid_barrier(int* word) {
 
 constexpr int MERGE_SPLITS = KD_MERGE_SPLITS;
 
+// one part folded into a row's running max m (log2 units), sum l and output acc, as online softmax: the
+// part's max m_in, its sum l_in (1: a split's normalised partial, whose max is its log2-sum-exp2) and the
+// first `cols` of its N columns x
+template <int N>
+__device__ __forceinline__ void fold_part(float& m, float& l, float* acc, float m_in, float l_in, const float* x,
+                                          int cols) {
+    const float m_new = fmaxf(m, m_in), off = offset_of(m_new);
+    const float alpha = fast_exp2(m - off), w = fast_exp2(m_in - off);
+#pragma unroll
+    for (int c = 0; c < N; ++c)
+        if (c < cols) acc[c] = acc[c] * alpha + w * x[c];
+    l = l * alpha + w * l_in;
+    m = m_new;
+}
+
 // the fused merge, by the math warpgroups after the grid barrier: items (split group, 8 / W rows of its
 // block) blockIdx.x, + gridDim.x, ...; the W warps of a row (W: the most of 1, 2, 4, 8, up to
 // KD_MERGE_WARPS, that keep every CTA at one item, so that few groups of many splits, one sequence's,
@@ -705,15 +720,8 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
                 for (int v = 0; v < 4; ++v) chunk[k][v] = __ldcg(src + v);
             }
 #pragma unroll
-            for (int k = 0; k < MERGE_SPLITS; ++k) {
-                const float m_new = fmaxf(m, lse2[k]), off = offset_of(m_new);
-                const float alpha = fast_exp2(m - off), w = fast_exp2(lse2[k] - off);
-                const float* x = reinterpret_cast<const float*>(chunk[k]);
-#pragma unroll
-                for (int c = 0; c < 16; ++c) acc[c] = acc[c] * alpha + w * x[c];
-                l = l * alpha + w;
-                m = m_new;
-            }
+            for (int k = 0; k < MERGE_SPLITS; ++k)
+                fold_part<16>(m, l, acc, lse2[k], 1.f, reinterpret_cast<const float*>(chunk[k]), 16);
         }
         int col = lane * 16, cols = 16;  // the columns this lane finishes
         if (W > 1) {  // the row's W parts, in order, from shared memory
@@ -730,14 +738,7 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
             for (int c = 0; c < 16; ++c) acc[c] = 0.f;
             for (int q = 0; q < W; ++q) {
                 const int from = row_in_item * W + q;
-                const float m_q = fold_ml[2 * from], m_new = fmaxf(m, m_q), off = offset_of(m_new);
-                const float alpha = fast_exp2(m - off), w = fast_exp2(m_q - off);
-                const float* x = fold_out + from * D_V + col;
-#pragma unroll
-                for (int c = 0; c < 8; ++c)
-                    if (c < cols) acc[c] = acc[c] * alpha + w * x[c];
-                l = l * alpha + w * fold_ml[2 * from + 1];
-                m = m_new;
+                fold_part<8>(m, l, acc, fold_ml[2 * from], fold_ml[2 * from + 1], fold_out + from * D_V + col, cols);
             }
             named_sync(BAR_MATH);  // every part read: the next item may write its own
         }
