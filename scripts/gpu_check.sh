@@ -85,18 +85,27 @@ for stage in "${stages[@]}"; do
       fi
       tail -n +1 "$OUT"/ncu_*.csv | grep -E "gpc__cycles_elapsed.max|sm__pipe_tensor" | tee -a "$OUT/log.txt" ;;
     cudaverify)  # the CUDA C++ kernel (kernel="hopper_cuda", scripts/hopper_cuda_verify.py), first run in
-      # run 46: its check against the float64 reference (CUDA_CASES random batches, default 40; the default build and
-      # the cp.async producer alone), memcheck and synccheck on 3 small ones, then with CUDA_AB_SHAPES an A/B of both beside
+      # run 46: its check against the float64 reference (CUDA_CASES random batches, default 40; the default build,
+      # the cp.async producer alone and each build of CUDA_BUILDS, ';'-separated nvcc flags), the sanitizers
+      # CUDA_TOOLS (default memcheck synccheck) on 3 small ones of each build of CUDA_SANITIZE_BUILDS (default: the
+      # default build), then with CUDA_AB_SHAPES an A/B of both beside
       # the Gluon kernel (ab_hopper.py cuda + CUDA_AB_VARIANTS, default cuda:-DKD_TMA=0;
       # cudaverify_ab.json); under timeouts (CUDA_TIMEOUT 150 s, CUDA_AB_TIMEOUT 300 s): a build that never ran may hang
-      for flags in "" "-DKD_TMA=0"; do  # TMA for pairs of whole tiles (the default), then the cp.async producer alone
+      IFS=';' read -ra builds <<< "${CUDA_BUILDS:-}"
+      for flags in "" "-DKD_TMA=0" "${builds[@]}"; do  # TMA for pairs of whole tiles (the default), the cp.async producer alone
+        echo "--- build '$flags'" | tee -a "$OUT/log.txt"
         timeout "${CUDA_TIMEOUT:-150}" python3 scripts/hopper_cuda_verify.py --cases "${CUDA_CASES:-40}" --flags="$flags" \
           2>&1 | tee -a "$OUT/log.txt" | grep -vE "^PASS" || status=1
       done
-      for tool in memcheck synccheck; do
-        timeout "${CUDA_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 9 \
-          python3 scripts/hopper_cuda_verify.py --cases 3 --small 2>&1 \
-          | grep -E "PASS|FAIL|ERROR SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
+      IFS=';' read -ra sanitize_builds <<< "${CUDA_SANITIZE_BUILDS:-}"
+      [ ${#sanitize_builds[@]} -eq 0 ] && sanitize_builds=("")
+      for flags in "${sanitize_builds[@]}"; do
+        for tool in ${CUDA_TOOLS:-memcheck synccheck}; do
+          echo "--- $tool, build '$flags'" | tee -a "$OUT/log.txt"
+          timeout "${CUDA_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 9 \
+            python3 scripts/hopper_cuda_verify.py --cases 3 --small --flags="$flags" 2>&1 \
+            | grep -E "PASS|FAIL|ERROR SUMMARY|Error" | tee -a "$OUT/log.txt" || status=1
+        done
       done
       if [ -n "${CUDA_AB_SHAPES:-}" ]; then
         timeout "${CUDA_AB_TIMEOUT:-300}" python3 scripts/ab_hopper.py cuda ${CUDA_AB_VARIANTS-cuda:-DKD_TMA=0} \

@@ -17,7 +17,9 @@
 // gathered by its 128 threads' cp.asyncs: any page size, 1 included), each
 // 64-column chunk of a stage as soon as its last reader released it (the chunk's empty mbarrier, one
 // arrival by the releasing warpgroup), rows past the segment's end (and a pair's missing second tile)
-// zero-filled so that no NaN of an unused row reaches a product. Tiles that reach the tree nodes or
+// zero-filled so that no NaN of an unused row reaches a product (KD_CONSUMER_TMA: the math warpgroups refill a
+// segment's TMA pairs after its first themselves, the producer loading its Q, its first pair and gathered pairs
+// only). Tiles that reach the tree nodes or
 // the segment's end read the tree mask (scores of invisible keys -inf); the steps before them run
 // with no mask code and no branch around their wgmmas.
 #include <cuda_runtime.h>
@@ -36,6 +38,18 @@
 // instead of the warpgroup's cp.async gathers (a pair with a partial tile, other page sizes: cp.async).
 // Run 46: 0.98-1.16 of the Gluon kernel's time at pages of 64 against 1.24-1.45 gathering (-DKD_TMA=0)
 #define KD_TMA 1
+#endif
+#ifndef KD_CONSUMER_TMA
+// 1: a TMA pair after a segment's first is refilled chunk by chunk by the math warpgroup that read the chunk
+// last, as soon as it is done with it (the step spike's refills, FlashMLA's), not by the producer after an
+// arrival on the chunk's empty barrier; the producer then loads a segment's Q, its first pair and gathered
+// pairs only. Not yet measured (docs/perf_log.md, CPU session 33): 0 is the measured build
+#define KD_CONSUMER_TMA 0
+#endif
+#ifndef KD_FENCE_TMA
+// 1: a proxy fence after each chunk's wait before its QK, TMA chunks included (the measured build); 0: after
+// gathered chunks only (cp.async writes through the generic proxy, TMA through the async one the wgmmas read)
+#define KD_FENCE_TMA 1
 #endif
 #ifndef KD_MERGE_SPLITS
 // the fused merge's loads a warp issues before folding them in, and the most warps that share a row's
@@ -290,39 +304,49 @@ __device__ __forceinline__ void copy_q(const Params& p, Smem* sm, const Segment&
     arrive_when_copied(&sm->q_full);
 }
 
-// chunks [C0, C1) of a K stage, each once its last reader released it (no wait for the very first pair),
-// gathered by the warpgroup's cp.asyncs (rows past the segment's end zero-filled)
+// chunks [C0, C1) of a K stage, each once its last reader released it (`loads`: the pairs this warpgroup loaded
+// before; no wait for its first), gathered by the warpgroup's cp.asyncs (rows past the segment's end zero-filled)
 template <int C0, int C1>
-__device__ __forceinline__ void copy_chunks(const Params& p, Smem* sm, int stage, const ProducerRows& rows, int pair,
+__device__ __forceinline__ void copy_chunks(const Params& p, Smem* sm, int stage, const ProducerRows& rows, int loads,
                                             int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
-        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
+        if (loads > 0) wait_phase(&sm->k_empty[stage][c], (loads - 1) & 1);
         copy_chunk<KD_EVICT_FIRST>(sm->k[stage], rows, c, p.kv, t);
         arrive_when_copied(&sm->k_full[stage][c]);
     }
 }
 
-// chunks [C0, C1) of a K stage as copy_chunks, each a [64, 64] box of the pool's rows from `row` loaded by TMA,
-// issued by the first thread (the others arrive at once: the barrier counts 128 arrivals either way)
+// chunk c of a K stage, the [64, 64] box of the pool's rows from `row` at column 64c, loaded by TMA: one arrival on
+// the chunk's full barrier, which then also waits for the box's bytes
+__device__ __forceinline__ void tma_chunk(const CUtensorMap* kv_map, Smem* sm, int stage, int c, int row) {
+    mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
+    tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
+}
+
+// chunks [C0, C1) of a K stage as copy_chunks, each by TMA (tma_chunk) issued by the first thread (the others arrive
+// at once: the barrier counts 128 arrivals either way)
 template <int C0, int C1>
-__device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, int stage, int row, int pair, int t) {
+__device__ __forceinline__ void tma_chunks(const CUtensorMap* kv_map, Smem* sm, int stage, int row, int loads, int t) {
 #pragma unroll
     for (int c = C0; c < C1; ++c) {
-        if (pair > 0) wait_phase(&sm->k_empty[stage][c], (pair - 1) & 1);
-        if (t == 0) {
-            mbar_expect_tx(&sm->k_full[stage][c], CHUNK_BYTES);
-            tma_load_chunk<KD_EVICT_FIRST>(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row);
-        } else {
+        if (loads > 0) wait_phase(&sm->k_empty[stage][c], (loads - 1) & 1);
+        if (t == 0)
+            tma_chunk(kv_map, sm, stage, c, row);
+        else
             mbar_arrive(&sm->k_full[stage][c]);
-        }
     }
 }
 
-// the pool row where the tile at `start` begins if TMA loads it (KD_TMA, the pool's layout allows it, and the
-// tile ends before kv_end), else -1
-__device__ __forceinline__ int tma_row(const Params& p, const int* pages, int start, int kv_end) {
-    if (!KD_TMA || !p.tma || start + BN > kv_end) return -1;
+// whether pair k of the segment [kv_start, kv_end) (its tiles at kv_start + 2k BN and the next) is loaded by TMA:
+// KD_TMA, the pool's layout allows it (p.tma: pages hold whole tiles) and both tiles end before kv_end; else its
+// rows are gathered
+__device__ __forceinline__ bool tma_pair(const Params& p, int kv_start, int kv_end, int k) {
+    return KD_TMA && p.tma && kv_start + (2 * k + 2) * BN <= kv_end;
+}
+
+// the pool row where the tile at `start` begins (of a TMA pair: its page holds the whole tile)
+__device__ __forceinline__ int tma_row(const Params& p, const int* pages, int start) {
     return pages[(start / p.page_size) * p.pt_s1] * p.page_size + start % p.page_size;
 }
 
@@ -335,7 +359,8 @@ __device__ __forceinline__ int tma_row(const Params& p, const int* pages, int st
 // fetches), and the 18 fills as one loop slower still (~50 dependent instructions between a release and
 // its copy)
 __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, const Work& w, int t) {
-    int pair = 0;  // pairs loaded so far (the barriers' phases)
+    int loads = 0;  // pairs this warpgroup loaded so far (the empty barriers' phases: each load after the first
+                    // waits for the releases of the pair before it)
     for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
         const Segment seg = load_segment(p, i);
         if (n_seg > 0) wait_phase(&sm->q_empty, (n_seg - 1) & 1);
@@ -343,22 +368,24 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
         const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
 #pragma unroll 1
-        for (int j = 0; j < steps; ++j, ++pair) {
+        for (int j = 0; j < steps; ++j) {
             const int start = seg.kv_start + 2 * j * BN;
-            const int tma0 = tma_row(p, pages, start, seg.kv_end), tma1 = tma_row(p, pages, start + BN, seg.kv_end);
-            if (tma0 >= 0 && tma1 >= 0) {
-                tma_chunks<0, 4>(kv_map, sm, 0, tma0, pair, t);
-                tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, pair, t);
-                tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, pair, t);
-                tma_chunks<0, 4>(kv_map, sm, 1, tma1, pair, t);
+            if (tma_pair(p, seg.kv_start, seg.kv_end, j)) {
+                if (KD_CONSUMER_TMA && j > 0) continue;  // refilled by the math warpgroups
+                const int tma0 = tma_row(p, pages, start), tma1 = tma_row(p, pages, start + BN);
+                tma_chunks<0, 4>(kv_map, sm, 0, tma0, loads, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, loads, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, loads, t);
+                tma_chunks<0, 4>(kv_map, sm, 1, tma1, loads, t);
             } else {
                 const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
                 const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
-                copy_chunks<0, 4>(p, sm, 0, rows0, pair, t);
-                copy_chunks<4, CHUNKS>(p, sm, 1, rows1, pair, t);
-                copy_chunks<4, CHUNKS>(p, sm, 0, rows0, pair, t);
-                copy_chunks<0, 4>(p, sm, 1, rows1, pair, t);
+                copy_chunks<0, 4>(p, sm, 0, rows0, loads, t);
+                copy_chunks<4, CHUNKS>(p, sm, 1, rows1, loads, t);
+                copy_chunks<4, CHUNKS>(p, sm, 0, rows0, loads, t);
+                copy_chunks<0, 4>(p, sm, 1, rows1, loads, t);
             }
+            ++loads;
         }
     }
 }
@@ -398,29 +425,64 @@ __device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, in
     }
 }
 
-// this CTA's release of chunks [C0, C1) of a stage to the producer
+// what the math warpgroups know of the pair after a step before they release its chunks and wait for the next
+// pair's: whether that pair is gathered (cp.async: its chunks need a proxy fence before the QK reads them) and,
+// where they refill it themselves (KD_CONSUMER_TMA: a TMA pair after the segment's first), the pool rows of its two
+// tiles (else -1: the chunks go back to the producer)
+struct NextPair {
+    int row0, row1;
+    bool gathered;
+};
+
+// pair k of the segment seg (pages: its sequence's page-table row); k past its last pair: gathered, rows -1
+__device__ __forceinline__ NextPair next_pair(const Params& p, const int* pages, const Segment& seg, int k) {
+    const bool tma = tma_pair(p, seg.kv_start, seg.kv_end, k);
+    NextPair next{-1, -1, !tma};
+    if (KD_CONSUMER_TMA && tma && k > 0) {
+        const int start = seg.kv_start + 2 * k * BN;
+        next.row0 = tma_row(p, pages, start);
+        next.row1 = tma_row(p, pages, start + BN);
+    }
+    return next;
+}
+
+// this CTA's release of chunks [C0, C1) of a stage, their last reader done with them: row < 0, one arrival on
+// each chunk's empty barrier for the producer; else (KD_CONSUMER_TMA) their refill by TMA with the tile from
+// pool row `row`, each chunk's full barrier taking its 128 arrivals here
 template <int C0, int C1>
-__device__ __forceinline__ void release(Smem* sm, int stage) {
+__device__ __forceinline__ void release(Smem* sm, const CUtensorMap* kv_map, int stage, int row) {
+    if (KD_CONSUMER_TMA && row >= 0) {
 #pragma unroll
-    for (int c = C0; c < C1; ++c)
-        mbar_arrive(&sm->k_empty[stage][c]);
+        for (int c = C0; c < C1; ++c) {
+            tma_chunk(kv_map, sm, stage, c, row);
+            mbar_arrive(&sm->k_full[stage][c], PRODUCER_THREADS - 1);
+        }
+    } else {
+#pragma unroll
+        for (int c = C0; c < C1; ++c) mbar_arrive(&sm->k_empty[stage][c]);
+    }
 }
 
 // what a warpgroup's step reads besides its registers
 struct StepContext : StepDescriptors<Smem> {
     Smem* sm;
+    const CUtensorMap* kv_map;
     uint32_t p0, p1;
     int row0, row1, warp, lane;
     bool issuer;
     float sl2;
 };
 
-// wait for chunk c of a stage, issue its QK, commit it as one group
+// wait for chunk c of a stage, issue its QK, commit it as one group (gathered: cp.async wrote the chunk)
 template <bool F16>
 __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], const StepContext& ctx,
-                                                     int stage, int c, int parity, bool zero_init) {
+                                                     int stage, int c, int parity, bool zero_init, bool gathered) {
     wait_phase(&ctx.sm->k_full[stage][c], parity);
-    fence_proxy_async();  // cp.async wrote it through the generic proxy; the wgmmas read it through the async one
+    // cp.async wrote through the generic proxy, the wgmmas read through the async one (as TMA writes)
+    if (KD_FENCE_TMA)
+        fence_proxy_async();
+    else
+        fence_proxy_async(gathered);
     hold(s);
     wgmma_fence();
     if (c == CHUNKS - 1)
@@ -433,11 +495,11 @@ __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint3
 
 // wg 0's step j (tile 2j at `start`, in stage 0; see hopper_cuda_step.cu) as pair `pair` of the CTA: MASK,
 // its tile may need the mask and whether a next pair follows is `more`; otherwise the tile is clean
-// and a next pair follows
+// and a next pair follows; `next`: the segment's pair j + 1 (next_pair)
 template <bool F16, bool MASK>
 __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
-                                         bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
-                                         const uint32_t (&qr)[4][4]) {
+                                         bool more, const NextPair& next, float (&s)[32], float (&o)[128],
+                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = MASK ? more : true;
     const StepContext ctx = opaque(shared_ctx);
     const int parity = (pair + 1) & 1;  // the next pair's
@@ -452,7 +514,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, pa, ctx.dv(0));
     wgmma_wait<0>();
     hold(o);
-    if (ctx.issuer) release<0, 4>(ctx.sm, 0);
+    if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 0, next.row0);
     named_sync(BAR_FACTOR1);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
@@ -466,23 +528,23 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, ctx.dp1(), ctx.dv(1));
     if (MORE) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0, next.gathered);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
-        if (ctx.issuer) release<0, 4>(ctx.sm, 1);
+        if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, next.row1);
 #pragma unroll
-        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, false);
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, false, next.gathered);
     }
     wgmma_wait<0>();
     hold(o);
     hold(s);
-    if (!MORE && ctx.issuer) release<0, 4>(ctx.sm, 1);
+    if (!MORE && ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, -1);
 }
 
 // wg 1's step j (tile 2j + 1 at `start`, in stage 1)
 template <bool F16, bool MASK>
 __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const MaskRows& mask, int start, int pair,
-                                         bool more, float (&s)[32], float (&o)[128], float (&rsum)[2],
-                                         const uint32_t (&qr)[4][4]) {
+                                         bool more, const NextPair& next, float (&s)[32], float (&o)[128],
+                                         float (&rsum)[2], const uint32_t (&qr)[4][4]) {
     const bool MORE = MASK ? more : true;
     const StepContext ctx = opaque(shared_ctx);
     const int parity = (pair + 1) & 1;
@@ -502,14 +564,14 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, ctx.dp0(), at(ctx.dv(0), 4 * CHUNK_BYTES));
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 1);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.row1);
     wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, 0);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.row0);
     if (MORE) {
 #pragma unroll
-        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, c == 4);
+        for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, c == 4, next.gathered);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, false);
+        for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, false, next.gathered);
     }
     wgmma_wait<0>();
     hold(o);
@@ -587,11 +649,13 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, const W
     int pair = 0;  // pairs computed so far (the barriers' phases)
     for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
         const Segment seg = load_segment(p, i);
+        const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int prefix = p.kv_lens[seg.seq * p.kl_s] - seg.n_nodes;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
         // tiles starting below clean_end hold prefix keys only
         const int clean_end = seg.kv_start + max(min(seg.kv_end, prefix) - seg.kv_start, 0) / BN * BN;
         wait_phase(&sm->q_full, n_seg & 1);
+        if (!KD_FENCE_TMA) fence_proxy_async();  // Q came by cp.async (else the first chunk's fence covers it)
         uint32_t qr[4][4];  // Q's rope columns as A fragments; chunk 8 then holds wg 1's P
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(qr[ks], frag_row_addr(ctx.p1, ctx.warp, ctx.lane, ks));
@@ -601,13 +665,15 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, const W
 #pragma unroll
         for (int k = 0; k < 128; ++k) o[k] = 0.f;
         // the first pair's QK, in the order the producer fills the chunks
+        const bool gathered = !tma_pair(p, seg.kv_start, seg.kv_end, 0);
         if (wg == 0) {
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, pair & 1, c == 0);
+            for (int c = 0; c < CHUNKS; ++c)
+                qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, pair & 1, c == 0, gathered);
         } else {
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c)
-                qk_chunk_when_landed<F16>(s, qr, ctx, 1, (c + 4) % CHUNKS, pair & 1, c == 0);
+                qk_chunk_when_landed<F16>(s, qr, ctx, 1, (c + 4) % CHUNKS, pair & 1, c == 0, gathered);
         }
         wgmma_wait<0>();
         hold(s);
@@ -618,11 +684,13 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, const W
         if (wg == 0) {
 #pragma unroll 1
             for (int j = 0; j < clean_steps; ++j)
-                wg0_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+                wg0_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, next_pair(p, pages, seg, j + 1), s, o, rsum,
+                                     qr);
         } else {
 #pragma unroll 1
             for (int j = 0; j < clean_steps; ++j)
-                wg1_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, s, o, rsum, qr);
+                wg1_step<F16, false>(ctx, MaskRows{}, 0, pair + j, true, next_pair(p, pages, seg, j + 1), s, o, rsum,
+                                     qr);
         }
         const QueryRows rows = query_rows(p, seg, ctx);
         MaskRows mask;
@@ -636,10 +704,11 @@ __device__ void compute(const Params& p, const StepContext& ctx, int wg, const W
 #pragma unroll 1
         for (int j = clean_steps; j < steps; ++j) {
             const int start = seg.kv_start + (2 * j + wg) * BN;
+            const NextPair next = next_pair(p, pages, seg, j + 1);
             if (wg == 0)
-                wg0_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+                wg0_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, next, s, o, rsum, qr);
             else
-                wg1_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, s, o, rsum, qr);
+                wg1_step<F16, true>(ctx, mask, start, pair + j, j + 1 < steps, next, s, o, rsum, qr);
         }
         pair += steps;
         if (ctx.issuer)  // this warpgroup's wgmmas on Q and on P1 (over Q's rope columns) retired
@@ -783,7 +852,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
         const uint32_t base = smem_addr(sm);
         const int row0 = warp * 16 + lane / 4;
         const uint64_t opaque_zero = uint64_t(p.zero) << 32;
-        const StepContext ctx{{k_major(base) + opaque_zero, mn_major_v(base) + opaque_zero}, sm,
+        const StepContext ctx{{k_major(base) + opaque_zero, mn_major_v(base) + opaque_zero}, sm, &kv_map,
                               smem_addr(sm->p0), smem_addr(sm->q) + 8 * CHUNK_BYTES, row0, row0 + 8, warp, lane,
                               t == 0, p.scale_log2};
         compute<F16>(p, ctx, wg, w);

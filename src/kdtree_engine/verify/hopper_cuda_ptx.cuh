@@ -51,6 +51,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 
+// `count` arrivals on bar at once (release, as mbar_arrive)
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+
 // SUSPEND_HINT: the thread suspends until the phase completes or a time limit passes, not a poll
 template <bool SUSPEND_HINT = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
@@ -86,6 +92,12 @@ __device__ __forceinline__ void tma_load_chunk(void* dst, const CUtensorMap* map
 
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// fence_proxy_async where `fence` holds, predicated (no branch between the wgmmas around it)
+__device__ __forceinline__ void fence_proxy_async(bool fence) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p fence.proxy.async.shared::cta;\n}\n"
+                 :: "r"(int(fence)) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
