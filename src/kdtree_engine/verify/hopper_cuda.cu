@@ -426,19 +426,21 @@ __device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, in
 }
 
 // what the math warpgroups know of the pair after a step before they release its chunks and wait for the next
-// pair's: whether that pair is gathered (cp.async: its chunks need a proxy fence before the QK reads them) and,
-// where they refill it themselves (KD_CONSUMER_TMA: a TMA pair after the segment's first), the pool rows of its two
-// tiles (else -1: the chunks go back to the producer)
+// pair's: whether that pair is gathered (cp.async: its chunks need a proxy fence before the QK reads them), and
+// whether they refill it themselves (KD_CONSUMER_TMA: a TMA pair after the segment's first; else its chunks go back
+// to the producer), from the pool rows of its two tiles
 struct NextPair {
     int row0, row1;
-    bool gathered;
+    bool gathered, refill;
 };
 
-// pair k of the segment seg (pages: its sequence's page-table row); k past its last pair: gathered, rows -1
+// pair k of the segment seg (pages: its sequence's page-table row); k past its last pair: gathered, not refilled.
+// Whether the producer or the math warpgroups load a pair is decided from the segment's bounds alone (tma_pair,
+// as the producer decides), never from the page ids: a bad one cannot make the two sides disagree
 __device__ __forceinline__ NextPair next_pair(const Params& p, const int* pages, const Segment& seg, int k) {
     const bool tma = tma_pair(p, seg.kv_start, seg.kv_end, k);
-    NextPair next{-1, -1, !tma};
-    if (KD_CONSUMER_TMA && tma && k > 0) {
+    NextPair next{0, 0, !tma, KD_CONSUMER_TMA && tma && k > 0};
+    if (next.refill) {
         const int start = seg.kv_start + 2 * k * BN;
         next.row0 = tma_row(p, pages, start);
         next.row1 = tma_row(p, pages, start + BN);
@@ -446,12 +448,12 @@ __device__ __forceinline__ NextPair next_pair(const Params& p, const int* pages,
     return next;
 }
 
-// this CTA's release of chunks [C0, C1) of a stage, their last reader done with them: row < 0, one arrival on
-// each chunk's empty barrier for the producer; else (KD_CONSUMER_TMA) their refill by TMA with the tile from
-// pool row `row`, each chunk's full barrier taking its 128 arrivals here
+// this CTA's release of chunks [C0, C1) of a stage, their last reader done with them: one arrival on each chunk's
+// empty barrier for the producer, or with `refill` (KD_CONSUMER_TMA) their refill by TMA with the tile from pool
+// row `row`, each chunk's full barrier taking its 128 arrivals here
 template <int C0, int C1>
-__device__ __forceinline__ void release(Smem* sm, const CUtensorMap* kv_map, int stage, int row) {
-    if (KD_CONSUMER_TMA && row >= 0) {
+__device__ __forceinline__ void release(Smem* sm, const CUtensorMap* kv_map, int stage, bool refill, int row) {
+    if (KD_CONSUMER_TMA && refill) {
 #pragma unroll
         for (int c = C0; c < C1; ++c) {
             tma_chunk(kv_map, sm, stage, c, row);
@@ -514,7 +516,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, pa, ctx.dv(0));
     wgmma_wait<0>();
     hold(o);
-    if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 0, next.row0);
+    if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 0, next.refill, next.row0);
     named_sync(BAR_FACTOR1);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
@@ -530,14 +532,14 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
 #pragma unroll
         for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0, next.gathered);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
-        if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, next.row1);
+        if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, next.refill, next.row1);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, false, next.gathered);
     }
     wgmma_wait<0>();
     hold(o);
     hold(s);
-    if (!MORE && ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, -1);
+    if (!MORE && ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, false, 0);
 }
 
 // wg 1's step j (tile 2j + 1 at `start`, in stage 1)
@@ -564,9 +566,9 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, ctx.dp0(), at(ctx.dv(0), 4 * CHUNK_BYTES));
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.row1);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.refill, next.row1);
     wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.row0);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.refill, next.row0);
     if (MORE) {
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, c == 4, next.gathered);
