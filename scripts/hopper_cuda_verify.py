@@ -5,7 +5,8 @@ against the float64 reference (docs/perf_log.md, session 30).
     PYTHONPATH=src python3 scripts/hopper_cuda_verify.py [--cases 40] [--small] [--flags=-DKD_TMA=0]
     PYTHONPATH=src python3 scripts/ab_hopper.py cuda [cuda:FLAGS ...] --shapes ...
 
-The first form checks it on eleven named cases, simplest first, then on random ragged batches (the
+The first form checks it on a pipeline case (two segments of several pairs on one program; with
+``--small`` too), eleven named cases, simplest first, then on random ragged batches (the
 GPU suite's kinds of awkward cases: bf16 and fp16, page sizes 1 to 128, 1 to 128 heads, trees of 1
 to 300 nodes, prefixes of 0 to 5,000 positions, NaN in every pool row no sequence uses, repeated
 calls bitwise equal) and prints a PASS / FAIL line per case, half of them on grids of 1-5 programs
@@ -96,6 +97,16 @@ def targeted_cases() -> list[CaseSpec]:
             for i, (name, H, prefixes, trees, page) in enumerate(cases)]
 
 
+def pipeline_case() -> CaseSpec:
+    """Two sequences of 8 and 5 KV tiles at pages of 64 on one program: two segments of several pairs in one
+    CTA, whose pairs after the first are TMA pairs but the second's last (a partial tile, gathered), so the
+    K stages' barriers go through every hand-over (producer and, with KD_CONSUMER_TMA, the math warpgroups'
+    own refills) and their phases carry across segments; small enough for the sanitizers."""
+    gen = torch.Generator().manual_seed(11)
+    return CaseSpec(name="pipeline", num_heads=3, prefix_lens=[503, 300], trees=[chain_tree(9), random_tree(5, gen)],
+                    page_size=64, seed=11)
+
+
 def random_case(rng: random.Random, seed: int, small: bool = False) -> CaseSpec:
     """One awkward batch: ragged prefixes and trees, a random page size and head count (``small``: at
     most 3 sequences of 33 nodes, 200 prefix positions and 16 heads, for the sanitizers)."""
@@ -149,7 +160,7 @@ def main() -> None:
     # the named cases (not with --small), then the random ones: on the default grid and on a small one
     # (several segments a program: the barriers' phases across segments), merged by the kernel and by the
     # combine kernel
-    runs = [] if a.small else [(spec, None, True) for spec in targeted_cases()]
+    runs = [(pipeline_case(), 1, True)] + ([] if a.small else [(spec, None, True) for spec in targeted_cases()])
     for i in range(a.cases):
         runs.append((random_case(rng, a.seed * 1000 + i, a.small), None if i % 2 else rng.choice([1, 2, 5]),
                      i % 4 < 2))
