@@ -428,7 +428,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, in
 // what the math warpgroups know of the pair after a step before they release its chunks and wait for the next
 // pair's: whether that pair is gathered (cp.async: its chunks need a proxy fence before the QK reads them), and
 // whether they refill it themselves (KD_CONSUMER_TMA: a TMA pair after the segment's first; else its chunks go back
-// to the producer), from the pool rows of its two tiles
+// to the producer) and then from which pool rows (its two tiles')
 struct NextPair {
     int row0, row1;
     bool gathered, refill;
@@ -480,7 +480,7 @@ template <bool F16>
 __device__ __forceinline__ void qk_chunk_when_landed(float (&s)[32], const uint32_t (&qr)[4][4], const StepContext& ctx,
                                                      int stage, int c, int parity, bool zero_init, bool gathered) {
     wait_phase(&ctx.sm->k_full[stage][c], parity);
-    // cp.async wrote through the generic proxy, the wgmmas read through the async one (as TMA writes)
+    // cp.async writes through the generic proxy, the wgmmas read through the async one (TMA writes through it too)
     if (KD_FENCE_TMA)
         fence_proxy_async();
     else
