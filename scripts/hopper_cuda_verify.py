@@ -157,7 +157,7 @@ def main() -> None:
     kernel = CudaKernel(f"{a.flags} -DKD_WATCHDOG=1".strip())  # a wait that hangs traps and says where
     kernel.arm_watchdog()
     rng = random.Random(a.seed)
-    # the named cases (not with --small), then the random ones: on the default grid and on a small one
+    # the pipeline case, the named cases (not with --small), then the random ones: on the default grid and on a small one
     # (several segments a program: the barriers' phases across segments), merged by the kernel and by the
     # combine kernel
     runs = [(pipeline_case(), 1, True)] + ([] if a.small else [(spec, None, True) for spec in targeted_cases()])
