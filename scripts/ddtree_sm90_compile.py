@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from itertools import groupby
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+from sass_loops import wgmma_loops
 
 from kdtree_engine.ddtree import kernels as K
 from kdtree_engine.ddtree.tree import _pair_table
@@ -71,34 +72,6 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
             f"shared {ck.metadata.shared} B, bar.sync {len(re.findall(BAR_SYNC, ck.asm['ptx']))}"
             + "".join(f", WGMMAS SERIALIZED (ptxas info {code})" for code in re.findall(WGMMA_SERIALIZED, r.stderr))
             + ("" if sass is None else "".join(f"\n     {loop}" for loop in wgmma_loops(sass.read_text()))))
-
-
-SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+0x([0-9a-f]+)")
-ORDER_OPS = ("HGMMA", "MUFU", "FMUL", "STS", "STSM", "LDS", "SYNCS", "BAR")  # the ops of a step's order line
-
-
-def wgmma_loops(sass: str) -> list[str]:
-    """The innermost loops of ``sass`` (``cuobjdump -sass`` text) that issue wgmmas (HGMMA), two lines
-    each: addresses, instructions in the body and the counts of the opcodes that bound a softmax step
-    (a static count: a branch inside the body, e.g. around a mask, is counted in full); then the
-    order in which ptxas placed the :data:`ORDER_OPS` (runs of one opcode as ``OPxN``; SYNCS: mbarrier
-    waits and arrives), which says e.g. whether register arithmetic moved ahead of a store or an arrive."""
-    code = [(int(m.group(1), 16), m.group(2)) for m in SASS_LINE.finditer(sass)]
-    back = [(int(m.group(1), 16), a) for a, text in code if (m := BRANCH.search(text)) and int(m.group(1), 16) < a]
-    lines = []
-    for start, end in back:
-        if any(start < s0 and e0 < end for s0, e0 in back if (s0, e0) != (start, end)):
-            continue  # holds another loop
-        body = [text for a, text in code if start <= a <= end]
-        ops = [text.split()[1 if text.startswith("@") else 0].split(".")[0] for text in body]
-        if "HGMMA" in ops:
-            counts = ", ".join(f"{op} {ops.count(op)}" for op in ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS"))
-            lines.append(f"loop {start:#x}-{end:#x}: {len(ops)} instructions ({counts})")
-            runs = [(op, len(list(run))) for op, run in groupby(  # (@!PT: never runs, fence padding)
-                op for op, text in zip(ops, body) if op in ORDER_OPS and not text.startswith("@!PT"))]
-            lines.append("  order: " + " ".join(f"{op}x{n}" if n > 1 else op for op, n in runs))
-    return lines
 
 
 WALK_TYPES = dict(

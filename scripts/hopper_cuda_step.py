@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module
+from kdtree_engine.verify.hopper_cuda import NVCC_TARGET
 
 SOURCE = Path(__file__).with_suffix(".cu")
 SHAPES = ("64x33x4x131072", "16x9x4x131072", "16x9x1x131072", "16x9x4x16384")
@@ -35,8 +36,8 @@ SHAPES = ("64x33x4x131072", "16x9x4x131072", "16x9x1x131072", "16x9x4x16384")
 
 def build(out_dir: Path, name: str, flags: str) -> ctypes.CDLL:
     lib = out_dir / f"hopper_cuda_step_{name}.so"
-    cmd = ["nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-           "-Xptxas", "-v", *flags.split(), "-o", str(lib), str(SOURCE)]
+    cmd = ["nvcc", *NVCC_TARGET, "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", *flags.split(), "-o", str(lib),
+           str(SOURCE)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     print(f"{name} ({flags or 'no flags'}): " + "; ".join(
         line.strip() for line in r.stderr.splitlines() if "registers" in line or "spill" in line or "error" in line))

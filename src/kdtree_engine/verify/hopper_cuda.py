@@ -51,6 +51,7 @@ __all__ = ["BuildError", "Params", "available", "compiler", "library", "prepare"
 
 SOURCE = Path(__file__).with_suffix(".cu")
 HEADER = SOURCE.with_name("hopper_cuda_ptx.cuh")
+NVCC_TARGET = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a")  # every build's (and scripts')
 
 
 class BuildError(RuntimeError):
@@ -118,8 +119,7 @@ def library(flags: str = "") -> ctypes.CDLL:
         print(f"kdtree_engine: building the Hopper CUDA kernel with {nvcc} (once, ~10 s; kept in {path.parent})",
               file=sys.stderr, flush=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: concurrent builds never mix
-        cmd = [nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-               *flags.split(), "-o", str(partial), str(SOURCE)]
+        cmd = [nvcc, *NVCC_TARGET, "-shared", "-Xcompiler", "-fPIC", *flags.split(), "-o", str(partial), str(SOURCE)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             partial.unlink(missing_ok=True)
