@@ -834,6 +834,7 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
               lane = t % 32;
     if (threadIdx.x == 0) {
+        if (p.tma) prefetch_tensor_map(&kv_map);
         for (int s = 0; s < 2; ++s)
             for (int c = 0; c < CHUNKS; ++c) {
                 mbar_init(&sm->k_full[s][c], PRODUCER_THREADS);

@@ -74,6 +74,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
             "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
+// the tensor map's 128 bytes fetched into the TMA unit's descriptor cache ahead of its first load (else that load
+// waits for them; FlashMLA and CUTLASS prefetch their maps at entry)
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
+}
+
 // a [64, 64] box of a 2-D tensor map at (col, row) into dst by TMA, its bytes counted on bar (EVICT_FIRST: with an
 // L2 evict-first hint)
 template <bool EVICT_FIRST = false>
