@@ -363,16 +363,22 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
                     // waits for the releases of the pair before it)
     for (int i = w.first, n_seg = 0; i < w.end; i += w.step, ++n_seg) {
         const Segment seg = load_segment(p, i);
+        const int* pages = p.page_table + seg.seq * p.pt_s0;
+        // a first TMA pair's pool rows, read before the wait for Q's buffer and Q's copy: the page ids' load
+        // overlaps them instead of following them (the copy's asm orders every memory access after it)
+        const bool tma_first = tma_pair(p, seg.kv_start, seg.kv_end, 0);
+        const int first0 = tma_first ? tma_row(p, pages, seg.kv_start) : 0;
+        const int first1 = tma_first ? tma_row(p, pages, seg.kv_start + BN) : 0;
         if (n_seg > 0) wait_phase(&sm->q_empty, (n_seg - 1) & 1);
         copy_q(p, sm, seg, t);
-        const int* pages = p.page_table + seg.seq * p.pt_s0;
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
 #pragma unroll 1
         for (int j = 0; j < steps; ++j) {
             const int start = seg.kv_start + 2 * j * BN;
             if (tma_pair(p, seg.kv_start, seg.kv_end, j)) {
                 if (KD_CONSUMER_TMA && j > 0) continue;  // refilled by the math warpgroups
-                const int tma0 = tma_row(p, pages, start), tma1 = tma_row(p, pages, start + BN);
+                const int tma0 = j == 0 ? first0 : tma_row(p, pages, start);
+                const int tma1 = j == 0 ? first1 : tma_row(p, pages, start + BN);
                 tma_chunks<0, 4>(kv_map, sm, 0, tma0, loads, t);
                 tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, loads, t);
                 tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, loads, t);
