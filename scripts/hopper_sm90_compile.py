@@ -9,8 +9,9 @@ registers, spills, shared memory, partition barriers and whether ptxas serialise
 stamps added), whose timeline means something only if ptxas did not serialise its wgmmas (infos C7514,
 C7515: printed as ``WGMMAS SERIALIZED``). ``--sass DIR``: each case's SASS written to DIR, and the
 innermost loops that issue wgmmas (the two consumers' steps) printed with their instruction counts
-and fixed-stall cycles (``sass_loops.wgmma_loops``; static: the mask's branch is counted in full). Check a change to the kernel here before a GPU call:
-docs/hopper.md says which figures matter (a few bytes of spills is fine, serialised wgmmas are not).
+and fixed-stall cycles (``sass_loops.wgmma_loops``; static: the mask's branch is counted in full).
+Check a change to the kernel here before a GPU call: docs/hopper.md says which figures matter (a few
+bytes of spills is fine, serialised wgmmas are not).
 
 Pointers are taken as 16-byte aligned, q's, kv's and out's strides as multiples of 16 elements, the
 other integer arguments as unspecialised; the constexprs are the ones ``verify/hopper.prepare`` passes. Needs a Triton with the NVIDIA backend and Gluon (3.6 seen

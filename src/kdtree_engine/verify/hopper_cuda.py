@@ -21,9 +21,9 @@ context after runs 23-44 measured every structural change Gluon can express; a C
 FlashMLA's loop layout came within 2-3% of FlashMLA (run 45), and TMA multicast across a cluster
 cannot be expressed in Gluon 3.6 at all.
 
-The build: ``nvcc -O3 -arch=sm_90a -shared`` of ``hopper_cuda.cu`` into a shared library loaded
-through ctypes (no torch headers: a ~10 s build, independent of the Python and torch ABI), cached
-by the hash of the source, the flags and nvcc's version in ``$KDTREE_CACHE_DIR`` (default
+The build: ``nvcc`` with :data:`NVCC_TARGET` (``-O3``, sm_90a) and ``-shared`` of ``hopper_cuda.cu`` into
+a shared library loaded through ctypes (no torch headers: a ~10 s build, independent of the Python and
+torch ABI), cached by the hash of the source, the nvcc flags and nvcc's version in ``$KDTREE_CACHE_DIR`` (default
 ``~/.cache/kdtree_engine``); it says on stderr when it builds. nvcc is ``$KDTREE_NVCC``, else the one
 on ``PATH``, else ``$CUDA_HOME/bin/nvcc``. Without one, ``kernel="hopper_cuda"`` raises a
 ``ValueError`` saying so (and a list of the kernels a device runs leaves it out); a failed build
@@ -113,7 +113,8 @@ def library(flags: str = "") -> ctypes.CDLL:
         raise BuildError("the Hopper CUDA kernel is built with nvcc at first use, and no nvcc was found "
                          "(set KDTREE_NVCC or CUDA_HOME, or put nvcc on PATH)")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join((SOURCE.read_text(), HEADER.read_text(), flags, version)).encode())
+    digest = hashlib.sha256("\0".join((SOURCE.read_text(), HEADER.read_text(), " ".join(NVCC_TARGET), flags,
+                                      version)).encode())
     path = cache_dir() / f"hopper_cuda_{digest.hexdigest()[:20]}.so"
     if not path.is_file():
         print(f"kdtree_engine: building the Hopper CUDA kernel with {nvcc} (once, ~10 s; kept in {path.parent})",
