@@ -19,9 +19,10 @@ otherwise read the last kernel's equal values and pass, as run 44's ``tmapart`` 
 GPU suite failed it), and again after its last replay (``REPLAYS DIFFER``
 where those two outputs are not bitwise equal: a race), each variant's last outputs compared with
 the base's (bitwise equal or not, largest difference), then all timed in turn: ``--rounds`` rounds of a
-CUDA-graph replay median each, after an untimed round (the GPU's clock settles under its power
-limit) and each round starting at another kernel, the fastest round per kernel reported, so drift
-between calls of the machine hits all of them. Each kernel compiles once per (heads, page size) of the shapes.
+CUDA-graph replay median each (``--calls`` calls a graph, back to back), after an untimed round (the
+GPU's clock settles under its power limit) and each round starting at another kernel, the fastest
+round per kernel reported, so drift between calls of the machine hits all of them. Each kernel
+compiles once per (heads, page size) of the shapes.
 ``--flashmla DIR``: FlashMLA is timed in the same rounds on each shape's work as chain trees (pages of
 64 whatever the shape's page size, its own random inputs, unchecked), and every time is also printed
 as a ratio to its (issue 11's measure, here on random trees, which run 43 found within 5% of chain
@@ -82,6 +83,9 @@ def main() -> None:
                    "FILE.diff:NAME sections of a variants file, unfused, cuda[:FLAGS]")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=1, help="calls in each timed graph, back to back (per call: the "
+                   "replay's time divided by them); more than one times a launch beside the call before it, as "
+                   "the bench's graphs do (programmatic dependent launch, FlashMLA's two kernels)")
     p.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) in the rounds: "
                    "the shape's work as chain trees (its causal mask), pages of 64, its own inputs; every kernel's "
                    "time then also as a ratio to it")
@@ -129,7 +133,7 @@ def main() -> None:
         names = list(res)
         for i in range(a.rounds + 1):
             for name in names[i % len(names):] + names[: i % len(names)]:
-                us = time_graph(res[name]["call"]) * 1e6
+                us = time_graph(res[name]["call"], calls=a.calls) * 1e6
                 if i:
                     res[name]["us"].append(us)
         flashmla_us = min(res.pop("flashmla")["us"]) if fm is not None else None

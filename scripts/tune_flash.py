@@ -35,8 +35,10 @@ def forced_schedule(name: str):
     return AUTO_SCHEDULE if name == "auto" else functools.partial(AUTO_SCHEDULE, only=name)
 
 
-def time_graph(fn, reps: int = 50) -> float:
-    """Median seconds of one call, replayed from a CUDA graph (warm-up on a side stream first)."""
+def time_graph(fn, reps: int = 50, calls: int = 1) -> float:
+    """Median seconds of one call, replayed from a CUDA graph of ``calls`` calls back to back
+    (divided out; more than one lets a call's launch overlap the call before it, as in the bench's
+    graphs of calls), warm-up on a side stream first."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -45,7 +47,8 @@ def time_graph(fn, reps: int = 50) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -53,7 +56,7 @@ def time_graph(fn, reps: int = 50) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
 

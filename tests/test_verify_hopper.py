@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import DEVICE, run_checked, unplanned_workspace
-from kdtree_engine import verify_attention
-from kdtree_engine.testing import CaseSpec, build_case, chain_tree, random_tree, star_tree
+from kdtree_engine import reference, verify_attention
+from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
 from kdtree_engine.verify import api, available_kernels, combine, hopper, plan_verify
 from kdtree_engine.verify.op import resolve
 
@@ -152,6 +152,57 @@ def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few):
     out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
     out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_call_reads_what_the_call_before_it_wrote(kernel, graph):
+    """Two planned calls back to back on one stream, the second's first KV rows (page size 1, its
+    sequence 0's first 144 positions) being the first call's output (its latent columns, NaN
+    before): the second reads them only once the first has written them, eagerly and replayed from
+    a CUDA graph. A kernel launched as a programmatic dependent of the one before it (which may start
+    while that one runs) must wait for it before any read: this catches one that does not."""
+    skip_unless_it_runs(kernel)
+    a = build_case(CaseSpec("writer", 16, [3000], [random_tree(9, G)], page_size=64), "cuda")
+    b = build_case(CaseSpec("reader", 8, [2000, 500], [random_tree(17, G), chain_tree(5)], seed=1), "cuda")
+    rows = a["q"].shape[0] * a["q"].shape[1]  # a's output rows, one per (node, head)
+    pool = b["kv_cache"].shape[0]
+    written = torch.randn(rows, 1, 576, device="cuda").to(torch.bfloat16)
+    written[..., :512] = float("nan")  # the latent columns: a's output, once it is written
+    b["kv_cache"] = torch.cat([b["kv_cache"], written])
+    b["page_table"][0, :rows] = torch.arange(pool, pool + rows, dtype=torch.int32, device="cuda")
+    out_a = b["kv_cache"][pool:, 0, :512].view(a["q"].shape[0], a["q"].shape[1], 512)
+    lse_a = torch.empty(a["q"].shape[:2], device="cuda")
+    out_b = torch.empty(*b["q"].shape[:2], 512, dtype=torch.bfloat16, device="cuda")
+    lse_b = torch.empty(b["q"].shape[:2], device="cuda")
+    plan_a = plan_verify(a["kv_lens"].cpu(), a["qo_indptr"].cpu(), 16, "cuda")
+    plan_b = plan_verify(b["kv_lens"].cpu(), b["qo_indptr"].cpu(), 8, "cuda")
+
+    def calls():
+        verify_attention(**a, kernel=kernel, plan=plan_a, out=out_a, lse=lse_a)
+        verify_attention(**b, kernel=kernel, plan=plan_b, out=out_b, lse=lse_b)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        calls()
+    torch.cuda.current_stream().wait_stream(stream)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        out_a.fill_(float("nan"))
+        g.replay()
+    else:
+        out_a.fill_(float("nan"))
+        calls()
+    torch.cuda.synchronize()
+    ref_a, _ = reference(**a)
+    ref_b, ref_lse_b = reference(**b)  # on the rows a wrote
+    assert compare(out_a, ref_a, *TOLERANCES["bf16"]["out"]).ok
+    res = compare(out_b, ref_b, *TOLERANCES["bf16"]["out"])
+    assert res.ok, f"out: {res} {res.detail}"
+    assert compare(lse_b, ref_lse_b, *TOLERANCES["bf16"]["lse"]).ok
 
 
 def test_dispatch_never_picks_what_cannot_run():

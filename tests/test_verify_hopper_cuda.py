@@ -73,7 +73,8 @@ def test_build_is_cached_says_so_and_fits_its_params(fresh_builds, capfd):
 
 
 @requires_nvcc
-@pytest.mark.parametrize("flags", ["-DKD_TMA=0 -DKD_EVICT_FIRST=0", "-DKD_CONSUMER_TMA=1 -DKD_FENCE_TMA=0 -DKD_WATCHDOG=1",
+@pytest.mark.parametrize("flags", ["-DKD_TMA=0 -DKD_EVICT_FIRST=0",
+                                   "-DKD_CONSUMER_TMA=1 -DKD_FENCE_TMA=0 -DKD_WATCHDOG=1 -DKD_PDL=1",
                                    "-DKD_MERGE_SPLITS=4 -DKD_MERGE_WARPS=1"])
 def test_the_variants_the_perf_log_times_build(fresh_builds, flags):
     """The -D variants that the perf log's A/Bs and checks name build, with the library's Params."""

@@ -51,6 +51,13 @@
 // gathered chunks only (cp.async writes through the generic proxy, TMA through the async one the wgmmas read)
 #define KD_FENCE_TMA 1
 #endif
+#ifndef KD_PDL
+// 1: programmatic dependent launch (FlashMLA's launches): the kernel is launched with programmatic stream
+// serialization, every thread issues griddepcontrol.launch_dependents at entry and griddepcontrol.wait before
+// its first global access, so a call's launch and prologue overlap the kernel before it. Not yet measured
+// (docs/perf_log.md, CPU session 35): 0 is the measured build
+#define KD_PDL 0
+#endif
 #ifndef KD_MERGE_SPLITS
 // the fused merge's loads a warp issues before folding them in, and the most warps that share a row's
 // splits (run 47: 8 and 8 took 16x9x1 from 1.75 to 1.24 of the Gluon kernel's time at 4k; 4 and 1 are
@@ -835,6 +842,8 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
 template <bool F16>
 __global__ void __launch_bounds__(LAUNCH_THREADS, 1)
 verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
+    // a dependent launched programmatically may take the SMs of this kernel's CTAs as they exit and wait there
+    if (KD_PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     Smem* sm = smem();
     // the warpgroup, broadcast from lane 0 so that the compiler knows it is the same in a warp
     const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0), t = threadIdx.x % 128, warp = t / 32,
@@ -852,6 +861,9 @@ verify_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
     }
     if (threadIdx.x < BM) sm->row_max[threadIdx.x] = -INFINITY;
     __syncthreads();
+    // the kernel before this one in the stream completed and its writes are visible (at once without one, or
+    // when this launch is not a programmatic dependent); nothing global was read before
+    if (KD_PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
     const Work w = work_of(p);
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
@@ -921,12 +933,15 @@ extern "C" int kd_verify_launch(const void* params, int num_programs, int device
     config.blockDim = dim3(LAUNCH_THREADS);
     config.dynamicSmemBytes = kd_verify_smem_bytes();
     config.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute cooperative[1];
+    cudaLaunchAttribute attrs[2];
+    config.attrs = attrs;
     if (p.fuse) {  // every CTA resident at once (the driver refuses a grid that cannot be), for the grid barrier
-        cooperative[0].id = cudaLaunchAttributeCooperative;
-        cooperative[0].val.cooperative = 1;
-        config.attrs = cooperative;
-        config.numAttrs = 1;
+        attrs[config.numAttrs].id = cudaLaunchAttributeCooperative;
+        attrs[config.numAttrs++].val.cooperative = 1;
+    }
+    if (KD_PDL) {  // may launch before the kernel ahead of it in the stream ends (its CTAs wait for it, above)
+        attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
     }
     const cudaError_t launched = p.f16 ? cudaLaunchKernelEx(&config, verify_kernel<true>, p, kv_map)
                                        : cudaLaunchKernelEx(&config, verify_kernel<false>, p, kv_map);
