@@ -111,9 +111,11 @@ def test_bad_construction_is_refused(args, match):
 
 @pytest.mark.parametrize("kernel, costs", [("flash", TRITON_COSTS), ("hopper", HOPPER_COSTS)])
 def test_a_named_kernel_plans_with_its_own_cost_model(kernel, costs):
-    """4 x 9 nodes x 64 heads at 131072 on 132 programs: the two kernels' cost models pick different
-    schedules (the Hopper kernel's HBM term takes the KV parts schedule), whatever the device."""
-    lens, indptr = [131081] * 4, [0, 9, 18, 27, 36]
+    """4 trees of 9 and 5 nodes x 64 heads at 131072 on 132 programs: the two kernels' cost models
+    pick different schedules (the Hopper kernel's HBM term takes the KV parts schedule), whatever the
+    device. (With one tree size both take the parts with the KV's last tiles on the programs they
+    leave idle, which the line's shares cost more than under either.)"""
+    lens, indptr = [131081, 131077, 131081, 131077], [0, 9, 14, 23, 28]
     attn = VerifyAttention(4, 9, 64, DEVICE, kernel=kernel, config=CONFIGS[1], num_programs=132)
     attn.plan(lens, indptr)
     tables = {}

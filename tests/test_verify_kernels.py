@@ -141,34 +141,90 @@ def test_parts_schedule_covers_every_tile_once_in_lockstep(seed):
             assert rs == ranges[p - p % L]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_parts_tail_schedule_covers_every_tile_once_and_fills_the_grid(seed):
+    """One tree size (L row blocks a sequence) on P programs that L does not divide: every
+    (sequence, row block, tile) once; the first G L programs (G = P // L) run KV parts, the L
+    programs of a part the same KV ranges in the same order; the other P - G L run the KV's last
+    tiles; every program works, and none has much more than an equal share."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 9))
+    L = int(rng.integers(2, 20))
+    R = np.full(B, L)
+    T = rng.integers(1, [40, 600, 5000][seed % 3], B)
+    P = int(rng.integers(2 * L, 140))
+    if P % L == 0:
+        P += 1
+    if int(T.sum()) < 2 * P:  # a tail of at least a tile
+        T = T + 2 * P // B
+    pieces = vplan.schedule(R, T, P, only="parts_tail")
+    assert list(pieces.prog) == sorted(pieces.prog) and set(pieces.prog.tolist()) == set(range(P))
+    cover = collections.Counter()
+    for b, r, t0, t1 in zip(*(x.tolist() for x in pieces[:4])):
+        assert 0 <= t0 < t1 <= T[b] and 0 <= r < L
+        cover.update((b, r, t) for t in range(t0, t1))
+    assert len(cover) == int((R * T).sum()) and set(cover.values()) == {1}
+    G = P // L
+    ranges = collections.defaultdict(list)
+    for b, t0, t1, p in zip(*(x.tolist() for x in (pieces.seq, pieces.t0, pieces.t1, pieces.prog))):
+        ranges[p].append((b, t0, t1))
+    for p in range(G * L):
+        assert ranges[p] == ranges[p - p % L]
+    load = np.bincount(pieces.prog, weights=pieces.t1 - pieces.t0)
+    assert load.max() <= int((R * T).sum()) / P + L + 2
+
+
+def test_parts_tail_schedule_fills_the_sms_where_the_parts_leave_some_idle():
+    """9 row blocks a sequence (64 heads x 9 nodes, 16 heads x 33) on 132 programs: KV parts run
+    on 14 x 9 = 126 of them. The Hopper cost model takes the parts and tail there: all 132 work,
+    the busiest with as many tile pairs (the kernels' steps) as an equal share rounds up to (run
+    47's grid: 4x64x9x16384 and 4x16x33x16384 were 1.118 of FlashMLA's time)."""
+    for B, T in ((4, 257), (4, 2049), (1, 2049)):
+        R, T = np.full(B, 9), np.full(B, T)
+        pieces = vplan.schedule(R, T, 132, costs=vplan.HOPPER_COSTS)
+        steps = np.bincount(pieces.prog, weights=(pieces.t1 - pieces.t0 + 1) // 2)
+        assert len(steps) == 132 and steps.min() > 0
+        assert steps.max() <= -(-int((R * T).sum()) // 264) + 1
+        parts = vplan.schedule(R, T, 132, only="parts")
+        assert vplan.schedule_cost(pieces, vplan.HOPPER_COSTS) < vplan.schedule_cost(parts, vplan.HOPPER_COSTS)
+    with pytest.raises(ValueError, match="no parts-and-tail schedule"):
+        vplan.schedule(np.full(4, 3), np.full(4, 257), 132, only="parts_tail")  # 3 divides 132
+
+
 @pytest.mark.parametrize("kernel", ["flash", "hopper"])
-@pytest.mark.parametrize("candidate", ["parts", "line"])
+@pytest.mark.parametrize("candidate", ["parts", "line", "parts_tail"])
 def test_planned_kernels_run_each_schedule(kernel, candidate, monkeypatch):
-    """The kernels read any schedule's tables: a ragged batch (one tree size; and a mixed one, where
-    the parts schedule leaves programs idle) planned with one candidate forced."""
+    """The kernels read any schedule's tables: a ragged batch (one tree size; and, but for the parts
+    and tail, a mixed one, where the parts schedule leaves programs idle) planned with one candidate
+    forced (the parts and tail: 16 heads x 9 nodes, 3 or 5 row blocks a sequence on 13 programs)."""
     if kernel not in available_kernels(DEVICE):
         pytest.skip(f"{kernel} does not run here")
 
     monkeypatch.setattr(vplan, "schedule", functools.partial(vplan.schedule, only=candidate))
-    for i, trees in enumerate(([random_tree(9, G)] * 3, [random_tree(9, G), [-1], random_tree(20, G)])):
-        spec = CaseSpec(f"{candidate}{i}", 5, [300, 77, 1000], trees, page_size=[1, 16][i], seed=i)
+    heads = 16 if candidate == "parts_tail" else 5
+    batches = ([random_tree(9, G)] * 3, [random_tree(9, G), [-1], random_tree(20, G)])
+    for i, trees in enumerate(batches[:1] if candidate == "parts_tail" else batches):
+        spec = CaseSpec(f"{candidate}{i}", heads, [300, 77, 1000], trees, page_size=[1, 16][i], seed=i)
         c = build_case(spec, DEVICE)
-        plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 5, DEVICE, num_programs=13)
+        plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), heads, DEVICE, num_programs=13)
         run_checked(c, kernel, "bf16", plan=plan)
 
 
 def test_schedule_keeps_row_blocks_of_a_sequence_on_the_same_kv():
     """64 heads x 9 nodes x 4 sequences at 131072 (9 row blocks each, 132 programs), Hopper kernel
     costs: the line schedule's programs read each sequence's KV at 36 different offsets (HBM-bound,
-    run 18: 1.50x FlashMLA); the plan takes KV parts instead, read by 9 programs at once. The
-    Triton kernel's tiles take 2.7x as long, so there the line schedule is not HBM-bound."""
+    run 18: 1.50x FlashMLA); the plan takes KV parts instead, read by 9 programs at once (and the
+    KV's last tiles on the 6 programs the parts leave idle). The Triton kernel's tiles take 2.7x as
+    long, so there the line schedule is not HBM-bound."""
     R, T = np.full(4, 9), np.full(4, 2049)
     line = vplan.schedule(R, T, 132, only="line")
     hopper_costs = vplan.HOPPER_COSTS
     chosen = vplan.schedule(R, T, 132, costs=hopper_costs)
     assert vplan.schedule_cost(chosen, hopper_costs) < vplan.schedule_cost(line, hopper_costs)
     assert vplan.schedule_cost(line, hopper_costs) > 559 + 3 * hopper_costs.segment_tiles  # the memory term decides
-    assert len(set(zip(chosen.seq.tolist(), (chosen.t0).tolist()))) <= 132 // 9 + 4
+    in_parts = chosen.prog < 126
+    assert len(set(zip(chosen.seq[in_parts].tolist(), chosen.t0[in_parts].tolist()))) <= 132 // 9 + 4
+    assert len(set(zip(chosen.seq.tolist(), chosen.t0.tolist()))) <= 132 // 9 + 4 + 6
     assert vplan.schedule_cost(line, vplan.TRITON_COSTS) <= 559 + 3 * vplan.TRITON_COSTS.segment_tiles
 
 
@@ -178,7 +234,8 @@ def test_schedule_cost_counts_drifting_programs_as_separate_streams():
     in all), read it ~24 times from HBM, not once (a chain of neighbours within the tolerance was one
     stream). At 64 heads x 9 nodes x 131072 (one sequence, 9 row blocks) the line schedule drifts so
     (its 15 columns of 137 tiles against shares of 140: run 31 measured it 2-7% slower than the KV
-    parts schedule on the Hopper kernel), and the Hopper costs take parts there."""
+    parts schedule on the Hopper kernel), and the Hopper costs take parts there (on 126 programs;
+    the KV's last tiles on the other 6)."""
     n, drift, length = 40, 3, 100
     t0 = np.arange(n) * drift
     pieces = vplan.Pieces(np.zeros(n, dtype=np.int64), np.arange(n), t0, t0 + length, np.arange(n))
@@ -187,7 +244,8 @@ def test_schedule_cost_counts_drifting_programs_as_separate_streams():
     assert vplan.schedule_cost(pieces, costs) >= (windows - 1) * length
     R, T = np.full(1, 9), np.full(1, 2049)
     chosen = vplan.schedule(R, T, 132, costs=vplan.HOPPER_COSTS)
-    assert len(chosen.prog) == 126 and len(set(zip(chosen.seq.tolist(), chosen.t0.tolist()))) == 14  # 14 parts
+    in_parts = chosen.prog < 126
+    assert in_parts.sum() == 126 and len(set(zip(chosen.seq[in_parts].tolist(), chosen.t0[in_parts].tolist()))) == 14
 
 
 def test_plan_costs_follow_the_device():

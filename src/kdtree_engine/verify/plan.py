@@ -213,11 +213,17 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
       of its sequence, dealt longest first to the least-loaded program) for W = the smallest width
       that gives at most one segment per program, W = one program's share, and W = whole
       sequences. When the smallest width is at most one program's share, it is taken at once:
-      every program of another schedule has at least that many tiles and a segment.
+      every program of another schedule has at least that many tiles and a segment;
+    - where ``L`` (the most row blocks of a sequence) does not divide the programs, KV parts with
+      the programs they leave idle on the KV's last tiles (:func:`_parts_tail_schedule`), for two
+      lengths of that tail; last, so taken only where cheaper than every other (perf log, CPU
+      session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
+      at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more).
 
-    ``only="line"``, ``"parts"`` or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that
-    candidate, whatever it costs (tuning and tests; parts needs at most ``num_programs`` row blocks
-    per sequence).
+    ``only="line"``, ``"parts"``, ``"parts_tail"`` (the first of those tails; ``ValueError`` where
+    there is none) or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that candidate,
+    whatever it costs (tuning and tests; parts needs at most ``num_programs`` row blocks per
+    sequence).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -234,10 +240,15 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         if int(R.max()) > P:
             raise ValueError(f"the parts schedule needs at most {P} row blocks per sequence, got {int(R.max())}")
         return _parts_schedule(R, T, P, snap)
+    if only == "parts_tail":
+        tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, int(R.sum())) if int(R.max()) <= P // 2 else []
+        if not tails:
+            raise ValueError(f"no parts-and-tail schedule of {int(R.max())} row blocks a sequence on {P} programs")
+        return tails[0]
     if only == "rounds":
         return _rounds_schedule(R, T, P)
     if only is not None:
-        raise ValueError(f"only must be None, 'line', 'parts' or 'rounds', got {only!r}")
+        raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail' or 'rounds', got {only!r}")
     n_blocks, longest = int(R.sum()), int(T.max())
     widths = []
     if n_blocks <= P:
@@ -250,6 +261,8 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     if int(R.max()) <= P // 2:
         candidates.append(_parts_schedule(R, T, P, snap))
     candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
+    if int(R.max()) <= P // 2:  # last: taken only where cheaper than all the others
+        candidates += _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
     times = [schedule_cost(c, costs) for c in candidates]
     return candidates[times.index(min(times))]
 
@@ -275,6 +288,62 @@ def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
     prog = span_part[span] * L + row
     by = np.argsort(prog, kind="stable")
     return Pieces(seq[by], row[by], t0[by], (t0 + length[span])[by], prog[by])
+
+
+def _parts_tail_schedule(R: np.ndarray, T: np.ndarray, P: int, tail: int) -> Pieces:
+    """:func:`_parts_schedule` on the first ``G L`` programs (``L`` the most row blocks of a sequence,
+    ``G = P // L``) over the concatenated KV but its last ``tail`` tiles, and :func:`_line_schedule`
+    of those last tiles (every row block of the sequences there) on the ``S = P - G L`` programs
+    the parts leave idle (``0 < tail <`` the KV's tiles, ``S > 0``). With parts of ``W`` tiles and a
+    tail of ``S W / L``, every program has about ``W`` tiles: ``P / (G L)`` times the parts
+    schedule's throughput (132 / 126 at 9 row blocks on 132 SMs), the tail's KV read by its row
+    blocks at different times (a stream each in :func:`schedule_cost`). The parts are cut where they
+    fall, not snapped to a sequence's edge: a snapped part is up to ``snap`` tiles longer, and its
+    programs were then the busiest."""
+    L = int(R.max())
+    G = P // L
+    begin = np.cumsum(T) - T
+    head = np.clip(int(T.sum()) - tail - begin, 0, T)  # each sequence's tiles before the tail
+    h = np.flatnonzero(head)
+    parts = _parts_schedule(R[h], head[h], G * L, 0)
+    t = np.flatnonzero(head < T)
+    work = int((R[t] * (T - head)[t]).sum())
+    S = P - G * L
+    S_work = programs_with_work(R[t], (T - head)[t], S)
+    chunk = -(-work // S_work)
+    line = _line_schedule(R[t], (T - head)[t], S_work, chunk, min(MIN_SPLIT_TILES, chunk // 4))
+    start = head[t[line.seq]]
+    return Pieces(*(np.concatenate(x) for x in ((h[parts.seq], t[line.seq]), (parts.row, line.row),
+                                                 (parts.t0, line.t0 + start), (parts.t1, line.t1 + start),
+                                                 (parts.prog, line.prog + G * L))))
+
+
+def _parts_tail_candidates(R: np.ndarray, T: np.ndarray, P: int, segment_tiles: int,
+                           n_blocks: int) -> list[Pieces]:
+    """:func:`_parts_tail_schedule` for the tail that balances a part's program against a tail
+    program by tiles, ``K S / P`` (K the KV's tiles), and for the one that also counts their
+    segments (a tail program runs about ``L / S + 1`` segments, a part's one):
+    ``(K S - c L G) / P`` with ``c = segment_tiles``. None where ``L`` divides ``P``, where the
+    sequences' row blocks differ (one tree size: the case the parts schedule balances; with
+    others the parts leave programs idle, and the cost model weighs the tail against the line's
+    HBM traffic alone), where a tail would be empty, or where the tables would exceed the plan's
+    bounds (``n_blocks + 2P`` segments, ``4P`` partial slots, ``2P`` split row blocks)."""
+    L = int(R.max())
+    G, K = P // L, int(T.sum())
+    S = P - G * L
+    if S == 0 or int(R.min()) != L:
+        return []
+    out = []
+    for tail in sorted({K * S // P, (K * S - segment_tiles * L * G) // P}):
+        if not 0 < tail < K:
+            continue
+        pieces = _parts_tail_schedule(R, T, P, tail)
+        key = (np.cumsum(R) - R)[pieces.seq] + pieces.row
+        count = np.bincount(key)
+        if (len(key) <= n_blocks + 2 * P and int(count[count > 1].sum()) <= 4 * P
+                and int((count > 1).sum()) <= 2 * P):
+            out.append(pieces)
+    return out
 
 
 def _numbered(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
