@@ -38,7 +38,8 @@ def main() -> int:
     for max_batch, kind in ((int(v), kind) for v in a.max_batch.split(",") for kind in ("line", "auto")):
         p = VerifyPlan(max_batch, 65, 128, "cpu", config=CONFIGS[0], num_programs=a.programs)
         s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
-                                      max_tree_nodes=65, min_split=MIN_SPLIT_TILES, block_s=a.block_s,
+                                      max_tree_nodes=65, min_split=MIN_SPLIT_TILES,
+                                      segment_tiles=p.costs.segment_tiles, block_s=a.block_s,
                                       num_warps=a.num_warps, auto_rounds=True)
         consts = s.constexprs(kind)  # the constexprs and warps the launch passes
         cases.append((f"{fn.__name__} ({kind}, max_batch {max_batch}, P {a.programs}, "

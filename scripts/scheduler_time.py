@@ -88,6 +88,8 @@ def main() -> None:
                                     device=a.device),) if "scratch" in inspect.signature(cls).parameters else ())
             sched = cls(p.kv_lens_buf, p.qo_indptr_buf, p.tables, *scratch, num_heads=H, max_batch=a.max_batch,
                         max_tree_nodes=a.max_tree_nodes, min_split=MIN_SPLIT_TILES,
+                        **({"segment_tiles": p.costs.segment_tiles}
+                           if "segment_tiles" in inspect.signature(cls).parameters else {}),
                         **(dict(block_s=int(block_s)) if block_s else {}),
                         **(dict(num_warps=int(warps)) if warps else {}))
             launch = sched.prepare(kv, qo, **(dict(schedule=a.schedule) if a.schedule != "line" else {}))

@@ -20,7 +20,7 @@ from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree,
                                    random_tree)
 from kdtree_engine.verify import api
 from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
-                                       rounds_apply, schedule, whole_segments_apply)
+                                       device_parts, rounds_apply, schedule, whole_segments_apply)
 from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
@@ -172,6 +172,34 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
     assert took >= 3
 
 
+@pytest.mark.parametrize("tiles, L, P, straddles, cut", [
+    ([18, 1, 6, 6, 13, 11, 22, 14, 10], 11, 31, True, False),
+    ([19, 21, 17, 23, 13, 27, 28, 13, 21], 7, 20, True, True),
+    ([19, 26, 12, 25, 27, 14, 13, 1, 29], 8, 30, False, False),
+    ([18, 10, 17, 24, 18, 25, 19, 12, 10], 10, 28, False, True),
+])
+def test_device_parts_fill_the_programs_the_parts_leave_idle(tiles, L, P, straddles, cut):
+    """Where L row blocks a sequence do not divide the programs, the device's parts schedule puts
+    the idle programs on the KV's last tiles as the host does (``device_parts``): the tables equal
+    the host's where the tail's first sequence also has tiles in the parts or not, where a tail cut
+    falls inside that sequence's row blocks or not, and with a later sequence of the tail split
+    (the partial slots and groups are the intricate part: each case asserted here, so none goes
+    untested)."""
+    kv, n, H = np.array(tiles) * 16, L, 32  # CONFIGS[0]: 32-row blocks, 16-position tiles
+    p = VerifyPlan(len(tiles), n, H, DEVICE, config=CONFIGS[0], num_programs=P)
+    R, T = p.blocks_and_tiles(kv, np.full(len(tiles), n))
+    pieces = device_parts(R, T, P)
+    head_programs = P // L * L
+    assert set(pieces.prog.tolist()) == set(range(P))  # the tail's programs work
+    first_tail = int(pieces.seq[pieces.prog >= head_programs].min())
+    in_tail = (pieces.prog >= head_programs) & (pieces.seq == first_tail)
+    assert bool(((pieces.prog < head_programs) & (pieces.seq == first_tail)).any()) == straddles
+    assert bool((np.bincount(pieces.row[in_tail], minlength=L) > 1).any()) == cut
+    later = (pieces.prog >= head_programs) & (pieces.seq > first_tail)
+    assert (np.bincount(pieces.seq[later] * L + pieces.row[later]) > 1).any()  # a later tail row block split
+    check_device_plan(p, kv, np.arange(len(tiles) + 1) * n, f"tiles={tiles} L={L} P={P}", "parts")
+
+
 def test_parts_schedule_splits_and_snaps():
     """Hand-made parts schedules: a long sequence cut by several parts beside short ones (split row
     blocks with several partials each), boundaries close to a sequence's edge (snapped), one
@@ -244,7 +272,8 @@ def test_device_tables_at_64_pieces_per_program():
 
     p = VerifyPlan(8, 33, 64, DEVICE, config=CONFIGS[0], num_programs=24)
     p._scheduler = DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=64, max_batch=8,
-                                   max_tree_nodes=33, min_split=MIN_SPLIT_TILES, block_s=64)
+                                   max_tree_nodes=33, min_split=MIN_SPLIT_TILES,
+                                   segment_tiles=p.costs.segment_tiles, block_s=64)
     check_device_plan(p, np.array([3000, 40, 900, 17, 2500, 33, 64, 700]), np.arange(9) * 33 - np.arange(9),
                       "8 sequences")
     check_device_plan(p, np.array([40]), np.array([0, 9]), "one sequence")

@@ -16,7 +16,7 @@ import torch
 
 from .masks import concat_tree_masks, mask_words, tree_mask_from_parents
 from .verify.contract import D_QK
-from .verify.plan import programs_with_work, rounds_apply, schedule, whole_segments_apply
+from .verify.plan import device_parts, programs_with_work, rounds_apply, schedule, whole_segments_apply
 
 __all__ = [
     "CaseSpec",
@@ -193,7 +193,7 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     if schedule_kind == "auto" and whole_segments_apply(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
     elif parts:
-        pieces = schedule(R, T, plan.num_programs, only="parts")
+        pieces = device_parts(R, T, plan.num_programs, plan.costs)
     elif ((schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds))
           and rounds_apply(R, T, plan.num_programs)):
         pieces = schedule(R, T, plan.num_programs, only="rounds")

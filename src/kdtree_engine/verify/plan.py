@@ -49,6 +49,7 @@ __all__ = [
     "Pieces",
     "schedule",
     "schedule_cost",
+    "device_parts",
     "FlashTables",
     "VerifyPlan",
     "plan_verify",
@@ -244,7 +245,7 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, int(R.sum())) if int(R.max()) <= P // 2 else []
         if not tails:
             raise ValueError(f"no parts-and-tail schedule of {int(R.max())} row blocks a sequence on {P} programs")
-        return tails[0]
+        return tails[0]  # the device scheduler's (device_parts)
     if only == "rounds":
         return _rounds_schedule(R, T, P)
     if only is not None:
@@ -344,6 +345,18 @@ def _parts_tail_candidates(R: np.ndarray, T: np.ndarray, P: int, segment_tiles: 
                 and int((count > 1).sum()) <= 2 * P):
             out.append(pieces)
     return out
+
+
+def device_parts(row_blocks, tiles, num_programs: int, costs: ScheduleCosts = TRITON_COSTS) -> Pieces:
+    """The KV parts schedule as the device scheduler writes it (``"parts"`` where the parts apply: one
+    tree size, ``2 L`` at most the programs with work): with the programs the parts leave idle on
+    the KV's last tiles (``schedule(..., only="parts_tail")``) where ``L`` does not divide those
+    programs and a tail of a tile or more exists, else the parts alone (``only="parts"``)."""
+    R = np.asarray(row_blocks, dtype=np.int64)
+    T = np.asarray(tiles, dtype=np.int64)
+    P = programs_with_work(R, T, num_programs)
+    tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, int(R.sum())) if int(R.max()) <= P // 2 else []
+    return tails[0] if tails else schedule(R, T, num_programs, only="parts")
 
 
 def _numbered(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -828,6 +841,7 @@ class VerifyPlan:
             self._scheduler = DeviceScheduler(self.kv_lens_buf, self.qo_indptr_buf, self._tables,
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES,
+                                              segment_tiles=self.costs.segment_tiles,
                                               auto_rounds=self.costs.auto_rounds)
         return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
@@ -856,7 +870,8 @@ class VerifyPlan:
             kinds = ("line", "parts")
         else:
             return "line"
-        costs = [schedule_cost(schedule(R, T, self.num_programs, only=k), self.costs) for k in kinds]
+        costs = [schedule_cost(device_parts(R, T, self.num_programs, self.costs) if k == "parts"
+                               else schedule(R, T, self.num_programs, only=k), self.costs) for k in kinds]
         return kinds[costs.index(min(costs))]
 
     @staticmethod

@@ -12,7 +12,11 @@ or, in its ``PARTS`` variant, the KV parts schedule
 (:func:`~kdtree_engine.verify.plan._parts_schedule`, :func:`_parts_pieces`) when every sequence has
 the same row blocks L and ``2 L`` at most the programs with work (the case where the host offers
 it; at most ``row blocks + P`` segments, ``2P`` partials, ``P`` groups) and the KV tiles in all
-fewer than :data:`PARTS_MAX_TILES`, else the line schedule.
+fewer than :data:`PARTS_MAX_TILES`, else the line schedule; where L does not divide the programs
+with work, with the programs the parts leave idle on the KV's last tiles
+(:func:`~kdtree_engine.verify.plan._parts_tail_schedule`, :func:`_parts_tail_pieces`: the host's
+``device_parts``; at most ``row blocks + P + S - 1`` segments, ``4P`` partials, ``P + S - 1``
+groups, S the idle programs).
 The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for``), or asks for
 ``"auto"``: whole segments (:func:`~kdtree_engine.verify.plan._whole_segments`) where the host takes
 them without pricing: where KV columns of one program's share (``chunk`` tiles) make at most as many
@@ -114,6 +118,16 @@ def _sequences(kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M: tl.constexpr, BLOCK_N:
     n = tl.minimum(tl.maximum(q1 - q0, 1), max_nodes).to(tl.int64)
     R = tl.where(m_b, (n * H + BLOCK_M - 1) // BLOCK_M, 0)
     T = tl.where(m_b, tl.maximum((kv.to(tl.int64) + BLOCK_N - 1) // BLOCK_N, 1), 0)
+    w_start, w_end, width, ncol, i_start, r_start, pe, total, chunk, snap = _line_shape(R, T, m_b, P, MIN_SPLIT)
+    return R, T, w_start, w_end, width, ncol, i_start, r_start, pe, total, chunk, snap
+
+
+@triton.jit
+def _line_shape(R, T, m_b, P, MIN_SPLIT: tl.constexpr):
+    """The line schedule's shape for sequences of ``R`` row blocks x ``T`` KV tiles (int64 ``[BLOCK_B]``,
+    0 where ``m_b`` is false) on ``P`` programs: per sequence its line start and end (work W = R T),
+    column width and count, first item and first row block; the programs with work ``pe``, the
+    line's length ``total``, one program's share ``chunk`` (tiles) and the snap distance."""
     W = R * T
     w_end = tl.cumsum(W, 0)
     total = tl.sum(W, 0)
@@ -123,7 +137,7 @@ def _sequences(kv, q0, q1, m_b, H, P, max_nodes, BLOCK_M: tl.constexpr, BLOCK_N:
     width = (T + ncol - 1) // ncol
     items = R * ncol
     i_start = tl.cumsum(items, 0) - items  # items are numbered along the line
-    return (R, T, w_end - W, w_end, width, ncol, i_start, tl.cumsum(R, 0) - R, pe, total, chunk,
+    return (w_end - W, w_end, width, ncol, i_start, tl.cumsum(R, 0) - R, pe, total, chunk,
             tl.minimum(chunk // 4, MIN_SPLIT))
 
 
@@ -194,38 +208,9 @@ def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe
         if i0 < S:
             i = i0 + tl.arange(0, BLOCK_S)
             m_i = (i < S) & (i < seg_cap)
-            # piece i is item ord_lo[p] + j of its program p (j = i - first[p]): from the program's
-            # cut (j = 0) or the item's start to the item's end or the next cut
-            p = tl.sum(((o_k[:, None] >= 1) & (first[:, None] <= i[None, :])).to(tl.int32), 0)
-            p = tl.minimum(p, BLOCK_P - 2)  # lanes past the pieces
-            j = i - tl.gather(first, p, 0)
-            it = tl.where(m_i, tl.gather(ord_lo, p, 0) + j, 0)  # lanes past the pieces take item 0
-            b = tl.sum((i_start[:, None] <= it[None, :]).to(tl.int32), 0) - 1
-            Rb = tl.gather(R, b, 0).to(tl.int32)
-            ncb = tl.gather(ncol, b, 0).to(tl.int32)
-            wb = tl.gather(width, b, 0)
-            local = it - tl.gather(i_start, b, 0).to(tl.int32)
-            c = local // Rb
-            r = local % Rb
-            ln = tl.minimum(wb, tl.gather(T, b, 0) - c * wb)
-            s = tl.gather(w_start, b, 0) + (c * Rb) * wb + r * ln  # line positions: int64
-            x = tl.where(j == 0, tl.gather(cut, p, 0), s)
-            e = tl.minimum(s + ln, tl.gather(cut, p + 1, 0))
-            t0 = c * wb + x - s
-            t1 = t0 + e - x
-            # the inner cuts of this row block K (n_pieces - ncol of them, one per column at most;
-            # those in columns before c and one at x come before this piece) and of the row blocks
-            # before it in its sequence (split pieces before it: r ncol + those when it has several
-            # columns, else two each, a one-column row block having one at most)
-            r_first = tl.gather(r_start, b, 0).to(tl.int32)
-            K = r_first + r
-            mine = key[:, None] == K[None, :]
-            n_pieces = ncb + tl.sum(mine.to(tl.int32), 0)
-            idx = c + tl.sum((mine & (kcol[:, None] < c[None, :])).to(tl.int32), 0) + (x > s).to(tl.int32)
-            below = tl.sum(((key[:, None] >= r_first[None, :]) & (key[:, None] < K[None, :])).to(tl.int32), 0)
-            multi = ncb > 1
-            base = tl.gather(spp, b, 0).to(tl.int32) + tl.where(multi, r * ncb, below) + below
-            g = tl.gather(spr, b, 0).to(tl.int32) + tl.where(multi, r, below)  # split row blocks before it
+            b, r, t0, t1, n_pieces, idx, below, base, g = _line_lanes(
+                i, m_i, R, T, w_start, width, ncol, i_start, r_start, first, ord_lo, cut, key, kcol, spr, spp,
+                BLOCK_P)
             split = n_pieces > 1
             tl.store(seg_seq + i, b, mask=m_i)
             tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
@@ -237,6 +222,49 @@ def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe
             tl.store(grp_row0 + g, r * BLOCK_M, mask=m_g)
             tl.store(grp_first + g, base, mask=m_g)
             tl.store(grp_count + g, n_pieces, mask=m_g)
+
+
+@triton.jit
+def _line_lanes(i, m_i, R, T, w_start, width, ncol, i_start, r_start, first, ord_lo, cut, key, kcol, spr, spp,
+                BLOCK_P: tl.constexpr):
+    """Per lane, piece ``i`` of the line schedule whose program boundaries :func:`_boundaries` gave
+    (lanes where ``m_i`` is false take item 0): its sequence and row block, KV tiles ``[t0, t1)``,
+    the pieces of its row block and its place among them, the inner cuts of the row blocks before
+    it in its sequence, its row block's first partial slot (where split) and group."""
+    o_k = tl.arange(0, BLOCK_P)
+    # piece i is item ord_lo[p] + j of its program p (j = i - first[p]): from the program's
+    # cut (j = 0) or the item's start to the item's end or the next cut
+    p = tl.sum(((o_k[:, None] >= 1) & (first[:, None] <= i[None, :])).to(tl.int32), 0)
+    p = tl.minimum(p, BLOCK_P - 2)  # lanes past the pieces
+    j = i - tl.gather(first, p, 0)
+    it = tl.where(m_i, tl.gather(ord_lo, p, 0) + j, 0)  # lanes past the pieces take item 0
+    b = tl.sum((i_start[:, None] <= it[None, :]).to(tl.int32), 0) - 1
+    Rb = tl.gather(R, b, 0).to(tl.int32)
+    ncb = tl.gather(ncol, b, 0).to(tl.int32)
+    wb = tl.gather(width, b, 0)
+    local = it - tl.gather(i_start, b, 0).to(tl.int32)
+    c = local // Rb
+    r = local % Rb
+    ln = tl.minimum(wb, tl.gather(T, b, 0) - c * wb)
+    s = tl.gather(w_start, b, 0) + (c * Rb) * wb + r * ln  # line positions: int64
+    x = tl.where(j == 0, tl.gather(cut, p, 0), s)
+    e = tl.minimum(s + ln, tl.gather(cut, p + 1, 0))
+    t0 = c * wb + x - s
+    t1 = t0 + e - x
+    # the inner cuts of this row block K (n_pieces - ncol of them, one per column at most;
+    # those in columns before c and one at x come before this piece) and of the row blocks
+    # before it in its sequence (split pieces before it: r ncol + those when it has several
+    # columns, else two each, a one-column row block having one at most)
+    r_first = tl.gather(r_start, b, 0).to(tl.int32)
+    K = r_first + r
+    mine = key[:, None] == K[None, :]
+    n_pieces = ncb + tl.sum(mine.to(tl.int32), 0)
+    idx = c + tl.sum((mine & (kcol[:, None] < c[None, :])).to(tl.int32), 0) + (x > s).to(tl.int32)
+    below = tl.sum(((key[:, None] >= r_first[None, :]) & (key[:, None] < K[None, :])).to(tl.int32), 0)
+    multi = ncb > 1
+    base = tl.gather(spp, b, 0).to(tl.int32) + tl.where(multi, r * ncb, below) + below
+    g = tl.gather(spr, b, 0).to(tl.int32) + tl.where(multi, r, below)  # split row blocks before it
+    return b, r, t0, t1, n_pieces, idx, below, base, g
 
 
 @triton.jit
@@ -268,22 +296,156 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count,
                   BLOCK_S: tl.constexpr):
     """Pieces ``[i0, i0 + BLOCK_S)`` of the KV parts schedule of ``L`` row blocks per sequence
     (:func:`~kdtree_engine.verify.plan._parts_schedule`; program 0: also the program
-    boundaries and the group count). The KV tiles of all sequences end to end are cut into
-    ``G = pe // L`` parts at ``k * total // G`` (snapped to a sequence's edge closer than ``snap``);
-    program ``g L + r`` runs row block r of every sequence against its KV in part g, in line order.
-    A sequence crossing ``m`` distinct inner cuts has ``m + 1`` pieces per row block (split).
+    boundaries and the group count): :func:`_parts_layout` with ``G = pe // L`` parts."""
+    T = T.to(tl.int32)
+    L = L.to(tl.int32)
+    t_begin, t_end, cut, first, b0, pieces, n_inner, inner_to_begin, m_seq, split_seq, slot_base, grp_base = \
+        _parts_layout(T, L, (pe // L).to(tl.int32), snap.to(tl.int32), m_b, BLOCK_B, BLOCK_P)
+    if i0 == 0:
+        o_k = tl.arange(0, BLOCK_P)
+        tl.store(prog_first_seg + o_k, first, mask=o_k <= P)
+        tl.store(group_count, L * tl.sum(split_seq.to(tl.int32), 0))
+    if i0 < pieces:
+        i = i0 + tl.arange(0, BLOCK_S)
+        m_i = (i < pieces) & (i < seg_cap)
+        b, r, x, y, tb, q, m_p, base = _parts_lanes(i, m_i, t_begin, t_end, cut, first, b0, n_inner, inner_to_begin,
+                                                    m_seq, slot_base, L, BLOCK_P)
+        split = m_p > 1
+        tl.store(seg_seq + i, b, mask=m_i)
+        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
+        tl.store(seg_kv_start + i, (x - tb) * BLOCK_N, mask=m_i)  # < the KV length: int32
+        tl.store(seg_kv_end + i, tl.minimum((y - tb).to(tl.int64) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32),
+                 mask=m_i)
+        tl.store(seg_partial + i, tl.where(split, base + q, -1), mask=m_i)
+        gi = tl.gather(grp_base, b, 0) + r
+        m_g = m_i & split & (q == 0) & (gi < grp_cap)
+        tl.store(grp_seq + gi, b, mask=m_g)
+        tl.store(grp_row0 + gi, r * BLOCK_M, mask=m_g)
+        tl.store(grp_first + gi, base, mask=m_g)
+        tl.store(grp_count + gi, m_p, mask=m_g)
+
+
+@triton.jit
+def _parts_tail_pieces(i0, kv, T, L, pe, tail, m_b, prog_first_seg, group_count,
+                       seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first,
+                       grp_count, P, seg_cap, grp_cap,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_S: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Pieces ``[i0, i0 + BLOCK_S)`` of the KV parts schedule with its tail
+    (:func:`~kdtree_engine.verify.plan._parts_tail_schedule`; program 0: also the program boundaries
+    and the group count): :func:`_parts_layout` (no snap) on the first ``G L`` programs (``G = pe //
+    L``) over the KV but its last ``tail`` tiles (``1 <= tail <`` the tiles in all), then the line
+    schedule of those tiles (every row block of the sequences there, sequence ``hb`` on) on the
+    other ``S = pe - G L``, as :func:`_line_lanes` numbers them. Its items are one column each (a
+    tail program's share, ``L tail / S`` tiles, is longer than any sequence's tail: ``S < L``).
+
+    The partial slots and groups are the host's (by row block, then by program): the sequences
+    before ``hb`` as the parts number them; where ``hb`` starts in the head (the straddler) every row
+    block of it is split, its head pieces (``m_h`` a row block) before its tail pieces (one, two
+    where a tail cut falls inside it: ``r`` plus the tail's inner cuts keyed below ``r`` before
+    row block r); the sequences after it as the tail's line numbers them, shifted past the
+    straddler's (``L m_h`` plus its row blocks the tail did not cut)."""
+    T = T.to(tl.int32)
+    L = L.to(tl.int32)
+    G = (pe // L).to(tl.int32)
+    GL = G * L
+    S = (pe - GL).to(tl.int32)
+    t_end = tl.cumsum(T, 0)
+    t_begin = t_end - T
+    K_h = tl.sum(T, 0) - tail.to(tl.int32)  # the head's tiles
+    Th = tl.minimum(tl.maximum(K_h - t_begin, 0), T)  # each sequence's tiles in the head
+    hb = tl.sum((t_end <= K_h).to(tl.int32), 0)  # the first sequence with tiles in the tail (< B: tail >= 1)
+    o_b = tl.arange(0, BLOCK_B)
+    th_hb = tl.sum(tl.where(o_b == hb, Th, 0), 0)  # > 0: sequence hb straddles the head and the tail
+    straddle = th_hb > 0
+    t_begin_h, t_end_h, cut, first, b0, pieces_h, n_inner, inner_to_begin, m_seq, split_seq, slot_base, grp_base = \
+        _parts_layout(Th, L, G, 0, m_b, BLOCK_B, BLOCK_P)
+    m_h = tl.sum(tl.where(o_b == hb, m_seq, 0), 0)
+    head_slots = tl.sum(tl.where(o_b == hb, slot_base, 0), 0)  # the split pieces of the sequences before hb
+    head_groups = tl.sum(tl.where(o_b == hb, grp_base, 0), 0)
+    # the tail's sequences, hb + j at lane j
+    at = tl.minimum(hb + o_b, BLOCK_B - 1)
+    m_t = (hb + o_b < BLOCK_B) & (tl.gather(m_b.to(tl.int32), at, 0) > 0)
+    Tt = tl.where(m_t, tl.gather(T - Th, at, 0), 0).to(tl.int64)
+    Th_t = tl.where(m_t, tl.gather(Th, at, 0), 0).to(tl.int64)
+    R_t = tl.where(m_t, L, 0).to(tl.int64)
+    w_start, w_end, width, ncol, i_start, r_start, pe_t, total_t, _, snap_t = _line_shape(R_t, Tt, m_t, S, MIN_SPLIT)
+    first_t, ord_lo, cut_t, key, kcol, sp_rows, spr, spp = _boundaries(
+        R_t, Tt, w_start, w_end, width, ncol, i_start, r_start, pe_t, total_t, snap_t, BLOCK_P)
+    pieces_t = tl.max(first_t, 0)
+    cut_rows0 = tl.sum(((key >= 0) & (key < L)).to(tl.int32), 0)  # tail cuts inside the first tail sequence
+    slot_shift = head_slots + tl.where(straddle, L * m_h + L - cut_rows0, 0)
+    grp_shift = head_groups + tl.where(straddle, L - cut_rows0, 0)
+    if i0 == 0:
+        o_k = tl.arange(0, BLOCK_P)
+        tl.store(prog_first_seg + o_k, first, mask=o_k <= GL)  # first[G L] = the head's pieces
+        tail_first = pieces_h + tl.gather(first_t, tl.minimum(tl.maximum(o_k - GL, 0), BLOCK_P - 1), 0)
+        tl.store(prog_first_seg + o_k, tail_first, mask=(o_k > GL) & (o_k <= P))
+        tl.store(group_count, head_groups + tl.where(straddle, L, 0) + tl.sum(sp_rows, 0).to(tl.int32)
+                 - tl.where(straddle, cut_rows0, 0))
+    n_all = pieces_h + pieces_t
+    if i0 < n_all:
+        i = i0 + tl.arange(0, BLOCK_S)
+        m_i = (i < n_all) & (i < seg_cap)
+        is_h = i < pieces_h
+        # the head's pieces
+        b, r, x, y, tb, q, m_p, base = _parts_lanes(i, m_i & is_h, t_begin_h, t_end_h, cut, first, b0, n_inner,
+                                                    inner_to_begin, m_seq, slot_base, L, BLOCK_P)
+        # (not `straddle & (b == hb)`: the interpreter cannot mask with a scalar bool and a vector's)
+        strad_h = (b == hb) & (b * 0 + th_hb > 0)
+        below_r = tl.sum(((key[:, None] >= 0) & (key[:, None] < r[None, :])).to(tl.int32), 0)
+        cut_r = tl.sum((key[:, None] == r[None, :]).to(tl.int32), 0)
+        base_s = head_slots + r * (m_h + 1) + below_r  # the straddler's row block r's first slot
+        slot_h = tl.where(strad_h, base_s + q, tl.where(m_p > 1, base + q, -1))
+        g_h = tl.where(strad_h, head_groups + r, tl.gather(grp_base, b, 0) + r)
+        first_h = tl.where(strad_h, base_s, base)
+        count_h = tl.where(strad_h, m_h + 1 + cut_r, m_p)
+        grp_h = (strad_h | (m_p > 1)) & (q == 0)
+        # the tail's pieces
+        bl, rt, t0, t1, n_pieces, idx, below, base_t, g_t = _line_lanes(
+            tl.where(is_h, 0, i - pieces_h), m_i & (i >= pieces_h), R_t, Tt, w_start, width, ncol, i_start, r_start,
+            first_t, ord_lo, cut_t, key, kcol, spr, spp, BLOCK_P)
+        strad_t = (bl == 0) & (bl * 0 + th_hb > 0)
+        slot_t = tl.where(strad_t, head_slots + rt * (m_h + 1) + below + m_h + idx,
+                          tl.where(n_pieces > 1, base_t + idx + slot_shift, -1))
+        grp_t = ((bl != 0) | (bl * 0 + th_hb == 0)) & (n_pieces > 1) & (idx == 0)
+        th = tl.gather(Th_t, bl, 0)
+        seq = tl.where(is_h, b, hb + bl)
+        k0 = tl.where(is_h, (x - tb).to(tl.int64), th + t0)
+        k1 = tl.where(is_h, (y - tb).to(tl.int64), th + t1)
+        tl.store(seg_seq + i, seq, mask=m_i)
+        tl.store(seg_row0 + i, tl.where(is_h, r, rt) * BLOCK_M, mask=m_i)
+        tl.store(seg_kv_start + i, (k0 * BLOCK_N).to(tl.int32), mask=m_i)
+        tl.store(seg_kv_end + i, tl.minimum(k1 * BLOCK_N, tl.gather(kv, seq, 0)).to(tl.int32), mask=m_i)
+        tl.store(seg_partial + i, tl.where(is_h, slot_h, slot_t), mask=m_i)
+        gi = tl.where(is_h, g_h, g_t + grp_shift)
+        m_g = m_i & ((is_h & grp_h) | ((i >= pieces_h) & grp_t)) & (gi < grp_cap)
+        tl.store(grp_seq + gi, seq, mask=m_g)
+        tl.store(grp_row0 + gi, tl.where(is_h, r, rt) * BLOCK_M, mask=m_g)
+        tl.store(grp_first + gi, tl.where(is_h, first_h, base_t + slot_shift), mask=m_g)
+        tl.store(grp_count + gi, tl.where(is_h, count_h, n_pieces), mask=m_g)
+
+
+@triton.jit
+def _parts_layout(T, L, G, snap, m_b, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The KV parts schedule of sequences of ``T`` KV tiles (int32 ``[BLOCK_B]``, 0 past B; a
+    sequence of 0 tiles has no piece) and ``L`` row blocks each on ``G L`` programs: the KV tiles of
+    all sequences end to end are cut into ``G`` parts at ``k * total // G`` (snapped to a sequence's
+    edge closer than ``snap``); program ``g L + r`` runs row block r of every sequence against its KV
+    in part g, in line order. A sequence crossing ``m`` distinct inner cuts has ``m + 1`` pieces per
+    row block (split). Returns the sequences' tile ranges, the cuts ``[BLOCK_P]`` (part g: ``[cut[g],
+    cut[g + 1])``), each program's first piece (``first[k >= G L]``: the pieces in all), each part's
+    first sequence, the pieces in all, the inner cuts' running count and how many lie below each
+    sequence's start, per sequence its pieces a row block, whether it is split, and its row blocks'
+    first partial slot and group.
 
     In int32 (the caller takes this schedule only where the tiles in all fit): the sequences' tile
     ranges, the cuts and the programs' first pieces never decrease (a cut snaps to the nearer edge
     of its sequence, the lower one first), so every "which sequence / program / cut" question is a
     binary search of a sorted vector (:func:`_count_at_most`), none a comparison matrix."""
-    T = T.to(tl.int32)
-    L = L.to(tl.int32)
     t_end = tl.cumsum(T, 0)  # past B: T = 0, so t_end = total there and t_begin too
     t_begin = t_end - T
     total = tl.sum(T, 0)
-    G = (pe // L).to(tl.int32)
-    snap = snap.to(tl.int32)
     o_k = tl.arange(0, BLOCK_P)
     valid = (o_k >= 1) & (o_k < G)
     bnd = tl.where(valid, (o_k.to(tl.int64) * total // G).to(tl.int32), 0)
@@ -314,38 +476,29 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count,
     slots = tl.where(split_seq, L * m_seq, 0)
     slot_base = tl.cumsum(slots, 0) - slots
     grp_base = L * (tl.cumsum(split_seq.to(tl.int32), 0) - split_seq.to(tl.int32))
-    if i0 == 0:
-        tl.store(prog_first_seg + o_k, first, mask=o_k <= P)
-        tl.store(group_count, L * tl.sum(split_seq.to(tl.int32), 0))
-    if i0 < pieces:
-        i = i0 + tl.arange(0, BLOCK_S)
-        m_i = (i < pieces) & (i < seg_cap)
-        p = tl.minimum(_count_at_most(first, i, BLOCK_P) - 1, BLOCK_P - 2)  # first[0] = 0 <= i
-        g = p // L
-        r = p % L
-        j = i - tl.gather(first, p, 0)
-        b = tl.where(m_i, tl.gather(b0, g, 0) + j, 0)  # lanes past the pieces take sequence 0
-        tb = tl.gather(t_begin, b, 0)
-        te = tl.gather(t_end, b, 0)
-        x = tl.maximum(tl.gather(cut, g, 0), tb)
-        y = tl.minimum(tl.gather(cut, g + 1, 0), te)
-        m_p = tl.gather(m_seq, b, 0)
-        # this piece's place among its row block's: the sequence's inner cuts in (tb, x]
-        q = _inner_cuts_at_most(n_inner, cut, x, BLOCK_P) - tl.gather(inner_to_begin, b, 0)
-        base = tl.gather(slot_base, b, 0) + r * m_p
-        split = m_p > 1
-        tl.store(seg_seq + i, b, mask=m_i)
-        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
-        tl.store(seg_kv_start + i, (x - tb) * BLOCK_N, mask=m_i)  # < the KV length: int32
-        tl.store(seg_kv_end + i, tl.minimum((y - tb).to(tl.int64) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32),
-                 mask=m_i)
-        tl.store(seg_partial + i, tl.where(split, base + q, -1), mask=m_i)
-        gi = tl.gather(grp_base, b, 0) + r
-        m_g = m_i & split & (q == 0) & (gi < grp_cap)
-        tl.store(grp_seq + gi, b, mask=m_g)
-        tl.store(grp_row0 + gi, r * BLOCK_M, mask=m_g)
-        tl.store(grp_first + gi, base, mask=m_g)
-        tl.store(grp_count + gi, m_p, mask=m_g)
+    return t_begin, t_end, cut, first, b0, pieces, n_inner, inner_to_begin, m_seq, split_seq, slot_base, grp_base
+
+
+@triton.jit
+def _parts_lanes(i, m_i, t_begin, t_end, cut, first, b0, n_inner, inner_to_begin, m_seq, slot_base, L,
+                 BLOCK_P: tl.constexpr):
+    """Per lane, piece ``i`` of the parts schedule :func:`_parts_layout` gave (lanes where ``m_i`` is
+    false take sequence 0): its sequence and row block, its tile range ``[x, y)`` on the line and its
+    sequence's start there, its place among its row block's pieces, their count, and the row
+    block's first partial slot (where split)."""
+    p = tl.minimum(_count_at_most(first, i, BLOCK_P) - 1, BLOCK_P - 2)  # first[0] = 0 <= i
+    g = p // L
+    r = p % L
+    j = i - tl.gather(first, p, 0)
+    b = tl.where(m_i, tl.gather(b0, g, 0) + j, 0)  # lanes past the pieces take sequence 0
+    tb = tl.gather(t_begin, b, 0)
+    te = tl.gather(t_end, b, 0)
+    x = tl.maximum(tl.gather(cut, g, 0), tb)
+    y = tl.minimum(tl.gather(cut, g + 1, 0), te)
+    m_p = tl.gather(m_seq, b, 0)
+    # this piece's place among its row block's: the sequence's inner cuts in (tb, x]
+    q = _inner_cuts_at_most(n_inner, cut, x, BLOCK_P) - tl.gather(inner_to_begin, b, 0)
+    return b, r, x, y, tb, q, m_p, tl.gather(slot_base, b, 0) + r * m_p
 
 
 @triton.jit
@@ -437,12 +590,13 @@ def _schedule_kernel(
     H, P, max_nodes, seg_cap, grp_cap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SEGMENTS: tl.constexpr, PARTS: tl.constexpr,
-    MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr,
+    MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr, SEGMENT_TILES: tl.constexpr,
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
     computing the sequences and boundaries first: with ``SEGMENTS``, whole segments one per program
     (:func:`_segment_pieces`) where columns one program's share wide make at most as many segments as
-    programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule when every
+    programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule (with its
+    tail of ``SEGMENT_TILES``' length where L does not divide ``pe``: :func:`_parts_tail_pieces`) when every
     sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
     are fewer than :data:`PARTS_MAX_TILES` and the parts keep
     ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else with
@@ -472,9 +626,19 @@ def _schedule_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     elif PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
                     & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
-        _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start,
-                      seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
-                      BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
+        # the idle programs' tail where L does not divide pe (plan._parts_tail_candidates' first tail)
+        S = pe - pe // L * L
+        K = tl.sum(T, 0)
+        tail = (K * S - SEGMENT_TILES * L * (pe // L)) // pe
+        tail = tl.where(tail >= 1, tail, K * S // pe)
+        if (S > 0) & (tail >= 1):
+            _parts_tail_pieces(i0, kv, T, L, pe, tail, m_b, prog_first_seg, group_count, seg_seq, seg_row0,
+                               seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P,
+                               seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S, MIN_SPLIT)
+        else:
+            _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count, seg_seq, seg_row0,
+                          seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P,
+                          seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     elif ROUNDS and ((2 * L > pe) & ((tl.sum(R, 0) + pe - 1) // pe * pe * 10
                                       <= ROUNDS_MAX_SLACK_TENTHS * tl.sum(R, 0))):
         _rounds_pieces(i0, kv, R, pe, prog_first_seg, group_count, seg_seq, seg_row0, seg_kv_start, seg_kv_end,
@@ -492,16 +656,18 @@ class DeviceScheduler:
     """The scheduler launch of one plan: write the line (or KV parts) schedule of device lengths into
     ``kv_out [max_batch]``, ``qo_out [max_batch + 1]`` (int32) and ``tables`` (a
     :class:`~kdtree_engine.verify.plan.FlashTables`), ``block_s`` pieces per program (a power of
-    two, at least 32) and ``num_warps`` warps. Everything but the lengths is fixed at construction (a
-    launch costs only its arguments)."""
+    two, at least 32) and ``num_warps`` warps; ``min_split`` and ``segment_tiles``: the plan's
+    ``MIN_SPLIT_TILES`` and its cost model's segment cost (which sets the parts' tail). Everything
+    but the lengths is fixed at construction (a launch costs only its arguments)."""
 
     def __init__(self, kv_out, qo_out, tables, *, num_heads: int, max_batch: int, max_tree_nodes: int,
-                 min_split: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS, auto_rounds: bool = False):
+                 min_split: int, segment_tiles: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS,
+                 auto_rounds: bool = False):
         cfg, P = tables.config, tables.num_programs
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
         self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
-                           BLOCK_B=triton.next_power_of_2(max_batch), BLOCK_P=triton.next_power_of_2(P + 2),
-                           BLOCK_S=block_s, num_warps=num_warps)
+                           SEGMENT_TILES=segment_tiles, BLOCK_B=triton.next_power_of_2(max_batch),
+                           BLOCK_P=triton.next_power_of_2(P + 2), BLOCK_S=block_s, num_warps=num_warps)
         self._auto_rounds = auto_rounds
         self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, auto_rounds, *self._const.values())
         self._grid = (triton.cdiv(seg_cap, block_s),)
@@ -509,18 +675,17 @@ class DeviceScheduler:
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
 
     def prepare(self, kv_lens, qo_indptr, schedule: str = "line") -> Launch:
-        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the
-        plan's device, any strides, ``B <= max_batch``), and any lengths of their signature (dtype,
-        16-byte alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch
-        on the current stream, no sync. ``schedule``: ``"line"``; ``"parts"``: the KV parts
-        schedule where it applies (every tree of the same row blocks L, ``2 L`` at most the
-        programs with work), else the line; ``"rounds"``: the rounds schedule where it applies
-        (a sequence of more row blocks than half the programs with work, the last round full
-        enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the host's schedule
-        where the host takes it whatever it costs (whole segments, one per program), else parts
-        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with
-        ``auto_rounds`` at construction: the plan's cost model says they pay) rounds where they
-        apply, else the line."""
+        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the plan's device,
+        any strides, ``B <= max_batch``), and any lengths of their signature (dtype, 16-byte alignment, B,
+        strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch on the current stream, no sync.
+        ``schedule``: ``"line"``; ``"parts"``: the KV parts schedule where it applies (every tree of the same
+        row blocks L, ``2 L`` at most the programs with work; the programs it leaves idle on the KV's last tiles
+        where L does not divide them: :func:`~kdtree_engine.verify.plan.device_parts`), else the line;
+        ``"rounds"``: the rounds schedule where it applies (a sequence of more row blocks than half the programs
+        with work, the last round full enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the
+        host's schedule where the host takes it whatever it costs (whole segments, one per program), else parts
+        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with ``auto_rounds``
+        at construction: the plan's cost model says they pay) rounds where they apply, else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
                       (0, 1), (*ints, *self._outputs), self.constexprs(schedule))
