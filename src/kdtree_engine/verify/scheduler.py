@@ -212,16 +212,10 @@ def _line_pieces(i0, kv, R, T, w_start, w_end, width, ncol, i_start, r_start, pe
                 i, m_i, R, T, w_start, width, ncol, i_start, r_start, first, ord_lo, cut, key, kcol, spr, spp,
                 BLOCK_P)
             split = n_pieces > 1
-            tl.store(seg_seq + i, b, mask=m_i)
-            tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
-            tl.store(seg_kv_start + i, (t0 * BLOCK_N).to(tl.int32), mask=m_i)
-            tl.store(seg_kv_end + i, tl.minimum(t1 * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), mask=m_i)
-            tl.store(seg_partial + i, tl.where(split, base + idx, -1), mask=m_i)
-            m_g = m_i & split & (idx == 0) & (g < grp_cap)
-            tl.store(grp_seq + g, b, mask=m_g)
-            tl.store(grp_row0 + g, r * BLOCK_M, mask=m_g)
-            tl.store(grp_first + g, base, mask=m_g)
-            tl.store(grp_count + g, n_pieces, mask=m_g)
+            _store_pieces(i, m_i, b, r * BLOCK_M, (t0 * BLOCK_N).to(tl.int32),
+                          tl.minimum(t1 * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), tl.where(split, base + idx, -1),
+                          g, m_i & split & (idx == 0) & (g < grp_cap), base, n_pieces, seg_seq, seg_row0, seg_kv_start,
+                          seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count)
 
 
 @triton.jit
@@ -268,6 +262,23 @@ def _line_lanes(i, m_i, R, T, w_start, width, ncol, i_start, r_start, first, ord
 
 
 @triton.jit
+def _store_pieces(i, m_i, b, row0, kv_start, kv_end, slot, g, m_g, g_first, g_count,
+                  seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count):
+    """Table rows ``i`` (where ``m_i``): the pieces' sequence, first packed row, KV range and partial
+    slot (-1: not split); and rows ``g`` of the groups (where ``m_g``, a subset of ``m_i``): the
+    split row block's sequence, first row, first partial slot and split count."""
+    tl.store(seg_seq + i, b, mask=m_i)
+    tl.store(seg_row0 + i, row0, mask=m_i)
+    tl.store(seg_kv_start + i, kv_start, mask=m_i)
+    tl.store(seg_kv_end + i, kv_end, mask=m_i)
+    tl.store(seg_partial + i, slot, mask=m_i)
+    tl.store(grp_seq + g, b, mask=m_g)
+    tl.store(grp_row0 + g, row0, mask=m_g)
+    tl.store(grp_first + g, g_first, mask=m_g)
+    tl.store(grp_count + g, g_count, mask=m_g)
+
+
+@triton.jit
 def _count_at_most(sorted_vals, x, N: tl.constexpr):
     """Per element of ``x``: how many of ``sorted_vals`` (non-decreasing ``[N]``, N a power of two)
     are ``<= x``, by binary lifting: ``log2(N) + 1`` gathers of ``x``'s shape, where a comparison
@@ -311,18 +322,11 @@ def _parts_pieces(i0, kv, T, L, pe, snap, m_b, prog_first_seg, group_count,
         b, r, x, y, tb, q, m_p, base = _parts_lanes(i, m_i, t_begin, t_end, cut, first, b0, n_inner, inner_to_begin,
                                                     m_seq, slot_base, L, BLOCK_P)
         split = m_p > 1
-        tl.store(seg_seq + i, b, mask=m_i)
-        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
-        tl.store(seg_kv_start + i, (x - tb) * BLOCK_N, mask=m_i)  # < the KV length: int32
-        tl.store(seg_kv_end + i, tl.minimum((y - tb).to(tl.int64) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32),
-                 mask=m_i)
-        tl.store(seg_partial + i, tl.where(split, base + q, -1), mask=m_i)
         gi = tl.gather(grp_base, b, 0) + r
-        m_g = m_i & split & (q == 0) & (gi < grp_cap)
-        tl.store(grp_seq + gi, b, mask=m_g)
-        tl.store(grp_row0 + gi, r * BLOCK_M, mask=m_g)
-        tl.store(grp_first + gi, base, mask=m_g)
-        tl.store(grp_count + gi, m_p, mask=m_g)
+        _store_pieces(i, m_i, b, r * BLOCK_M, (x - tb) * BLOCK_N,  # < the KV length: int32
+                      tl.minimum((y - tb).to(tl.int64) * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32),
+                      tl.where(split, base + q, -1), gi, m_i & split & (q == 0) & (gi < grp_cap), base, m_p, seg_seq,
+                      seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count)
 
 
 @triton.jit
@@ -413,17 +417,12 @@ def _parts_tail_pieces(i0, kv, T, L, pe, tail, m_b, prog_first_seg, group_count,
         seq = tl.where(is_h, b, hb + bl)
         k0 = tl.where(is_h, (x - tb).to(tl.int64), th + t0)
         k1 = tl.where(is_h, (y - tb).to(tl.int64), th + t1)
-        tl.store(seg_seq + i, seq, mask=m_i)
-        tl.store(seg_row0 + i, tl.where(is_h, r, rt) * BLOCK_M, mask=m_i)
-        tl.store(seg_kv_start + i, (k0 * BLOCK_N).to(tl.int32), mask=m_i)
-        tl.store(seg_kv_end + i, tl.minimum(k1 * BLOCK_N, tl.gather(kv, seq, 0)).to(tl.int32), mask=m_i)
-        tl.store(seg_partial + i, tl.where(is_h, slot_h, slot_t), mask=m_i)
         gi = tl.where(is_h, g_h, g_t + grp_shift)
-        m_g = m_i & ((is_h & grp_h) | ((i >= pieces_h) & grp_t)) & (gi < grp_cap)
-        tl.store(grp_seq + gi, seq, mask=m_g)
-        tl.store(grp_row0 + gi, tl.where(is_h, r, rt) * BLOCK_M, mask=m_g)
-        tl.store(grp_first + gi, tl.where(is_h, first_h, base_t + slot_shift), mask=m_g)
-        tl.store(grp_count + gi, tl.where(is_h, count_h, n_pieces), mask=m_g)
+        _store_pieces(i, m_i, seq, tl.where(is_h, r, rt) * BLOCK_M, (k0 * BLOCK_N).to(tl.int32),
+                      tl.minimum(k1 * BLOCK_N, tl.gather(kv, seq, 0)).to(tl.int32), tl.where(is_h, slot_h, slot_t),
+                      gi, m_i & ((is_h & grp_h) | ((i >= pieces_h) & grp_t)) & (gi < grp_cap),
+                      tl.where(is_h, first_h, base_t + slot_shift), tl.where(is_h, count_h, n_pieces), seg_seq,
+                      seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count)
 
 
 @triton.jit
@@ -538,17 +537,11 @@ def _segment_pieces(i0, kv, R, T, width, m_b, prog_first_seg, group_count,
         t0 = c.to(tl.int64) * width
         t1 = tl.minimum(t0 + width, tl.gather(T, b, 0))
         first = tl.gather(slot_base, b, 0) + r * nc
-        tl.store(seg_seq + i, b, mask=m_i)
-        tl.store(seg_row0 + i, r * BLOCK_M, mask=m_i)
-        tl.store(seg_kv_start + i, (t0 * BLOCK_N).to(tl.int32), mask=m_i)
-        tl.store(seg_kv_end + i, tl.minimum(t1 * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), mask=m_i)
-        tl.store(seg_partial + i, tl.where(nc > 1, first + c, -1), mask=m_i)
         g = tl.gather(grp_base, b, 0) + r
-        m_g = m_i & (nc > 1) & (c == 0) & (g < grp_cap)
-        tl.store(grp_seq + g, b, mask=m_g)
-        tl.store(grp_row0 + g, r * BLOCK_M, mask=m_g)
-        tl.store(grp_first + g, first, mask=m_g)
-        tl.store(grp_count + g, nc, mask=m_g)
+        _store_pieces(i, m_i, b, r * BLOCK_M, (t0 * BLOCK_N).to(tl.int32),
+                      tl.minimum(t1 * BLOCK_N, tl.gather(kv, b, 0)).to(tl.int32), tl.where(nc > 1, first + c, -1), g,
+                      m_i & (nc > 1) & (c == 0) & (g < grp_cap), first, nc, seg_seq, seg_row0, seg_kv_start,
+                      seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count)
 
 
 @triton.jit
