@@ -242,10 +242,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
             raise ValueError(f"the parts schedule needs at most {P} row blocks per sequence, got {int(R.max())}")
         return _parts_schedule(R, T, P, snap)
     if only == "parts_tail":
-        tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, int(R.sum())) if int(R.max()) <= P // 2 else []
-        if not tails:
+        tail = _first_tail(R, T, P, costs)
+        if tail is None:
             raise ValueError(f"no parts-and-tail schedule of {int(R.max())} row blocks a sequence on {P} programs")
-        return tails[0]  # the device scheduler's (device_parts)
+        return tail
     if only == "rounds":
         return _rounds_schedule(R, T, P)
     if only is not None:
@@ -354,9 +354,16 @@ def device_parts(row_blocks, tiles, num_programs: int, costs: ScheduleCosts = TR
     programs and a tail of a tile or more exists, else the parts alone (``only="parts"``)."""
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
-    P = programs_with_work(R, T, num_programs)
+    tail = _first_tail(R, T, programs_with_work(R, T, num_programs), costs)
+    return tail if tail is not None else schedule(R, T, num_programs, only="parts")
+
+
+def _first_tail(R: np.ndarray, T: np.ndarray, P: int, costs: ScheduleCosts) -> Pieces | None:
+    """The first of :func:`_parts_tail_candidates` on ``P`` programs with work (the segment-counting
+    tail where it is a tile or more, else the other), which the device scheduler writes; None
+    where there is none (or a sequence has more than ``P // 2`` row blocks)."""
     tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, int(R.sum())) if int(R.max()) <= P // 2 else []
-    return tails[0] if tails else schedule(R, T, num_programs, only="parts")
+    return tails[0] if tails else None
 
 
 def _numbered(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
