@@ -174,7 +174,9 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
     schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
-    programs with work, the KV tiles in all fewer than 2**31) and for ``"auto"`` where its parts
+    programs with work, the KV tiles in all fewer than 2**31; with its tail where L does not divide
+    those programs: :func:`~kdtree_engine.verify.plan.device_parts`) and for ``"auto"`` (the parts
+    alone) where its parts
     also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` (and
     ``"auto"`` under a cost model with ``auto_rounds``) where it applies
     (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line
@@ -192,8 +194,9 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
         parts = parts and parts_fill(L, pe)
     if schedule_kind == "auto" and whole_segments_apply(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
-    elif parts:
-        pieces = device_parts(R, T, plan.num_programs, plan.costs)
+    elif parts:  # the tail only where asked for by name ("auto": the parts alone)
+        pieces = (device_parts(R, T, plan.num_programs, plan.costs) if schedule_kind == "parts"
+                  else schedule(R, T, plan.num_programs, only="parts"))
     elif ((schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds))
           and rounds_apply(R, T, plan.num_programs)):
         pieces = schedule(R, T, plan.num_programs, only="rounds")

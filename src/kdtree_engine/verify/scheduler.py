@@ -583,13 +583,13 @@ def _schedule_kernel(
     H, P, max_nodes, seg_cap, grp_cap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SEGMENTS: tl.constexpr, PARTS: tl.constexpr,
-    MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr, SEGMENT_TILES: tl.constexpr,
+    MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr, PARTS_TAIL: tl.constexpr, SEGMENT_TILES: tl.constexpr,
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
     computing the sequences and boundaries first: with ``SEGMENTS``, whole segments one per program
     (:func:`_segment_pieces`) where columns one program's share wide make at most as many segments as
-    programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule (with its
-    tail of ``SEGMENT_TILES``' length where L does not divide ``pe``: :func:`_parts_tail_pieces`) when every
+    programs (where the host takes them whatever they cost); else with ``PARTS``, the KV parts schedule (with
+    ``PARTS_TAIL``, its tail where L does not divide ``pe``: :func:`_parts_tail_pieces`) when every
     sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
     are fewer than :data:`PARTS_MAX_TILES` and the parts keep
     ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else with
@@ -624,7 +624,7 @@ def _schedule_kernel(
         K = tl.sum(T, 0)
         tail = (K * S - SEGMENT_TILES * L * (pe // L)) // pe
         tail = tl.where(tail >= 1, tail, K * S // pe)
-        if (S > 0) & (tail >= 1):
+        if PARTS_TAIL and ((S > 0) & (tail >= 1)):
             _parts_tail_pieces(i0, kv, T, L, pe, tail, m_b, prog_first_seg, group_count, seg_seq, seg_row0,
                                seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P,
                                seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S, MIN_SPLIT)
@@ -673,7 +673,8 @@ class DeviceScheduler:
         strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch on the current stream, no sync.
         ``schedule``: ``"line"``; ``"parts"``: the KV parts schedule where it applies (every tree of the same
         row blocks L, ``2 L`` at most the programs with work; the programs it leaves idle on the KV's last tiles
-        where L does not divide them: :func:`~kdtree_engine.verify.plan.device_parts`), else the line;
+        where L does not divide them: :func:`~kdtree_engine.verify.plan.device_parts`, which costs the scheduler
+        7-15 us more on an H100, so only where asked for by name), else the line;
         ``"rounds"``: the rounds schedule where it applies (a sequence of more row blocks than half the programs
         with work, the last round full enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the
         host's schedule where the host takes it whatever it costs (whole segments, one per program), else parts
@@ -687,6 +688,7 @@ class DeviceScheduler:
         """The kernel's constexprs and ``num_warps`` for ``schedule`` (``"line"``, ``"parts"``,
         ``"rounds"``, ``"auto"``)."""
         return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule in ("parts", "auto"),
+                              "PARTS_TAIL": schedule == "parts",
                               "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0,
                               "ROUNDS": schedule == "rounds" or (schedule == "auto" and self._auto_rounds)}
 
