@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
-from sass_loops import wgmma_loops
+from sass_loops import disassemble, wgmma_loops
 
 from kdtree_engine.ddtree import kernels as K
 from kdtree_engine.ddtree.tree import _pair_table
@@ -61,9 +61,7 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: 
         r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                            capture_output=True, text=True, check=True)
         if sass is not None:
-            cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-            sass.write_text(subprocess.run([str(cuobjdump), "-sass", f"{d}/k.cubin"],
-                                           capture_output=True, text=True, check=True).stdout)
+            sass.write_text(disassemble(Path(d, "k.cubin")))
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     stack = re.search(r"(\d+) bytes stack frame", r.stderr)

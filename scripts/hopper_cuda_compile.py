@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import triton
-from sass_loops import wgmma_loops
+from sass_loops import disassemble, wgmma_loops
 
 from kdtree_engine.verify import hopper_cuda
 
@@ -67,9 +66,7 @@ def build(nvcc: str, source: Path, flags: str, sass_path: Path | None) -> int:
         if r.returncode != 0:
             print(f"FAIL {label}: {r.stderr[-2000:]}", flush=True)
             return 1
-        cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        sass = disassemble(cubin)
     if sass_path is not None:
         sass_path.write_text(sass)
     figures = ptxas_figures(r.stderr)

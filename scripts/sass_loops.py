@@ -7,7 +7,9 @@ fixed-stall cycles (from the encoding's control bits) and the opcodes that tell 
 from __future__ import annotations
 
 import re
+import subprocess
 from itertools import groupby
+from pathlib import Path
 
 # an instruction and the two 64-bit words of its encoding (cuobjdump prints the second on the next line)
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* 0x[0-9a-f]{16} \*/\s*/\* 0x([0-9a-f]{16}) \*/")
@@ -15,6 +17,14 @@ BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+.*?0x([0-9a-f]+)")  # a branch to an add
 ORDER_OPS = ("HGMMA", "MUFU", "FMUL", "STS", "STSM", "LDS", "SYNCS", "BAR")  # the ops of a step's order line
 LOOP_OPS = ("HGMMA", "MUFU", "FMUL", "FFMA", "BAR", "SYNCS")  # counted in every loop line
 RARE_OPS = ("UTMALDG", "MEMBAR", "FENCE", "LDL", "STL", "R2UR", "LDG")  # counted where a loop has them
+
+
+def disassemble(cubin: Path) -> str:
+    """``cuobjdump -sass`` of ``cubin``, by the cuobjdump bundled with Triton's NVIDIA backend."""
+    import triton  # (only here: reading SASS text needs no Triton)
+
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    return subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
 def fixed_stall(high_word: int) -> int:
