@@ -172,17 +172,16 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: flo
 
 def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_kind: str = "line"):
     """What the device scheduler writes into ``plan`` (a :class:`~kdtree_engine.verify.plan.VerifyPlan`)
-    for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts
-    schedule for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the
-    programs with work, the KV tiles in all fewer than 2**31; with its tail where L does not divide
-    those programs: :func:`~kdtree_engine.verify.plan.device_parts`) and for ``"auto"`` (the parts
-    alone) where its parts
-    also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` (and
+    for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts schedule
+    for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the programs with
+    work, the KV tiles in all fewer than 2**31; with its tail where L does not divide those programs:
+    :func:`~kdtree_engine.verify.plan.device_parts`) and for ``"auto"`` (the parts alone) where its
+    parts also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` (and
     ``"auto"`` under a cost model with ``auto_rounds``) where it applies
-    (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line
-    schedule; ``"auto"`` takes whole segments first where the host's plan takes them without
-    pricing (KV columns of one program's share make at most one segment per program).
-    ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups ``[4, G]`` (int32 numpy)."""
+    (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line schedule; ``"auto"`` takes whole
+    segments first where the host's plan takes them without pricing (KV columns of one program's share
+    make at most one segment per program). ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups
+    ``[4, G]`` (int32 numpy)."""
     R, T = plan.blocks_and_tiles(kv_lens, tree_sizes)
     pe = programs_with_work(R, T, plan.num_programs)
     L = int(R.max())

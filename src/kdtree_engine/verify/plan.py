@@ -258,11 +258,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
             return _whole_segments(R, T, P, lo, costs.segment_tiles)
         widths.append(lo)
     widths += [w for w in (chunk, longest) if w not in widths]
-    candidates = [_line_schedule(R, T, P, chunk, snap)]
-    if int(R.max()) <= P // 2:
-        candidates.append(_parts_schedule(R, T, P, snap))
+    parts = int(R.max()) <= P // 2
+    candidates = [_line_schedule(R, T, P, chunk, snap)] + ([_parts_schedule(R, T, P, snap)] if parts else [])
     candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
-    if int(R.max()) <= P // 2:  # last: taken only where cheaper than all the others
+    if parts:  # last: taken only where cheaper than all the others
         candidates += _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
     times = [schedule_cost(c, costs) for c in candidates]
     return candidates[times.index(min(times))]

@@ -668,17 +668,18 @@ class DeviceScheduler:
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
 
     def prepare(self, kv_lens, qo_indptr, schedule: str = "line") -> Launch:
-        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the plan's device,
-        any strides, ``B <= max_batch``), and any lengths of their signature (dtype, 16-byte alignment, B,
-        strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch on the current stream, no sync.
-        ``schedule``: ``"line"``; ``"parts"``: the KV parts schedule where it applies (every tree of the same
-        row blocks L, ``2 L`` at most the programs with work; the programs it leaves idle on the KV's last tiles
-        where L does not divide them: :func:`~kdtree_engine.verify.plan.device_parts`, which costs the scheduler
-        7-15 us more on an H100, so only where asked for by name), else the line;
-        ``"rounds"``: the rounds schedule where it applies (a sequence of more row blocks than half the programs
-        with work, the last round full enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the
-        host's schedule where the host takes it whatever it costs (whole segments, one per program), else parts
-        where it applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with ``auto_rounds``
+        """The launch that schedules ``kv_lens`` ``[B]`` / ``qo_indptr`` ``[B+1]`` (int32 on the plan's
+        device, any strides, ``B <= max_batch``), and any lengths of their signature (dtype, 16-byte
+        alignment, B, strides): ``launch((kv_lens, qo_indptr), data pointers)``, one launch on the
+        current stream, no sync. ``schedule``: ``"line"``; ``"parts"``: the KV parts schedule where it
+        applies (every tree of the same row blocks L, ``2 L`` at most the programs with work; the
+        programs it leaves idle on the KV's last tiles where L does not divide them:
+        :func:`~kdtree_engine.verify.plan.device_parts`, which costs the scheduler 7-15 us more on an
+        H100, so only where asked for by name), else the line; ``"rounds"``: the rounds schedule where
+        it applies (a sequence of more row blocks than half the programs with work, the last round full
+        enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the host's schedule where
+        the host takes it whatever it costs (whole segments, one per program), else parts where it
+        applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with ``auto_rounds``
         at construction: the plan's cost model says they pay) rounds where they apply, else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
