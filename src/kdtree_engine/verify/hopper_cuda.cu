@@ -352,9 +352,13 @@ __device__ __forceinline__ bool tma_pair(const Params& p, int kv_start, int kv_e
     return KD_TMA && p.tma && kv_start + (2 * k + 2) * BN <= kv_end;
 }
 
-// the pool row where the tile at `start` begins (of a TMA pair: its page holds the whole tile)
-__device__ __forceinline__ int tma_row(const Params& p, const int* pages, int start) {
-    return pages[(start / p.page_size) * p.pt_s1] * p.page_size + start % p.page_size;
+// the pool rows where the two tiles of the TMA pair at `start` begin (their pages hold whole tiles)
+struct PairRows {
+    int row0, row1;
+};
+__device__ __forceinline__ PairRows tma_rows(const Params& p, const int* pages, int start) {
+    const auto row = [&](int s) { return pages[(s / p.page_size) * p.pt_s1] * p.page_size + s % p.page_size; };
+    return {row(start), row(start + BN)};
 }
 
 // the producer warpgroup: per segment its Q (once both math warpgroups are done with the last one), then
@@ -373,9 +377,8 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
         const int* pages = p.page_table + seg.seq * p.pt_s0;
         // a first TMA pair's pool rows, read before the wait for Q's buffer and Q's copy: the page ids' load
         // overlaps them instead of following them (the copy's asm orders every memory access after it)
-        const bool tma_first = tma_pair(p, seg.kv_start, seg.kv_end, 0);
-        const int first0 = tma_first ? tma_row(p, pages, seg.kv_start) : 0;
-        const int first1 = tma_first ? tma_row(p, pages, seg.kv_start + BN) : 0;
+        const PairRows first =
+            tma_pair(p, seg.kv_start, seg.kv_end, 0) ? tma_rows(p, pages, seg.kv_start) : PairRows{0, 0};
         if (n_seg > 0) wait_phase(&sm->q_empty, (n_seg - 1) & 1);
         copy_q(p, sm, seg, t);
         const int steps = (seg.kv_end - seg.kv_start + 2 * BN - 1) / (2 * BN);
@@ -384,12 +387,11 @@ __device__ void produce(const Params& p, const CUtensorMap* kv_map, Smem* sm, co
             const int start = seg.kv_start + 2 * j * BN;
             if (tma_pair(p, seg.kv_start, seg.kv_end, j)) {
                 if (KD_CONSUMER_TMA && j > 0) continue;  // refilled by the math warpgroups
-                const int tma0 = j == 0 ? first0 : tma_row(p, pages, start);
-                const int tma1 = j == 0 ? first1 : tma_row(p, pages, start + BN);
-                tma_chunks<0, 4>(kv_map, sm, 0, tma0, loads, t);
-                tma_chunks<4, CHUNKS>(kv_map, sm, 1, tma1, loads, t);
-                tma_chunks<4, CHUNKS>(kv_map, sm, 0, tma0, loads, t);
-                tma_chunks<0, 4>(kv_map, sm, 1, tma1, loads, t);
+                const PairRows rows = j == 0 ? first : tma_rows(p, pages, start);
+                tma_chunks<0, 4>(kv_map, sm, 0, rows.row0, loads, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 1, rows.row1, loads, t);
+                tma_chunks<4, CHUNKS>(kv_map, sm, 0, rows.row0, loads, t);
+                tma_chunks<0, 4>(kv_map, sm, 1, rows.row1, loads, t);
             } else {
                 const ProducerRows rows0 = kv_rows(p, pages, start, seg.kv_end, t);
                 const ProducerRows rows1 = kv_rows(p, pages, start + BN, seg.kv_end, t);
@@ -443,7 +445,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[32], const MaskRows& m, in
 // whether they refill it themselves (KD_CONSUMER_TMA: a TMA pair after the segment's first; else its chunks go back
 // to the producer) and then from which pool rows (its two tiles')
 struct NextPair {
-    int row0, row1;
+    PairRows rows;
     bool gathered, refill;
 };
 
@@ -452,12 +454,8 @@ struct NextPair {
 // as the producer decides), never from the page ids: a bad one cannot make the two sides disagree
 __device__ __forceinline__ NextPair next_pair(const Params& p, const int* pages, const Segment& seg, int k) {
     const bool tma = tma_pair(p, seg.kv_start, seg.kv_end, k);
-    NextPair next{0, 0, !tma, KD_CONSUMER_TMA && tma && k > 0};
-    if (next.refill) {
-        const int start = seg.kv_start + 2 * k * BN;
-        next.row0 = tma_row(p, pages, start);
-        next.row1 = tma_row(p, pages, start + BN);
-    }
+    NextPair next{{0, 0}, !tma, KD_CONSUMER_TMA && tma && k > 0};
+    if (next.refill) next.rows = tma_rows(p, pages, seg.kv_start + 2 * k * BN);
     return next;
 }
 
@@ -529,7 +527,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, pa, ctx.dv(0));
     wgmma_wait<0>();
     hold(o);
-    if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 0, next.refill, next.row0);
+    if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 0, next.refill, next.rows.row0);
     named_sync(BAR_FACTOR1);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
@@ -545,7 +543,7 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, const Ma
 #pragma unroll
         for (int c = 0; c < 4; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, c == 0, next.gathered);
         wgmma_wait<4>();  // P1 V1 retired: stage 1's left half is free
-        if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, next.refill, next.row1);
+        if (ctx.issuer) release<0, 4>(ctx.sm, ctx.kv_map, 1, next.refill, next.rows.row1);
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 0, c, parity, false, next.gathered);
     }
@@ -579,9 +577,9 @@ __device__ __forceinline__ void wg1_step(const StepContext& shared_ctx, const Ma
     issue_pv<F16>(o, ctx.dp0(), at(ctx.dv(0), 4 * CHUNK_BYTES));
     if (KD_P1_AFTER_BOTH) named_arrive(BAR_P1);
     wgmma_wait<1>();  // P1 V1 retired: stage 1's right half and rope are free
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.refill, next.row1);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 1, next.refill, next.rows.row1);
     wgmma_wait<0>();  // P0 V0 retired: stage 0's right half (its rope was free since wg 0's QK)
-    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.refill, next.row0);
+    if (ctx.issuer) release<4, CHUNKS>(ctx.sm, ctx.kv_map, 0, next.refill, next.rows.row0);
     if (MORE) {
 #pragma unroll
         for (int c = 4; c < CHUNKS; ++c) qk_chunk_when_landed<F16>(s, qr, ctx, 1, c, parity, c == 4, next.gathered);
