@@ -126,7 +126,10 @@ if HAVE_GLUON:
         ``rb`` of ``n_rb`` taking the rows ``[rb * 128 // n_rb, (rb + 1) * 128 // n_rb)`` of each pair:
         the programs of a KV part run its row blocks together, so each row is prefetched once, not
         once per row block (perf log run 42: each row block prefetching every row made 4x the L2
-        lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1)."""
+        lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1). Where pages are
+        smaller than a tile and a sequence has at most 3 row blocks nothing is prefetched (run 49:
+        0.958 of the call at 16x9x4x131072 page 1, 1.00 elsewhere; without any page-1 prefetch, run
+        42, 9 row blocks lost 19%)."""
         HALF: gl.constexpr = D_LAT // 2
         # the L2 prefetch: rows one prefetch covers at most (never crossing a page): a tile where pages
         # hold whole tiles, else a page where tiles hold whole pages, else a row
@@ -158,6 +161,8 @@ if HAVE_GLUON:
             rb = row0 // BLOCK_M
             pf_lo = rb * (2 * BLOCK_N) // n_rb
             pf_hi = (rb + 1) * (2 * BLOCK_N) // n_rb
+            if PAGE_SIZE % BLOCK_N != 0:  # pages smaller than a tile: no row prefetched at <= 3 row blocks
+                pf_hi = pf_lo + (pf_hi - pf_lo) * (n_rb > 3).to(gl.int32)
             for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
                 # the page ids of the pair two ahead (tiles 2j + 4, 2j + 5), loaded here so their
                 # latency hides behind this pair's waits; its rows prefetched into L2 after this pair's copies
