@@ -136,6 +136,7 @@ if HAVE_GLUON:
         PF_RUN: gl.constexpr = BLOCK_N if PAGE_SIZE % BLOCK_N == 0 else (PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else 1)
         L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])  # 16-byte vectors
         ROW_L: gl.constexpr = gl.SliceLayout(1, L)
+        _wait_prior_grid()
         n_seg = 0
         pairs = 0  # tiles loaded into stage 0 / stage 1 so far (the barriers' phases)
         singles1 = 0
@@ -224,6 +225,16 @@ if HAVE_GLUON:
             "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
             "mov.u32 $0, 0;\n\t}",
             "=r,l,r,r", [p_first, ok.to(gl.int32), size], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _wait_prior_grid():
+        """``griddepcontrol.wait``: this thread waits until the kernel launched before this one in the
+        stream has completed and its writes are visible (at once when there is none, or when this
+        launch was not a programmatic dependent). Each partition executes it before its first global
+        access: with the launch's programmatic stream serialization (:func:`prepare`) this kernel
+        may start while the one before it still runs (perf log, CPU session 35)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
     @gluon.jit
     def _load_chunk(dst, p_row, m_row, bars, STAGE: gl.constexpr, CHUNK: gl.constexpr, phase, pred,
@@ -457,6 +468,7 @@ if HAVE_GLUON:
         COL_O: gl.constexpr = gl.SliceLayout(0, O_L)
         dt: gl.constexpr = s_q.dtype
 
+        _wait_prior_grid()
         n_seg = 0
         steps = 0
         own_uses = 0
@@ -558,6 +570,10 @@ if HAVE_GLUON:
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
+        # the next kernel in the stream, if launched as a programmatic dependent, may launch once every
+        # program got here: its programs take the SMs this kernel's leave and wait for its end there
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
         dt: gl.constexpr = kv.dtype.element_ty
         LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_LAT], dt)
         ROPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dt)
@@ -720,11 +736,13 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
     Same arguments as :func:`kdtree_engine.verify.triton_flash.prepare` (inputs already checked
     against the contract and the plan); ``plan`` is a :class:`~kdtree_engine.verify.plan.FlashTables`
     whose config satisfies :func:`supports_plan`, and ``q`` / ``kv_cache`` :func:`supports` (both
-    checked by :func:`kdtree_engine.verify.op.resolve`).
+    checked by :func:`kdtree_engine.verify.op.resolve`). The kernel is launched as a programmatic
+    dependent (PDL): its launch and set-up overlap the end of the kernel before it in the stream,
+    whose writes it waits for before reading anything (docs/hopper.md, "The launch").
     """
     H, page_size = q.shape[1], kv_cache.shape[1]
     return prepare_planned(_HOPPER, (H, page_size), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale,
-                           out, lse, plan, kernel_constexprs(H, page_size))
+                           out, lse, plan, dict(kernel_constexprs(H, page_size), launch_pdl=True))
 
 
 def kernel_constexprs(H: int, page_size: int) -> dict:
