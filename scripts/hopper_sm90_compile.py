@@ -1,5 +1,6 @@
 """Compile the Hopper verify kernel (or variants of it) for sm_90a without a GPU, and print
-registers, spills, shared memory, partition barriers and whether ptxas serialised the wgmmas.
+registers, spills, shared memory, partition barriers and whether ptxas serialised the wgmmas; a kernel
+that waits for the grid before it (PDL) fails if a global access can run before that wait.
 
     PYTHONPATH=src python scripts/hopper_sm90_compile.py [VARIANT.py ...] [--page-size 64,1] [--heads 64]
         [--stamped] [--in-kernel] [--sass DIR]
