@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
+from ptx_grid_wait import accesses_before_grid_wait
 from sass_loops import disassemble, wgmma_loops
 
 from kdtree_engine.ddtree import kernels as K
@@ -35,71 +36,6 @@ from kdtree_engine.ddtree.tree import _pair_table
 
 BAR_SYNC = re.compile(r"\bbar\.sync\b")  # partition barriers in the PTX (docs/hopper.md)
 WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*wgmma[^\n]*serialized")  # ptxas gave up pipelining the wgmmas
-# a PTX instruction that reads or writes global memory: a .global state space in its name (ld, st, atom,
-# red, cp.async's source, the bulk copies and L2 prefetches) or a tensor-map copy (TMA)
-GLOBAL_ACCESS = re.compile(r"^(?:@!?%?\w+\s+)?(?:[\w:]+\.)*(?:global|tensor)\b")
-LABEL = re.compile(r"^(\$?[\w.$]+):")
-BRANCH = re.compile(r"^(@!?%?\w+\s+)?bra(?:\.uni)?\s+(\$?[\w.$]+);")
-
-
-def accesses_before_grid_wait(ptx: str) -> tuple[int, list[str]]:
-    """Where a kernel is launched as a programmatic dependent, every global access must come after its
-    thread's ``griddepcontrol.wait`` (else it may read what the kernel before it has not written yet).
-    Checked on the PTX's control flow: a must-analysis over its blocks between labels (the labels and
-    branches of the function's body, at brace depth 1; the branches of inline-asm blocks, such as
-    mbarrier wait loops, stay inside their block), a branch passing on the state at its own line.
-    Returns the number of global accesses and those that some path reaches without a wait (as
-    ``line N: instruction``)."""
-    blocks, labels, depth = [[]], {}, 0  # blocks: (kind, text, line) items; kind wait/access/branch/jump
-    for number, raw in enumerate(ptx.splitlines(), 1):
-        line = raw.split("//")[0].strip()
-        if not line:
-            continue
-        if depth == 1 and (label := LABEL.match(line)):
-            labels[label.group(1)] = len(blocks)
-            blocks.append([])
-            continue
-        depth += line.count("{") - line.count("}")
-        if depth == 1 and (m := BRANCH.match(line)):
-            blocks[-1].append(("branch" if m.group(1) else "jump", m.group(2), number))
-        elif line.startswith(("ret;", "exit;")):
-            blocks[-1].append(("jump", "", number))
-        elif "griddepcontrol.wait" in line:
-            blocks[-1].append(("wait", "", number))
-        elif GLOBAL_ACCESS.match(line):
-            blocks[-1].append(("access", line, number))
-
-    def walk(i, waited, visit):
-        """Block i from state ``waited``: visit(item, state) per item, then the state at its end, or
-        None where it ends in a jump (no fall-through)."""
-        for item in blocks[i]:
-            waited = waited or item[0] == "wait"
-            visit(item, waited)
-            if item[0] == "jump":
-                return None
-        return waited
-
-    waited_in = [i > 0 for i in range(len(blocks))]  # "waited" until a path without shows up; not the entry
-    changed = True
-    while changed:
-        incoming = [[] for _ in blocks]
-        for i in range(len(blocks)):
-            end = walk(i, waited_in[i], lambda item, w: item[0] in ("branch", "jump") and item[1] in labels
-                       and incoming[labels[item[1]]].append(w))
-            if end is not None and i + 1 < len(blocks):
-                incoming[i + 1].append(end)
-        new = [False] + [all(values) for values in incoming[1:]]
-        changed, waited_in = new != waited_in, new
-    early, total = [], 0
-    for i in range(len(blocks)):
-        def count(item, w):
-            nonlocal total
-            if item[0] == "access":
-                total += 1
-                if not w:
-                    early.append(f"line {item[2]}: {item[1]}")
-        walk(i, waited_in[i], count)
-    return total, early
 
 
 def compile_sm90(fn, types: dict, consts: dict, num_warps: int, divisible_ints: bool | frozenset = True,
