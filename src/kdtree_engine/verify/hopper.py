@@ -232,7 +232,8 @@ if HAVE_GLUON:
         stream has completed and its writes are visible (at once when there is none, or when this
         launch was not a programmatic dependent). Each partition executes it before its first global
         access: with the launch's programmatic stream serialization (:func:`prepare`) this kernel
-        may start while the one before it still runs (perf log, CPU session 35)."""
+        may start while the one before it still runs (docs/hopper.md, "The launch";
+        ``scripts/hopper_sm90_compile.py`` fails a build where a global access can come first)."""
         gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
 
