@@ -4,7 +4,9 @@
 module imports Triton (the interpreter is chosen when Triton loads).
 """
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,14 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_checked(c, kernel, dtype_name, **kw):

@@ -3,15 +3,10 @@
 LLVM backend prints them: labels and branches in the function's braces, inline-asm blocks in their
 own braces with local wait loops, predicated instructions, blocks that continue without a label."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 
-_path = Path(__file__).parents[1] / "scripts" / "ptx_grid_wait.py"
-_spec = importlib.util.spec_from_file_location("ptx_grid_wait", _path)
-ptx_grid_wait = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ptx_grid_wait)
+ptx_grid_wait = load_script("ptx_grid_wait")
 
 
 def _kernel(*body: str) -> str:

@@ -1,13 +1,9 @@
 """scripts/sass_loops.py, which the perf log's static tables come from (the step loops' instructions,
 fixed-stall cycles and opcodes), on a small SASS listing written as cuobjdump prints one."""
 
-import importlib.util
-from pathlib import Path
+from conftest import load_script
 
-_path = Path(__file__).parents[1] / "scripts" / "sass_loops.py"
-_spec = importlib.util.spec_from_file_location("sass_loops", _path)
-sass_loops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_loops)
+sass_loops = load_script("sass_loops")
 
 
 def _listing(code: list[tuple[int, str, int]]) -> str:

@@ -7,14 +7,13 @@ The kernel tests are GPU-only (sm_90 with Triton's Gluon); on the CPU CI the imp
 fail), the layout guard and the dispatch (``auto`` never picks a kernel that cannot run) are checked.
 """
 
-import importlib.util
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DEVICE, run_checked, unplanned_workspace
+from conftest import DEVICE, load_script, run_checked, unplanned_workspace
 from kdtree_engine import reference, verify_attention
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree, star_tree
 from kdtree_engine.verify import api, available_kernels, combine, hopper, plan_verify
@@ -221,11 +220,7 @@ def test_dispatch_never_picks_what_cannot_run():
 
 def _timeline_script():
     """scripts/hopper_timeline.py as a module (scripts/ab_hopper.py loads variants through it)."""
-    path = Path(__file__).parents[1] / "scripts" / "hopper_timeline.py"
-    spec = importlib.util.spec_from_file_location("hopper_timeline", path)
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
-    return timeline
+    return load_script("hopper_timeline")
 
 
 def test_timeline_and_ab_scripts_still_fit_the_kernel():
