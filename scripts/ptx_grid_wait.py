@@ -42,34 +42,28 @@ def accesses_before_grid_wait(ptx: str) -> tuple[int, list[str]]:
         elif GLOBAL_ACCESS.match(line):
             blocks[-1].append(("access", line, number))
 
-    def walk(i, waited, visit):
-        """Block i from state ``waited``: visit(item, state) per item, then the state at its end, or
-        None where it ends in a jump (no fall-through)."""
+    def states(i, waited):
+        """Block i's items, each with whether a wait came before it, up to its first jump."""
         for item in blocks[i]:
             waited = waited or item[0] == "wait"
-            visit(item, waited)
+            yield item, waited
             if item[0] == "jump":
-                return None
-        return waited
+                return
 
+    falls_through = [all(kind != "jump" for kind, _, _ in block) for block in blocks]
     waited_in = [i > 0 for i in range(len(blocks))]  # "waited" until a path without shows up; not the entry
     changed = True
     while changed:
         incoming = [[] for _ in blocks]
         for i in range(len(blocks)):
-            end = walk(i, waited_in[i], lambda item, w: item[0] in ("branch", "jump") and item[1] in labels
-                       and incoming[labels[item[1]]].append(w))
-            if end is not None and i + 1 < len(blocks):
-                incoming[i + 1].append(end)
+            waited = waited_in[i]  # then the state at each item: at the block's end where it falls through
+            for (kind, target, _), waited in states(i, waited_in[i]):
+                if kind in ("branch", "jump") and target in labels:
+                    incoming[labels[target]].append(waited)
+            if falls_through[i] and i + 1 < len(blocks):
+                incoming[i + 1].append(waited)
         new = [False] + [all(values) for values in incoming[1:]]
         changed, waited_in = new != waited_in, new
-    early, total = [], 0
-    for i in range(len(blocks)):
-        def count(item, w):
-            nonlocal total
-            if item[0] == "access":
-                total += 1
-                if not w:
-                    early.append(f"line {item[2]}: {item[1]}")
-        walk(i, waited_in[i], count)
-    return total, early
+    accesses = [(item, waited) for i in range(len(blocks)) for item, waited in states(i, waited_in[i])
+                if item[0] == "access"]
+    return len(accesses), [f"line {number}: {text}" for (_, text, number), waited in accesses if not waited]
