@@ -16,6 +16,7 @@
 // Each 64-column chunk of a K stage has its own mbarrier and is refilled by TMA, by the warpgroup
 // that read it last, as soon as that read retired. Each warpgroup runs its own loop, the last step
 // apart (no branch inside a step). Fastest measured: -DKD_P1_AFTER_BOTH=1 -DKD_EVICT_FIRST=1.
+#include <cstdio>
 #include <cuda_runtime.h>
 
 // variants (-D flags), measured in docs/perf_log.md run 45
@@ -551,7 +552,9 @@ extern "C" int kd_step_launch(const void* q, unsigned long long q_rows, const vo
     StepLaunch launch(num_cta, static_cast<cudaStream_t>(stream));
     if (!launch.ok) return 4;
     Params p{tile_rows, q_block, out, lse, n_tiles, part_ctas, scale_log2, stamps, static_cast<const uint8_t*>(kv)};
-    return cudaLaunchKernelEx(&launch.config, step_kernel, q_map, kv_map, p) == cudaSuccess ? 0 : 2;
+    cudaError_t err = cudaLaunchKernelEx(&launch.config, step_kernel, q_map, kv_map, p);
+    if (err != cudaSuccess) fprintf(stderr, "kd_step_launch: %s\n", cudaGetErrorString(err));
+    return err == cudaSuccess ? 0 : 2;
 }
 
 // KD_MULTICAST: how many clusters of the launch can be resident at once (a grid of more CTAs than that
