@@ -510,24 +510,25 @@ step_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ C
     cluster_sync();  // no CTA leaves while another may still signal its barriers
 }
 
-}  // namespace
-
-extern "C" int kd_step_smem_bytes() { return int(sizeof(Smem) + 1024); }
+constexpr int SMEM_BYTES = int(sizeof(Smem) + 1024);  // the kernel aligns Smem to 1024 bytes itself
 
 // step_kernel's launch on num_cta CTAs (in clusters of CLUSTER with KD_MULTICAST), its shared memory
-// allowed once; false if the attribute could not be set
+// allowed once; false if the attribute could not be set. In the anonymous namespace, as the kernel: a
+// class with external linkage would make the `once` a process-wide (STB_GNU_UNIQUE) object, shared by
+// every build loaded into the process, so only the first build's kernel would get its shared memory
+// (run 50: the later builds' launches failed with "invalid argument")
 struct StepLaunch {
     cudaLaunchConfig_t config = {};
     cudaLaunchAttribute cluster[1];
     bool ok;
     StepLaunch(int num_cta, cudaStream_t stream) {
         static const bool smem_set =  // once: the size does not change
-            cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kd_step_smem_bytes())
+            cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES)
             == cudaSuccess;
         ok = smem_set;
         config.gridDim = dim3(num_cta);
         config.blockDim = dim3(LAUNCH_THREADS);
-        config.dynamicSmemBytes = kd_step_smem_bytes();
+        config.dynamicSmemBytes = SMEM_BYTES;
         config.stream = stream;
         if (KD_MULTICAST) {
             cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -538,6 +539,10 @@ struct StepLaunch {
         }
     }
 };
+
+}  // namespace
+
+extern "C" int kd_step_smem_bytes() { return SMEM_BYTES; }
 
 // the stamps buffer a launch of num_cta CTAs needs with KD_STAMPS (int64 values)
 extern "C" int kd_step_stamp_values(int num_cta) { return num_cta * 2 * STAMP_STEPS * STAMP_POINTS; }
