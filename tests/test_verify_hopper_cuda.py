@@ -1,15 +1,18 @@
 """The CUDA C++ Hopper kernel (verify/hopper_cuda.py): its build at first use, where it runs, and its
 fused merge.
 
-On the CPU CI: the import, the nvcc lookup, the build's cache and its message (nvcc builds for sm_90a
-without a GPU where it is installed; skipped where it is not), the clear errors without a compiler
-or a GPU, and that it runs only where named. Its results against the float64 reference are GPU
+On the CPU CI: the import, the nvcc lookup, the build's cache and its message, no state shared by
+builds loaded in one process (nvcc builds for sm_90a without a GPU where it is installed; skipped
+where it is not), the clear errors without a compiler or a GPU, and that it runs only where named. Its results against the float64 reference are GPU
 tests in test_verify_hopper.py and test_verify_kernels.py (parametrised over the planned kernels).
 """
 
 import ctypes
 import math
+import shutil
+import subprocess
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +82,33 @@ def test_build_is_cached_says_so_and_fits_its_params(fresh_builds, capfd):
 def test_the_variants_the_perf_log_times_build(fresh_builds, flags):
     """The -D variants that the perf log's A/Bs and checks name build, with the library's Params."""
     assert hopper_cuda.library(flags).kd_verify_params_bytes() == ctypes.sizeof(hopper_cuda.Params)
+
+
+def process_wide_objects(library: Path) -> list[str]:
+    """The library's ``STB_GNU_UNIQUE`` symbols (``nm`` type ``u``), demangled: objects the dynamic
+    linker keeps once per process, shared by every library that defines them, even loaded with
+    ``RTLD_LOCAL`` (a function-local static of an inline function or class member, for one)."""
+    nm = subprocess.run(["nm", "-D", "-C", str(library)], capture_output=True, text=True, check=True).stdout
+    return [line.split(" u ", 1)[1] for line in nm.splitlines() if " u " in line]
+
+
+@requires_nvcc
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+@pytest.mark.parametrize("source", ["library", "step spike"])
+def test_builds_share_no_state_in_a_process(fresh_builds, source):
+    """Several builds are loaded into one process (the A/Bs time ``-D`` variants side by side), so a
+    build keeps its once-only state (the kernel's shared-memory attribute) to itself: no process-wide
+    object but the driver's tensor-map encoder, which is the same function for every build. The spike's
+    launch configuration was such an object once: every build loaded after the first launched without
+    its shared memory ("invalid argument", perf log run 50)."""
+    if source == "library":
+        path = Path(hopper_cuda.library()._name)
+    else:
+        path = fresh_builds / "step.so"
+        spike = Path(__file__).parents[1] / "scripts" / "hopper_cuda_step.cu"
+        subprocess.run([hopper_cuda.compiler(), *hopper_cuda.NVCC_TARGET, "-shared", "-Xcompiler", "-fPIC",
+                        "-DKD_MULTICAST=3", "-o", str(path), str(spike)], check=True, capture_output=True)
+    assert [s for s in process_wide_objects(path) if not s.startswith("make_map(")] == []
 
 
 @requires_nvcc
