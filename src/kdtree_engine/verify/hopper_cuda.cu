@@ -43,8 +43,8 @@
 // 1: a TMA pair after a segment's first is refilled chunk by chunk by the math warpgroup that read the chunk
 // last, as soon as it is done with it (the step spike's refills, FlashMLA's), not by the producer after an
 // arrival on the chunk's empty barrier; the producer then loads a segment's Q, its first pair and gathered
-// pairs only. Run 50 (H100): 0.92-0.98 of 0's time at 16 heads x 9 nodes, 1.04-1.12 at H x n >= 528,
-// where the refills sit on the math warpgroups' critical path; 0 is the default
+// pairs only. Run 50 (H100): 0.92-0.98 of 0's time at 16 heads x 9 nodes, 1.04-1.12 at H x n >= 528;
+// 0 is the default
 #define KD_CONSUMER_TMA 0
 #endif
 #ifndef KD_FENCE_TMA
