@@ -218,16 +218,11 @@ def test_dispatch_never_picks_what_cannot_run():
 
 
 
-def _timeline_script():
-    """scripts/hopper_timeline.py as a module (scripts/ab_hopper.py loads variants through it)."""
-    return load_script("hopper_timeline")
-
-
 def test_timeline_and_ab_scripts_still_fit_the_kernel():
     """scripts/hopper_timeline.py stamps a copy of the kernel's source at anchors: each is still
     there as often as it expects, and the stamped copy is still Python; scripts/ab_hopper.py's way
     of loading a variant (module_from_source) gives a module with the same prepare."""
-    timeline = _timeline_script()
+    timeline = load_script("hopper_timeline")
     src = timeline.stamped_source(8)
     compile(src, "hopper_stamped.py", "exec")
     assert all(f"_stamp(trace, steps, {point}, WG)" in src for point in range(timeline.NPOINTS))
@@ -241,7 +236,7 @@ def test_ab_script_applies_a_variant_diff(tmp_path):
     """scripts/ab_hopper.py and hopper_timeline.py take FILE.diff:NAME, that section's unified diff
     applied to this kernel (context and removed lines checked: a diff made against another kernel
     stops it)."""
-    timeline = _timeline_script()
+    timeline = load_script("hopper_timeline")
     src = Path(hopper.__file__).read_text()
     lines = src.splitlines(keepends=True)
     i = next(k for k, line in enumerate(lines) if line.startswith("BLOCK_M, BLOCK_N = "))
@@ -261,7 +256,7 @@ def test_timeline_refuses_a_consumer_with_points_never_stamped():
     """A point no step of a consumer stamped (an anchor that moved out of the code that consumer runs,
     as consumer 0's QK did into _qk_after_pv) would leave that consumer with no complete step and an
     empty report: scripts/hopper_timeline.py stops instead, naming the points."""
-    timeline = _timeline_script()
+    timeline = load_script("hopper_timeline")
     n = timeline.NPOINTS
     # 2 programs, 3 traces (consumers 0 and 1, the loader), 4 steps: each point 10 cycles after the last
     trace = (torch.arange(4 * n).reshape(1, 1, 4, n) * 10).expand(2, 3, 4, n).clone()
@@ -278,7 +273,7 @@ def test_timeline_phases_of_a_program():
     steps (loop, only where every step was stamped), its last step's end -> the join (end, and its
     four parts), the grid barrier's wait and the merge (and its first item's two stamps); a program
     that never reached its join is left out."""
-    timeline = _timeline_script()
+    timeline = load_script("hopper_timeline")
     n, steps = timeline.NPOINTS, 4
     trace = torch.full((3, 3, steps, n), -1, dtype=torch.int64)
     trace[0, 0, :2, 0] = torch.tensor([100, 300])  # program 0: two steps of 200 cycles, 2 of 4 slots stamped
