@@ -3,8 +3,9 @@ fused merge.
 
 On the CPU CI: the import, the nvcc lookup, the build's cache and its message, no state shared by
 builds loaded in one process (nvcc builds for sm_90a without a GPU where it is installed; skipped
-where it is not), the clear errors without a compiler or a GPU, and that it runs only where named. Its results against the float64 reference are GPU
-tests in test_verify_hopper.py and test_verify_kernels.py (parametrised over the planned kernels).
+where it is not), the clear errors without a compiler or a GPU, and that it runs only where named.
+Its results against the float64 reference are GPU tests in test_verify_hopper.py and
+test_verify_kernels.py (parametrised over the planned kernels).
 """
 
 import ctypes
