@@ -249,26 +249,30 @@ __device__ __forceinline__ void produce(Smem* sm, const CUtensorMap* kv_map, con
                                        int steps, int t) {
     const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
     const uint16_t all = uint16_t((1u << CLUSTER) - 1);
-    auto issue = [&](int stage, int c, int tile) {  // chunk c of a tile into its stage
+    // chunk c of a tile into its stage; `row`: the tile's first KV row (TMA), read before the waits, as
+    // a load after one (its "memory" clobber) would put an L2 round trip on every chunk's refill
+    auto issue = [&](int stage, int c, int tile, int row) {
         if (KD_CPASYNC)
             gather_chunk(sm->k[stage] + c * CHUNK_BYTES, kv, rows + tile * ROWS_A_TILE, c, &sm->k_full[stage][c], t);
         else if (CLUSTER > 1)
-            tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, rows[tile], all);
+            tma_multicast_chunk(sm->k[stage] + c * CHUNK_BYTES, kv_map, &sm->k_full[stage][c], c * 64, row, all);
         else
-            tma_load_k_chunk(sm, kv_map, stage, c, rows[tile]);
+            tma_load_k_chunk(sm, kv_map, stage, c, row);
     };
+    auto first_row = [&](int tile) { return KD_CPASYNC ? 0 : __ldg(rows + tile * ROWS_A_TILE); };
     for (int stage = 0; stage < 2; ++stage)
-        for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, stage);
+        for (int c = rank; c < CHUNKS; c += CLUSTER) issue(stage, c, stage, first_row(stage));
     const int order[4][3] = {{0, 0, 4}, {1, 4, CHUNKS}, {0, 4, CHUNKS}, {1, 0, 4}};  // stage, first, end chunk
 #pragma unroll 1
     for (int j = 0; j + 1 < steps; ++j) {
+        const int pair_rows[2] = {first_row(2 * j + 2), first_row(2 * j + 3)};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int stage = order[k][0];
             for (int c = order[k][1]; c < order[k][2]; ++c) {
                 if (c % CLUSTER != int(rank)) continue;
                 mbar_wait_cluster(&sm->k_empty[stage][c], j & 1);
-                issue(stage, c, 2 * j + 2 + stage);
+                issue(stage, c, 2 * j + 2 + stage, pair_rows[stage]);
             }
         }
     }
