@@ -41,6 +41,9 @@
 #ifndef KD_P1_AFTER_BOTH
 #define KD_P1_AFTER_BOTH 0  // wg 1 publishes its P after issuing both its PVs (wg 0's P1 V1 goes after them)
 #endif
+#ifndef KD_REFILL0_AFTER_M1
+#define KD_REFILL0_AFTER_M1 0  // wg 0 refills stage 0's left half after m1 arrived, not before (FlashMLA's place)
+#endif
 #ifndef KD_MULTICAST
 // C > 0: a producer warpgroup refills the K chunks, and the C CTAs of a cluster (C divides the CTAs of a KV
 // part, which read the same tiles: 3 for the checks and the default shapes) share each load: a chunk's
@@ -320,8 +323,9 @@ __device__ __forceinline__ void wg0_step(const StepContext& shared_ctx, int j, b
     wgmma_wait<0>();
     hold(o);
     stamp(ctx, j, 2);
-    if (MORE && ctx.issuer) refill<0, 4>(ctx, 0, next.x);
+    if (!KD_REFILL0_AFTER_M1 && MORE && ctx.issuer) refill<0, 4>(ctx, 0, next.x);
     named_sync(BAR_FACTOR1);
+    if (KD_REFILL0_AFTER_M1 && MORE && ctx.issuer) refill<0, 4>(ctx, 0, next.x);
     stamp(ctx, j, 3);
     float f1[2] = {ctx.sm->factor1[ctx.row0], ctx.sm->factor1[ctx.row1]};
     scale_rows(s, f1);
