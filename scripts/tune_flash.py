@@ -7,7 +7,7 @@ For each config: registers, spills, shared memory, whether the SASS/PTX uses wgm
 and schedule (``auto``: the plan's choice; ``line``, ``parts``: that candidate of
 ``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
 % of the roofline floor from ceilings measured in this run, the schedule's modelled cost, and a
-correctness check against the float64 reference on one sequence. Prints a table; --json writes the rows.
+correctness check against the float64 reference on one sequence's first four heads. Prints a table; --json writes the rows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kdtree_engine.verify import hopper, plan as vplan, triton_flash
 from kdtree_engine.verify.plan import FlashConfig, plan_verify
 
 AUTO_SCHEDULE = vplan.schedule
+CHECK_HEADS = 4  # heads of the first sequence checked against the float64 reference
 
 
 def forced_schedule(name: str):
@@ -112,8 +113,8 @@ def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | No
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
         torch.cuda.synchronize()
-        ok = compare(out[:n], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
-            compare(lse[:n], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
+        ok = compare(out[:n, :CHECK_HEADS], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
+            compare(lse[:n, :CHECK_HEADS], ref_lse, *TOLERANCES["bf16"]["lse"]).ok
         rep = compiled_report(hopper._hopper_verify_kernel if kernel == "hopper" else triton_flash._verify_flash_kernel)
         t = time_graph(lambda: verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse))
     except Exception as exc:  # a config that does not compile or fit: report, go on
@@ -143,7 +144,9 @@ def main() -> None:
         flops = 2 * B * n * H * L * (576 + 512)
         nbytes = B * L * 1152 + B * n * H * (576 + 512) * 2
         floor = max(flops / mm_fps, nbytes / copy_bps)
-        ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
+        # the first sequence's first CHECK_HEADS heads (all heads of a 1024-node tree at 128k would
+        # take the float64 reference ~130 GB)
+        ref_out, ref_lse = reference(c["q"][:n, :CHECK_HEADS], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         for cfg_text in args.configs.split(","):
             for sched in args.schedules.split(","):
