@@ -19,8 +19,9 @@ from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
                                    random_tree)
 from kdtree_engine.verify import api
-from kdtree_engine.verify.plan import (HOPPER_COSTS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig, VerifyPlan,
-                                       device_parts, rounds_apply, schedule, whole_segments_apply)
+from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_ROUNDS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
+                                       VerifyPlan, device_parts, rounds_apply, schedule, schedule_cost,
+                                       whole_segments_apply)
 from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
@@ -130,6 +131,28 @@ def test_rounds_schedule_deals_whole_sequences_round_by_round():
     p = VerifyPlan(3, 8, 8, DEVICE, config=CONFIGS[0], num_programs=5)
     first, seg, _, grp, _ = p._tables_of(schedule(R, T, 5, only="rounds"), R)
     assert first.tolist() == [0, 3, 6, 8, 10, 12] and (seg[4] == -1).all() and grp.shape[1] == 0
+
+
+def test_host_takes_the_rounds_over_a_line_priced_up():
+    """Under the Hopper kernel's costs, where the rounds apply the host prices the line at
+    LINE_OVER_ROUNDS times its cost: 128 heads x 256 nodes over 131072 tokens (512 row blocks of
+    2052 tiles on 132 programs), which the model puts at 1.031x the line and the H100 ran at 0.887
+    of its time (perf log run 51), takes the rounds; the Triton kernel's costs keep the line; and a
+    ragged batch whose rounds would leave programs idle (200 row blocks x 634 / 2064 / 859 tiles:
+    the rounds 1.20x the line) keeps the line."""
+    line = lambda R, T: schedule(R, T, 132, only="line")  # noqa: E731
+    rounds = lambda R, T: schedule(R, T, 132, only="rounds")  # noqa: E731
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    R, T = np.array([512]), np.array([2052])
+    assert rounds_apply(R, T, 132)
+    cost = schedule_cost(line(R, T), HOPPER_COSTS), schedule_cost(rounds(R, T), HOPPER_COSTS)
+    assert cost[0] < cost[1] <= LINE_OVER_ROUNDS * cost[0]
+    assert same(schedule(R, T, 132, costs=HOPPER_COSTS), rounds(R, T))
+    assert same(schedule(R, T, 132, costs=TRITON_COSTS), line(R, T))
+    R, T = np.full(3, 200), np.array([634, 2064, 859])
+    assert rounds_apply(R, T, 132)
+    assert schedule_cost(rounds(R, T), HOPPER_COSTS) > LINE_OVER_ROUNDS * schedule_cost(line(R, T), HOPPER_COSTS)
+    assert same(schedule(R, T, 132, costs=HOPPER_COSTS), line(R, T))
 
 
 def test_auto_writes_the_hosts_whole_segments_on_small_steps():
@@ -244,10 +267,13 @@ def test_device_schedule_for_takes_rounds_where_a_sequence_outgrows_half_the_pro
     """128 heads x 65 nodes (130 row blocks on 132 programs: no parts): at batch 4 over 131072
     tokens the line re-reads each sequence's KV once per program (1.8x the host's pick under the
     cost model), the rounds schedule reads it with all programs of a round at once; one sequence:
-    the line (its columns share the KV; the two cost the same, the line first)."""
+    the rounds too (the model costs the two alike, and prices the line at LINE_OVER_ROUNDS times
+    its cost beside them); a ragged batch whose rounds leave programs idle: the line."""
     p = VerifyPlan(4, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
     assert p.device_schedule_for(np.full(4, 131072 + 65), np.arange(5) * 65) == "rounds"
-    assert p.device_schedule_for(np.array([131072 + 65]), np.array([0, 65])) == "line"
+    assert p.device_schedule_for(np.array([131072 + 65]), np.array([0, 65])) == "rounds"
+    p = VerifyPlan(3, 100, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    assert p.device_schedule_for(np.array([634, 2064, 859]) * 64, np.arange(4) * 100) == "line"
 
 
 def test_device_tables_at_the_edges():

@@ -111,6 +111,13 @@ class ScheduleCosts(NamedTuple):
 TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
 HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72, auto_rounds=True)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
+# Where the rounds schedule applies (rounds_apply, under costs whose auto_rounds is set), the line
+# schedule is priced at this many times its modelled cost. Measured on an H100 (docs/perf_log.md run
+# 51, the Hopper kernel, 128 heads x 128-1024 nodes and 64 x 256, B 1-2, KV 16k-128k, pages 1 and
+# 64): the rounds took 0.72-0.955 of the line's time where the model put them 1.031x the line's;
+# every program reading a KV of its own from HBM (the line) costs more than the HBM term sees, the
+# programs of a round reading one KV together (the rounds) do not.
+LINE_OVER_ROUNDS = 1.08
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
@@ -219,7 +226,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
       the programs they leave idle on the KV's last tiles (:func:`_parts_tail_schedule`), for two
       lengths of that tail; last, so taken only where cheaper than every other (perf log, CPU
       session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
-      at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more).
+      at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more);
+    - where the device's ``"auto"`` would take the rounds schedule (``costs.auto_rounds`` and
+      :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`), with the line priced at
+      :data:`LINE_OVER_ROUNDS` times its cost.
 
     ``only="line"``, ``"parts"``, ``"parts_tail"`` (the first of those tails; ``ValueError`` where
     there is none) or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that candidate,
@@ -261,9 +271,13 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     parts = int(R.max()) <= P // 2
     candidates = [_line_schedule(R, T, P, chunk, snap)] + ([_parts_schedule(R, T, P, snap)] if parts else [])
     candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
-    if parts:  # last: taken only where cheaper than all the others
+    if parts:  # last: taken only where cheaper than all the others (the rounds need 2 L > P: not with parts)
         candidates += _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
     times = [schedule_cost(c, costs) for c in candidates]
+    if costs.auto_rounds and rounds_apply(R, T, P):
+        candidates.append(_rounds_schedule(R, T, P))
+        times += [schedule_cost(candidates[-1], costs)]
+        times[0] *= LINE_OVER_ROUNDS
     return candidates[times.index(min(times))]
 
 
@@ -865,7 +879,8 @@ class VerifyPlan:
         without pricing them (:func:`whole_segments_apply`: small steps; the device's ``"auto"``
         writes the same tables, and past them its own rules as the lengths grow), else the
         cheapest of ``"line"``, ``"parts"`` and ``"rounds"`` where they apply by the plan's cost
-        model (:func:`schedule_cost` under :attr:`costs`)."""
+        model (:func:`schedule_cost` under :attr:`costs`; the line at :data:`LINE_OVER_ROUNDS` times
+        its cost beside the rounds)."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         if whole_segments_apply(R, T, self.num_programs):
@@ -878,6 +893,8 @@ class VerifyPlan:
             return "line"
         costs = [schedule_cost(device_parts(R, T, self.num_programs, self.costs) if k == "parts"
                                else schedule(R, T, self.num_programs, only=k), self.costs) for k in kinds]
+        if kinds[1] == "rounds":
+            costs[0] *= LINE_OVER_ROUNDS
         return kinds[costs.index(min(costs))]
 
     @staticmethod
