@@ -4,10 +4,11 @@
         [--kernel flash|hopper] [--schedules auto,line,parts]
 
 For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape
-and schedule (``auto``: the plan's choice; ``line``, ``parts``: that candidate of
+and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``rounds``: that candidate of
 ``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
 % of the roofline floor from ceilings measured in this run, the schedule's modelled cost, and a
-correctness check against the float64 reference on one sequence's first four heads. Prints a table; --json writes the rows.
+correctness check against the float64 reference on one sequence's first four heads. Prints a table;
+--json writes the rows.
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ def main() -> None:
         floor = max(flops / mm_fps, nbytes / copy_bps)
         # the first sequence's first CHECK_HEADS heads (all heads of a 1024-node tree at 128k would
         # take the float64 reference ~130 GB)
-        ref_out, ref_lse = reference(c["q"][:n, :CHECK_HEADS], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
-                                     c["qo_indptr"][:2], c["tree_mask"][:n])
+        ref_out, ref_lse = reference(c["q"][:n, :CHECK_HEADS], c["kv_cache"], c["page_table"][:1],
+                                     c["kv_lens"][:1], c["qo_indptr"][:2], c["tree_mask"][:n])
         for cfg_text in args.configs.split(","):
             for sched in args.schedules.split(","):
                 row = run_config(args.kernel, c, parse_config(cfg_text), sched, H, n, B, L, ref_out, ref_lse)
