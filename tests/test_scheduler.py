@@ -19,8 +19,8 @@ from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
                                    random_tree)
 from kdtree_engine.verify import api
-from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_ROUNDS, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
-                                       VerifyPlan, device_parts, rounds_apply, schedule, schedule_cost,
+from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_LOCKSTEP, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
+                                       VerifyPlan, cuts_row_blocks, device_parts, rounds_apply, schedule, schedule_cost,
                                        whole_segments_apply)
 from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
 
@@ -133,25 +133,37 @@ def test_rounds_schedule_deals_whole_sequences_round_by_round():
     assert first.tolist() == [0, 3, 6, 8, 10, 12] and (seg[4] == -1).all() and grp.shape[1] == 0
 
 
-def test_host_takes_the_rounds_over_a_line_priced_up():
-    """Under the Hopper kernel's costs, where the rounds apply the host prices the line at
-    LINE_OVER_ROUNDS times its cost: 128 heads x 256 nodes over 131072 tokens (512 row blocks of
-    2052 tiles on 132 programs), which the model puts at 1.031x the line and the H100 ran at 0.887
-    of its time (perf log run 51), takes the rounds; the Triton kernel's costs keep the line; and a
-    ragged batch whose rounds would leave programs idle (200 row blocks x 634 / 2064 / 859 tiles:
-    the rounds 1.20x the line) keeps the line."""
+def test_host_prices_a_line_that_cuts_row_blocks_up():
+    """Under the Hopper kernel's costs the host prices a line that cuts row blocks at
+    LINE_OVER_LOCKSTEP times its cost (shapes H x nodes x B x prefix, timed on an H100 in perf log
+    runs 51-52): at 128x256x1x131072 (512 row blocks of 2052 tiles on 132 programs) it takes the
+    rounds, modelled at 1.031x the line and run in 0.887 of its time; at 128x16x6x131072 (32 row
+    blocks a sequence) KV parts with a tail, modelled at the line's cost and run in 0.816; at
+    128x96x1x131072 it keeps the line, whose one lockstep rival (whole sequences) is modelled at
+    1.37x and ran at 1.18x. A line of whole row blocks (128x33x4x131072: every program reads from
+    offset 0, as the rounds do) is not priced up and keeps its tie. The Triton kernel's costs keep
+    the line at the first."""
     line = lambda R, T: schedule(R, T, 132, only="line")  # noqa: E731
-    rounds = lambda R, T: schedule(R, T, 132, only="rounds")  # noqa: E731
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))  # noqa: E731
-    R, T = np.array([512]), np.array([2052])
-    assert rounds_apply(R, T, 132)
-    cost = schedule_cost(line(R, T), HOPPER_COSTS), schedule_cost(rounds(R, T), HOPPER_COSTS)
-    assert cost[0] < cost[1] <= LINE_OVER_ROUNDS * cost[0]
-    assert same(schedule(R, T, 132, costs=HOPPER_COSTS), rounds(R, T))
+    shape = lambda H, n, B, prefix: (np.full(B, -(-H * n // 64)), np.full(B, -(-(prefix + n) // 64)))  # noqa: E731
+    cost = lambda pieces: schedule_cost(pieces, HOPPER_COSTS)  # noqa: E731
+
+    R, T = shape(128, 256, 1, 131072)
+    assert rounds_apply(R, T, 132) and cuts_row_blocks(line(R, T), T)
+    rounds = schedule(R, T, 132, only="rounds")
+    assert cost(line(R, T)) < cost(rounds) <= LINE_OVER_LOCKSTEP * cost(line(R, T))
+    assert same(schedule(R, T, 132, costs=HOPPER_COSTS), rounds)
     assert same(schedule(R, T, 132, costs=TRITON_COSTS), line(R, T))
-    R, T = np.full(3, 200), np.array([634, 2064, 859])
-    assert rounds_apply(R, T, 132)
-    assert schedule_cost(rounds(R, T), HOPPER_COSTS) > LINE_OVER_ROUNDS * schedule_cost(line(R, T), HOPPER_COSTS)
+
+    R, T = shape(128, 16, 6, 131072)
+    assert same(schedule(R, T, 132, costs=HOPPER_COSTS), schedule(R, T, 132, costs=HOPPER_COSTS, only="parts_tail"))
+
+    R, T = shape(128, 96, 1, 131072)
+    picked = schedule(R, T, 132, costs=HOPPER_COSTS)
+    assert same(picked, line(R, T)) and cuts_row_blocks(picked, T)
+
+    R, T = shape(128, 33, 4, 131072)
+    assert not cuts_row_blocks(line(R, T), T)
     assert same(schedule(R, T, 132, costs=HOPPER_COSTS), line(R, T))
 
 
@@ -256,10 +268,14 @@ def test_parts_schedule_falls_back_to_the_line_past_int32_tiles():
 
 def test_device_schedule_for_prefers_parts_where_the_line_is_hbm_bound():
     """The cost model's pick on the host: KV parts at batch 4 with few row blocks per sequence over
-    a long prefix (the line schedule re-reads the KV: HBM-bound), the line schedule for one
-    sequence, and always the line for ragged trees."""
+    a long prefix (the line schedule re-reads the KV: HBM-bound) and at 128 heads x 16 nodes x 6
+    sequences (32 row blocks each; modelled at the line's cost, which cuts row blocks and is priced
+    at LINE_OVER_LOCKSTEP times it), the line schedule for one sequence, and always the line for
+    ragged trees."""
     p = VerifyPlan(4, 9, 64, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
     assert p.device_schedule_for(np.full(4, 131072 + 9), np.arange(5) * 9) == "parts"
+    wide = VerifyPlan(6, 16, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    assert wide.device_schedule_for(np.full(6, 131072 + 16), np.arange(7) * 16) == "parts"
     assert p.device_schedule_for(np.array([131072 + 9, 40, 4000, 9]), np.array([0, 9, 10, 19, 20])) == "line"
 
 
@@ -267,13 +283,14 @@ def test_device_schedule_for_takes_rounds_where_a_sequence_outgrows_half_the_pro
     """128 heads x 65 nodes (130 row blocks on 132 programs: no parts): at batch 4 over 131072
     tokens the line re-reads each sequence's KV once per program (1.8x the host's pick under the
     cost model), the rounds schedule reads it with all programs of a round at once; one sequence:
-    the rounds too (the model costs the two alike, and prices the line at LINE_OVER_ROUNDS times
-    its cost beside them); a ragged batch whose rounds leave programs idle: the line."""
+    the rounds too (the model costs the two alike, and prices a line that cuts row blocks at
+    LINE_OVER_LOCKSTEP times its cost); three sequences of 100 row blocks over ragged KV lengths
+    (no parts past 66 row blocks, no rounds: their last would leave most programs idle): the line."""
     p = VerifyPlan(4, 65, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
     assert p.device_schedule_for(np.full(4, 131072 + 65), np.arange(5) * 65) == "rounds"
     assert p.device_schedule_for(np.array([131072 + 65]), np.array([0, 65])) == "rounds"
-    p = VerifyPlan(3, 100, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
-    assert p.device_schedule_for(np.array([634, 2064, 859]) * 64, np.arange(4) * 100) == "line"
+    p = VerifyPlan(3, 50, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    assert p.device_schedule_for(np.array([634, 2064, 859]) * 64, np.arange(4) * 50) == "line"
 
 
 def test_device_tables_at_the_edges():

@@ -90,8 +90,9 @@ class ScheduleCosts(NamedTuple):
 
     segment_tiles: int  # a segment's fixed cost: q block load, pipeline fill, epilogue, its partial's combine
     hbm_tiles_per_tile: int  # KV tiles (64 x 576 bf16: 73.7 KB) the GPU reads from HBM in one tile time
-    # whether the device's "auto" (the unplanned call) takes the rounds schedule where it applies:
-    # for a kernel fast enough that the line's re-reads of the KV bind (the Hopper kernel; under the
+    # whether the device's "auto" (the unplanned call) takes the rounds schedule where it applies,
+    # and the host prices a line that cuts row blocks at LINE_OVER_LOCKSTEP times its cost: for a
+    # kernel fast enough that the line's re-reads of the KV bind (the Hopper kernel; under the
     # Triton kernel's costs the line is within 1-3% of the host's pick there and rounds are not
     # cheaper, see scheduler.ROUNDS_MAX_SLACK_TENTHS)
     auto_rounds: bool = False
@@ -111,13 +112,15 @@ class ScheduleCosts(NamedTuple):
 TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
 HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72, auto_rounds=True)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
-# Where the rounds schedule applies (rounds_apply, under costs whose auto_rounds is set), the line
-# schedule is priced at this many times its modelled cost. Measured on an H100 (docs/perf_log.md run
-# 51, the Hopper kernel, 128 heads x 128-1024 nodes and 64 x 256, B 1-2, KV 16k-128k, pages 1 and
-# 64): the rounds took 0.72-0.955 of the line's time where the model put them 1.031x the line's;
-# every program reading a KV of its own from HBM (the line) costs more than the HBM term sees, the
-# programs of a round reading one KV together (the rounds) do not.
-LINE_OVER_ROUNDS = 1.08
+# Under costs whose auto_rounds is set (the Hopper kernel), a line schedule that cuts row blocks
+# (its programs then read a sequence's KV at different offsets, each from HBM) is priced at this
+# many times its modelled cost against the schedules whose programs read one KV together (KV parts,
+# their tails, whole segments, the rounds). Measured on an H100 (docs/perf_log.md runs 51-52, the
+# Hopper kernel, 64-128 heads, B 1-6, KV 16k-128k, schedules forced): the modelled cost of such a
+# line is 1.08-1.43x short of its time against theirs (median 1.24), e.g. 128x32x6x131072, where
+# the model put KV parts at 1.031x the line, ran them in 0.82 of its time; 128x96x1x131072 (the
+# rounds modelled 1.37x the line) ran them in 1.18x. 1.2 keeps both on the right side.
+LINE_OVER_LOCKSTEP = 1.2
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
@@ -228,8 +231,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
       session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
       at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more);
     - where the device's ``"auto"`` would take the rounds schedule (``costs.auto_rounds`` and
-      :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`), with the line priced at
-      :data:`LINE_OVER_ROUNDS` times its cost.
+      :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`).
+
+    Under costs whose ``auto_rounds`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
+    is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
 
     ``only="line"``, ``"parts"``, ``"parts_tail"`` (the first of those tails; ``ValueError`` where
     there is none) or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that candidate,
@@ -273,12 +278,18 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
     if parts:  # last: taken only where cheaper than all the others (the rounds need 2 L > P: not with parts)
         candidates += _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
-    times = [schedule_cost(c, costs) for c in candidates]
     if costs.auto_rounds and rounds_apply(R, T, P):
         candidates.append(_rounds_schedule(R, T, P))
-        times += [schedule_cost(candidates[-1], costs)]
-        times[0] *= LINE_OVER_ROUNDS
+    times = [schedule_cost(c, costs) for c in candidates]
+    if costs.auto_rounds and cuts_row_blocks(candidates[0], T):
+        times[0] *= LINE_OVER_LOCKSTEP
     return candidates[times.index(min(times))]
+
+
+def cuts_row_blocks(pieces: Pieces, T: np.ndarray) -> bool:
+    """Whether a piece of the schedule covers part of its row block's KV (of ``T[seq]`` tiles): in
+    the line schedule, its programs then read a sequence's KV at different offsets."""
+    return bool(((pieces.t0 != 0) | (pieces.t1 != T[pieces.seq])).any())
 
 
 def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
@@ -879,8 +890,8 @@ class VerifyPlan:
         without pricing them (:func:`whole_segments_apply`: small steps; the device's ``"auto"``
         writes the same tables, and past them its own rules as the lengths grow), else the
         cheapest of ``"line"``, ``"parts"`` and ``"rounds"`` where they apply by the plan's cost
-        model (:func:`schedule_cost` under :attr:`costs`; the line at :data:`LINE_OVER_ROUNDS` times
-        its cost beside the rounds)."""
+        model (:func:`schedule_cost` under :attr:`costs`; a line that cuts row blocks at
+        :data:`LINE_OVER_LOCKSTEP` times its cost where ``costs.auto_rounds`` is set, as on the host)."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         if whole_segments_apply(R, T, self.num_programs):
@@ -891,10 +902,11 @@ class VerifyPlan:
             kinds = ("line", "parts")
         else:
             return "line"
-        costs = [schedule_cost(device_parts(R, T, self.num_programs, self.costs) if k == "parts"
-                               else schedule(R, T, self.num_programs, only=k), self.costs) for k in kinds]
-        if kinds[1] == "rounds":
-            costs[0] *= LINE_OVER_ROUNDS
+        pieces = [device_parts(R, T, self.num_programs, self.costs) if k == "parts"
+                  else schedule(R, T, self.num_programs, only=k) for k in kinds]
+        costs = [schedule_cost(p, self.costs) for p in pieces]
+        if self.costs.auto_rounds and cuts_row_blocks(pieces[0], T):
+            costs[0] *= LINE_OVER_LOCKSTEP
         return kinds[costs.index(min(costs))]
 
     @staticmethod
