@@ -178,12 +178,18 @@ def default_costs(device: torch.device) -> ScheduleCosts:
     return TRITON_COSTS
 
 
-def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
-    """Estimated time of a schedule in tile times: the larger of its longest program (a segment
-    costing ``costs.segment_tiles`` extra) and its KV traffic from HBM (``costs.hbm_tiles_per_tile``
-    tiles per tile time).
+class ScheduleTerms(NamedTuple):
+    """What :func:`schedule_cost` weighs, in tiles (a segment costing ``segment_tiles`` extra)."""
 
-    The traffic counts a KV tile once for all pieces that read it at about the same time (their
+    busiest: int  # the longest program's work
+    total: int  # all programs' work
+    hbm_tiles: int  # KV tiles read from HBM (pieces reading a tile at about the same time read it once)
+
+
+def schedule_terms(pieces: Pieces, segment_tiles: int) -> ScheduleTerms:
+    """The terms of a schedule's cost (:func:`schedule_cost`).
+
+    The HBM traffic counts a KV tile once for all pieces that read it at about the same time (their
     programs then share it in L2): the pieces of one sequence whose ``t0 - start`` (``start``: the
     piece's start time in its program) fall in the same window of :data:`L2_STEP_TOLERANCE` + 1
     tiles (counted from the sequence's smallest) form one stream, which reads ``max t1 - min t0``
@@ -192,9 +198,9 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
     schedule's do when its columns and shares differ, were one stream however far the first and
     the last were apart.)"""
     if len(pieces.prog) == 0:
-        return 0
+        return ScheduleTerms(0, 0, 0)
     seq, _, t0, t1, prog = pieces
-    work = t1 - t0 + costs.segment_tiles
+    work = t1 - t0 + segment_tiles
     load = np.bincount(prog, weights=work)
     begin = np.cumsum(work) - work  # where each piece starts in the concatenation of all programs
     new_prog = np.diff(prog, prepend=-1) != 0  # pieces are sorted by program
@@ -208,7 +214,15 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
     hi = np.zeros(stream.max() + 1, dtype=np.int64)
     np.minimum.at(lo, stream, t0)
     np.maximum.at(hi, stream, t1)
-    return int(max(load.max(), (hi - lo).sum() / costs.hbm_tiles_per_tile))
+    return ScheduleTerms(int(load.max()), int(work.sum()), int((hi - lo).sum()))
+
+
+def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
+    """Estimated time of a schedule in tile times: the larger of its longest program (a segment
+    costing ``costs.segment_tiles`` extra) and its KV traffic from HBM (``costs.hbm_tiles_per_tile``
+    tiles per tile time; :func:`schedule_terms` says how the traffic is counted)."""
+    terms = schedule_terms(pieces, costs.segment_tiles)
+    return int(max(terms.busiest, terms.hbm_tiles / costs.hbm_tiles_per_tile))
 
 
 def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
