@@ -251,9 +251,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
 
     ``only="line"``, ``"parts"``, ``"parts_tail"`` (the first of those tails; ``ValueError`` where
-    there is none) or ``"rounds"`` (:func:`_rounds_schedule`, the device's): that candidate,
-    whatever it costs (tuning and tests; parts needs at most ``num_programs`` row blocks per
-    sequence).
+    there is none), ``"rounds"`` (:func:`_rounds_schedule`, the device's) or ``"whole"`` (whole
+    segments as wide as the longest sequence: every row block against its whole KV, longest
+    first): that candidate, whatever it costs (tuning and tests; parts needs at most
+    ``num_programs`` row blocks per sequence).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -277,8 +278,10 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         return tail
     if only == "rounds":
         return _rounds_schedule(R, T, P)
+    if only == "whole":
+        return _whole_segments(R, T, P, int(T.max()), costs.segment_tiles)
     if only is not None:
-        raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail' or 'rounds', got {only!r}")
+        raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail', 'rounds' or 'whole', got {only!r}")
     n_blocks, longest = int(R.sum()), int(T.max())
     widths = []
     if n_blocks <= P:
