@@ -15,12 +15,16 @@ weight by least squares at each grid point), error = |log(predicted / measured)|
   part of their time back (the GPU's clock under its power limit).
 
 The HOPPER_COSTS line (``r`` as the plan has it, ``a`` the median us per modelled tile) is printed
-beside them. Rows either fitted form misses by more than ``--miss`` are listed.
+beside them. Rows either fitted form misses by more than ``--miss`` are listed. ``--compare N``:
+over equal-tree shapes (H 16-128, trees 4-128 nodes, B 1-16, KV 4k-128k) on the rows' programs,
+the N shapes where the fitted additive form prices :func:`~kdtree_engine.verify.plan.schedule`'s
+pick furthest above its own (the shapes to time next).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import numpy as np
@@ -84,6 +88,8 @@ def main() -> None:
     parser.add_argument("json", nargs="+", help="scripts/tune_flash.py --json outputs")
     parser.add_argument("--page-size", type=int, default=64, help="rows of this page size only (0: all)")
     parser.add_argument("--miss", type=float, default=0.06, help="list rows a fitted form misses by more (log)")
+    parser.add_argument("--compare", type=int, default=0, metavar="N",
+                        help="list the N shapes where the additive form disputes the plan's pick most")
     args = parser.parse_args()
     rows = load_rows(args.json, args.page_size or None)
     if not rows:
@@ -111,6 +117,41 @@ def main() -> None:
         if max(abs(e_max), abs(e_add)) > args.miss:
             print(f"  {r['source'][:44]:44s} {r['shape']:22s} {r['schedule']:10s} {us[i]:10.1f} us  "
                   f"max {np.exp(e_max):.3f}  additive {np.exp(e_add):.3f}")
+    if args.compare:
+        compare_picks(add[2:], int(programs.max()), args.compare)
+
+
+def compare_picks(constants, num_programs: int, count: int) -> None:
+    """Print the ``count`` equal-tree shapes where the additive form with ``constants`` (a, d, c)
+    prices the plan's pick furthest above its own cheapest candidate."""
+    a, d, c = constants
+    seg = vplan.HOPPER_COSTS.segment_tiles
+
+    def additive(pieces):
+        t = vplan.schedule_terms(pieces, seg)
+        return a * (t.busiest - d * (t.busiest - t.total / num_programs)) + c * t.hbm_tiles
+
+    shapes = agree = 0
+    worse = []
+    for H, n, B, kv in itertools.product((16, 32, 64, 128), (4, 9, 16, 24, 33, 48, 65, 96, 128), (1, 2, 3, 4, 6, 8, 16),
+                                         (4096, 16384, 32768, 131072)):
+        R, T = np.full(B, -(-H * n // 64)), np.full(B, -(-(kv + n) // 64))
+        cands = vplan.schedule_candidates(R, T, num_programs, costs=vplan.HOPPER_COSTS)
+        if len(cands) == 1:
+            continue
+        shapes += 1
+        picked = min(cands, key=lambda cand: cand.cost)
+        own = min(cands, key=lambda cand: additive(cand.pieces))
+        if own.name == picked.name:
+            agree += 1
+        else:
+            worse.append((additive(picked.pieces) / additive(own.pieces), f"{H}x{n}x{B}x{kv}", picked.name, own.name))
+    worse.sort(reverse=True)
+    print(f"\npicks: the additive form agrees with the plan at {agree} of {shapes} priced shapes; "
+          f"where not, it prices the plan's pick {np.median([w[0] for w in worse]) if worse else 1:.3f}x its own "
+          f"at the median. Furthest:")
+    for ratio, shape, picked, own in worse[:count]:
+        print(f"  {shape:18s} plan {picked:14s} additive {own:14s} {ratio:.3f}x")
 
 
 if __name__ == "__main__":

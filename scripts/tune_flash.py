@@ -110,6 +110,8 @@ def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | No
         R = np.full(B, -(-n * H // cfg.block_m))
         T = np.full(B, -(-L // cfg.block_n))
         cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs), plan.costs)
+        picked = sched if sched != "auto" else min(vplan.schedule_candidates(R, T, plan.num_programs, costs=plan.costs),
+                                                   key=lambda cand: cand.cost).name
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
@@ -121,7 +123,7 @@ def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | No
     except Exception as exc:  # a config that does not compile or fit: report, go on
         print(f"{H}x{n}x{B}x{L - n} {sched}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
         return None
-    return dict(schedule=sched, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
+    return dict(schedule=sched, picked=picked, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
                 groups=plan.num_groups, ok=ok, **rep)
 
 
@@ -159,7 +161,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{shape_text:>22} {cfg_text:>12} {sched:>5} {'PASS' if row['ok'] else 'FAIL'} {row['us']:9.1f} us "
                       f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
-                      f"({row['floor_us']:.1f} us) programs={row['programs']} segments={row['segments']} "
+                      f"({row['floor_us']:.1f} us) picked={row['picked']} programs={row['programs']} segments={row['segments']} "
                       f"cost={row['cost']} regs={row['regs']} spills={row['spills']} smem={row['smem']} "
                       f"wgmma={row['wgmma']}", flush=True)
         del c

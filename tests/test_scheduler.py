@@ -20,8 +20,8 @@ from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree,
                                    random_tree)
 from kdtree_engine.verify import api
 from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_LOCKSTEP, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
-                                       VerifyPlan, cuts_row_blocks, device_parts, rounds_apply, schedule, schedule_cost,
-                                       whole_segments_apply)
+                                       VerifyPlan, cuts_row_blocks, device_parts, rounds_apply, schedule,
+                                       schedule_candidates, schedule_cost, whole_segments_apply)
 from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
@@ -157,6 +157,9 @@ def test_host_prices_a_line_that_cuts_row_blocks_up():
 
     R, T = shape(128, 16, 6, 131072)
     assert same(schedule(R, T, 132, costs=HOPPER_COSTS), schedule(R, T, 132, costs=HOPPER_COSTS, only="parts_tail"))
+    cands = {c.name: c for c in schedule_candidates(R, T, 132, costs=HOPPER_COSTS)}
+    assert min(cands.values(), key=lambda c: c.cost).name == "parts_tail" and {"line", "parts"} <= set(cands)
+    assert cands["line"].cost == LINE_OVER_LOCKSTEP * schedule_cost(line(R, T), HOPPER_COSTS)
 
     R, T = shape(128, 48, 6, 131072)  # 576 row blocks: the rounds' last is 48 / 132 full (slack 1.146)
     whole = schedule(R, T, 132, costs=HOPPER_COSTS, only="whole")

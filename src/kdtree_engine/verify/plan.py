@@ -225,30 +225,19 @@ def schedule_cost(pieces: Pieces, costs: ScheduleCosts = TRITON_COSTS) -> int:
     return int(max(terms.busiest, terms.hbm_tiles / costs.hbm_tiles_per_tile))
 
 
+class Candidate(NamedTuple):
+    """A schedule :func:`schedule` weighs: its name, its pieces and its priced cost in tile times."""
+
+    name: str  # "line", "parts", "whole:<width in tiles>", "parts_tail", "parts_tail:2", "rounds"
+    pieces: Pieces
+    cost: float
+
+
 def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
              costs: ScheduleCosts = TRITON_COSTS, only: str | None = None) -> Pieces:
     """Cut the work (sequence b: ``row_blocks[b]`` row blocks x ``tiles[b]`` KV tiles) into pieces
-    run by programs ``0 .. num_programs - 1`` (some may get none): the cheapest (by
-    :func:`schedule_cost` under ``costs``; ties to the first) of
-
-    - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
-    - KV parts (:func:`_parts_schedule`): the concatenated KV cut into parts, each read by one
-      program per row block at the same time (shared in L2);
-    - whole segments (:func:`_whole_segments`: KV columns of a width W, each with every row block
-      of its sequence, dealt longest first to the least-loaded program) for W = the smallest width
-      that gives at most one segment per program, W = one program's share, and W = whole
-      sequences. When the smallest width is at most one program's share, it is taken at once:
-      every program of another schedule has at least that many tiles and a segment;
-    - where ``L`` (the most row blocks of a sequence) does not divide the programs, KV parts with
-      the programs they leave idle on the KV's last tiles (:func:`_parts_tail_schedule`), for two
-      lengths of that tail; last, so taken only where cheaper than every other (perf log, CPU
-      session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
-      at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more);
-    - where the device's ``"auto"`` would take the rounds schedule (``costs.auto_rounds`` and
-      :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`).
-
-    Under costs whose ``auto_rounds`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
-    is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
+    run by programs ``0 .. num_programs - 1`` (some may get none): the cheapest of
+    :func:`schedule_candidates` (ties to the first).
 
     ``only="line"``, ``"parts"``, ``"parts_tail"`` (the first of those tails; ``ValueError`` where
     there is none), ``"rounds"`` (:func:`_rounds_schedule`, the device's) or ``"whole"`` (whole
@@ -258,12 +247,14 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
-    total = int((R * T).sum())
-    if total == 0:
+    if int((R * T).sum()) == 0:
         e = np.zeros(0, dtype=np.int64)
         return Pieces(e, e, e, e, e)
+    if only is None:
+        candidates = schedule_candidates(R, T, num_programs, min_tiles, costs)
+        return min(candidates, key=lambda c: c.cost).pieces  # min keeps the first of equals
     P = programs_with_work(R, T, num_programs)
-    chunk = -(-total // P)
+    chunk = -(-int((R * T).sum()) // P)
     snap = min(min_tiles, chunk // 4)
     if only == "line":
         return _line_schedule(R, T, P, chunk, snap)
@@ -280,27 +271,63 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         return _rounds_schedule(R, T, P)
     if only == "whole":
         return _whole_segments(R, T, P, int(T.max()), costs.segment_tiles)
-    if only is not None:
-        raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail', 'rounds' or 'whole', got {only!r}")
+    raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail', 'rounds' or 'whole', got {only!r}")
+
+
+def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
+                        costs: ScheduleCosts = TRITON_COSTS) -> list[Candidate]:
+    """The schedules :func:`schedule` picks from, in its order, each priced by :func:`schedule_cost`
+    under ``costs`` (work of at least one tile):
+
+    - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
+    - KV parts (:func:`_parts_schedule`): the concatenated KV cut into parts, each read by one
+      program per row block at the same time (shared in L2);
+    - whole segments (:func:`_whole_segments`: KV columns of a width W, each with every row block
+      of its sequence, dealt longest first to the least-loaded program) for W = the smallest width
+      that gives at most one segment per program, W = one program's share, and W = whole
+      sequences. When the smallest width is at most one program's share, it is the only
+      candidate: every program of another schedule has at least that many tiles and a segment;
+    - where ``L`` (the most row blocks of a sequence) does not divide the programs, KV parts with
+      the programs they leave idle on the KV's last tiles (:func:`_parts_tail_schedule`), for two
+      lengths of that tail; last, so taken only where cheaper than every other (perf log, CPU
+      session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
+      at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more);
+    - where the device's ``"auto"`` would take the rounds schedule (``costs.auto_rounds`` and
+      :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`).
+
+    Under costs whose ``auto_rounds`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
+    is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
+    """
+    R = np.asarray(row_blocks, dtype=np.int64)
+    T = np.asarray(tiles, dtype=np.int64)
+    total = int((R * T).sum())
+    P = programs_with_work(R, T, num_programs)
+    chunk = -(-total // P)
+    snap = min(min_tiles, chunk // 4)
     n_blocks, longest = int(R.sum()), int(T.max())
     widths = []
     if n_blocks <= P:
         lo = _smallest_width(R, T, P, total, n_blocks)
         if lo <= chunk:
-            return _whole_segments(R, T, P, lo, costs.segment_tiles)
+            pieces = _whole_segments(R, T, P, lo, costs.segment_tiles)
+            return [Candidate(f"whole:{lo}", pieces, schedule_cost(pieces, costs))]
         widths.append(lo)
     widths += [w for w in (chunk, longest) if w not in widths]
     parts = int(R.max()) <= P // 2
-    candidates = [_line_schedule(R, T, P, chunk, snap)] + ([_parts_schedule(R, T, P, snap)] if parts else [])
-    candidates += [_whole_segments(R, T, P, w, costs.segment_tiles) for w in sorted(widths)]
+    named = [("line", _line_schedule(R, T, P, chunk, snap))]
+    if parts:
+        named.append(("parts", _parts_schedule(R, T, P, snap)))
+    named += [(f"whole:{w}", _whole_segments(R, T, P, w, costs.segment_tiles)) for w in sorted(widths)]
     if parts:  # last: taken only where cheaper than all the others (the rounds need 2 L > P: not with parts)
-        candidates += _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
+        tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
+        named += [("parts_tail" + (f":{i + 1}" if i else ""), tail) for i, tail in enumerate(tails)]
     if costs.auto_rounds and rounds_apply(R, T, P):
-        candidates.append(_rounds_schedule(R, T, P))
-    times = [schedule_cost(c, costs) for c in candidates]
-    if costs.auto_rounds and cuts_row_blocks(candidates[0], T):
-        times[0] *= LINE_OVER_LOCKSTEP
-    return candidates[times.index(min(times))]
+        named.append(("rounds", _rounds_schedule(R, T, P)))
+    candidates = [Candidate(name, pieces, schedule_cost(pieces, costs)) for name, pieces in named]
+    line = candidates[0]
+    if costs.auto_rounds and cuts_row_blocks(line.pieces, T):
+        candidates[0] = line._replace(cost=line.cost * LINE_OVER_LOCKSTEP)
+    return candidates
 
 
 def cuts_row_blocks(pieces: Pieces, T: np.ndarray) -> bool:
