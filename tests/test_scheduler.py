@@ -160,6 +160,8 @@ def test_host_prices_a_line_that_cuts_row_blocks_up():
     cands = {c.name: c for c in schedule_candidates(R, T, 132, costs=HOPPER_COSTS)}
     assert min(cands.values(), key=lambda c: c.cost).name == "parts_tail" and {"line", "parts"} <= set(cands)
     assert cands["line"].cost == LINE_OVER_LOCKSTEP * schedule_cost(line(R, T), HOPPER_COSTS)
+    with pytest.raises(ValueError, match="needs work"):
+        schedule_candidates(np.zeros(2, dtype=np.int64), T[:2], 132)
 
     R, T = shape(128, 48, 6, 131072)  # 576 row blocks: the rounds' last is 48 / 132 full (slack 1.146)
     whole = schedule(R, T, 132, costs=HOPPER_COSTS, only="whole")

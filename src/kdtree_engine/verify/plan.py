@@ -247,14 +247,15 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
-    if int((R * T).sum()) == 0:
+    total = int((R * T).sum())
+    if total == 0:
         e = np.zeros(0, dtype=np.int64)
         return Pieces(e, e, e, e, e)
     if only is None:
         candidates = schedule_candidates(R, T, num_programs, min_tiles, costs)
         return min(candidates, key=lambda c: c.cost).pieces  # min keeps the first of equals
     P = programs_with_work(R, T, num_programs)
-    chunk = -(-int((R * T).sum()) // P)
+    chunk = -(-total // P)
     snap = min(min_tiles, chunk // 4)
     if only == "line":
         return _line_schedule(R, T, P, chunk, snap)
@@ -277,7 +278,7 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
 def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
                         costs: ScheduleCosts = TRITON_COSTS) -> list[Candidate]:
     """The schedules :func:`schedule` picks from, in its order, each priced by :func:`schedule_cost`
-    under ``costs`` (work of at least one tile):
+    under ``costs`` (``ValueError`` where there is no work):
 
     - the line schedule (:func:`_line_schedule`): exact shares, segments cut where they fall;
     - KV parts (:func:`_parts_schedule`): the concatenated KV cut into parts, each read by one
@@ -301,6 +302,8 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
     total = int((R * T).sum())
+    if total == 0:
+        raise ValueError("schedule_candidates needs work: every sequence has no row blocks or no KV tiles")
     P = programs_with_work(R, T, num_programs)
     chunk = -(-total // P)
     snap = min(min_tiles, chunk // 4)
