@@ -44,7 +44,7 @@ def load_rows(paths: list[str], page_size: int | None) -> list[dict]:
                 continue
             bm, bn = (int(x) for x in row["config"].split("x")[:2])
             R = np.full(B, -(-H * n // bm))
-            T = np.full(B, -(-(prefix + n) // bn))
+            T = -(-np.array(row.get("kv_lens", [prefix + n] * B)) // bn)  # ragged rows record their lengths
             only = None if row["schedule"] == "auto" else row["schedule"]
             pieces = vplan.schedule(R, T, row["programs"], costs=vplan.HOPPER_COSTS, only=only)
             if len(pieces.prog) != row["segments"]:

@@ -1,7 +1,7 @@
 """Flash-kernel tuning probe for the GPU: compiler report and timing per tile config and shape.
 
     PYTHONPATH=src python scripts/tune_flash.py [--configs 64x64x8x2,64x32x8x3] [--shapes ...]
-        [--kernel flash|hopper] [--schedules auto,line,parts]
+        [--kernel flash|hopper] [--schedules auto,line,parts] [--kv-spread F [--seed S]]
 
 For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape
 and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``parts_tail``, ``rounds``, ``whole``:
@@ -63,11 +63,21 @@ def time_graph(fn, reps: int = 50, calls: int = 1) -> float:
     return times[len(times) // 2]
 
 
-def make_inputs(H: int, n: int, B: int, prefix: int, page_size: int, seed: int = 0):
-    """Random inputs built on the GPU; page_size-1 slots (or pages) shuffled over the pool."""
+def kv_lengths(n: int, B: int, prefix: int, spread: float, seed: int) -> list[int]:
+    """Each sequence's KV length: ``prefix + n``, or with ``spread`` > 0 a prefix drawn uniformly
+    from ``[(1 - spread) * prefix, prefix]`` per sequence (the first keeps the whole prefix, so the
+    reference check covers the longest)."""
+    rng = np.random.default_rng(seed)
+    prefixes = [prefix] + [int(prefix * (1 - spread * rng.random())) for _ in range(B - 1)]
+    return [p + n for p in prefixes]
+
+
+def make_inputs(H: int, n: int, lens: list[int], page_size: int, seed: int = 0):
+    """Random inputs built on the GPU for sequences of KV lengths ``lens`` (``n`` tree nodes each);
+    page_size-1 slots (or pages) shuffled over the pool."""
     gen = torch.Generator().manual_seed(seed)
-    L = prefix + n
-    pages_per_seq = math.ceil(L / page_size)
+    B = len(lens)
+    pages_per_seq = math.ceil(max(lens) / page_size)
     num_pages = B * pages_per_seq
     kv_cache = torch.randn(num_pages, page_size, 576, device="cuda", dtype=torch.bfloat16)
     perm = torch.randperm(num_pages, device="cuda").to(torch.int32)
@@ -75,7 +85,7 @@ def make_inputs(H: int, n: int, B: int, prefix: int, page_size: int, seed: int =
     q = torch.randn(B * n, H, 576, device="cuda", dtype=torch.bfloat16) * 2
     trees = [random_tree(n, gen) for _ in range(B)]
     tree_mask = concat_tree_masks([tree_mask_from_parents(t) for t in trees], words=mask_words(n)).cuda()
-    kv_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qo_indptr = torch.arange(0, B * n + 1, n, dtype=torch.int32, device="cuda")
     return dict(q=q, kv_cache=kv_cache, page_table=page_table, kv_lens=kv_lens, qo_indptr=qo_indptr,
                 tree_mask=tree_mask)
@@ -99,16 +109,17 @@ def parse_config(text: str) -> FlashConfig:
     return FlashConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
 
 
-def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | None:
+def run_config(kernel, c, cfg, sched, H, n, lens, ref_out, ref_lse) -> dict | None:
     """Plan (with schedule ``sched``), check one sequence against the reference, time the graph."""
+    B = len(lens)
     try:
         vplan.schedule = forced_schedule(sched)
         try:
-            plan = plan_verify([L] * B, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
+            plan = plan_verify(lens, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
         finally:
             vplan.schedule = AUTO_SCHEDULE
         R = np.full(B, -(-n * H // cfg.block_m))
-        T = np.full(B, -(-L // cfg.block_n))
+        T = -(-np.array(lens) // cfg.block_n)
         cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs), plan.costs)
         picked = sched if sched != "auto" else min(vplan.schedule_candidates(R, T, plan.num_programs, costs=plan.costs),
                                                    key=lambda cand: cand.cost).name
@@ -121,9 +132,9 @@ def run_config(kernel, c, cfg, sched, H, n, B, L, ref_out, ref_lse) -> dict | No
         rep = compiled_report(hopper._hopper_verify_kernel if kernel == "hopper" else triton_flash._verify_flash_kernel)
         t = time_graph(lambda: verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse))
     except Exception as exc:  # a config that does not compile or fit: report, go on
-        print(f"{H}x{n}x{B}x{L - n} {sched}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
+        print(f"{H}x{n}x{B}x{lens[0] - n} {sched}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
         return None
-    return dict(schedule=sched, picked=picked, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
+    return dict(schedule=sched, picked=picked, kv_lens=lens, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
                 groups=plan.num_groups, ok=ok, **rep)
 
 
@@ -134,18 +145,23 @@ def main() -> None:
                         "16x9x16x4096x1,64x65x16x1024x1,64x33x1x16384x64,8x9x1x1024x1")
     parser.add_argument("--kernel", default="flash", choices=("flash", "hopper"))
     parser.add_argument("--schedules", default="auto")
+    parser.add_argument("--kv-spread", type=float, default=0.0,
+                        help="ragged KV: each sequence after the first takes a prefix drawn from [(1 - F) prefix, prefix]")
+    parser.add_argument("--seed", type=int, default=0, help="the ragged lengths' seed")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if not 0.0 <= args.kv_spread <= 1.0:
+        parser.error(f"--kv-spread must be in [0, 1], got {args.kv_spread}")
     ceilings = measure_ceilings()  # the benchmark's own ceilings: one definition of the floor
     copy_bps, mm_fps = ceilings.copy_bps(), ceilings.matmul_fps("bf16")
     print(f"ceilings: copy {copy_bps / 1e12:.2f} TB/s, bf16 matmul {mm_fps / 1e12:.0f} TFLOP/s")
     rows = []
     for shape_text in args.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in shape_text.split("x"))
-        c = make_inputs(H, n, B, prefix, ps)
-        L = prefix + n
-        flops = 2 * B * n * H * L * (576 + 512)
-        nbytes = B * L * 1152 + B * n * H * (576 + 512) * 2
+        lens = kv_lengths(n, B, prefix, args.kv_spread, args.seed)
+        c = make_inputs(H, n, lens, ps)
+        flops = 2 * n * H * sum(lens) * (576 + 512)
+        nbytes = sum(lens) * 1152 + B * n * H * (576 + 512) * 2
         floor = max(flops / mm_fps, nbytes / copy_bps)
         # the first sequence's first CHECK_HEADS heads (all heads of a 1024-node tree at 128k would
         # take the float64 reference ~130 GB)
@@ -153,7 +169,7 @@ def main() -> None:
                                      c["kv_lens"][:1], c["qo_indptr"][:2], c["tree_mask"][:n])
         for cfg_text in args.configs.split(","):
             for sched in args.schedules.split(","):
-                row = run_config(args.kernel, c, parse_config(cfg_text), sched, H, n, B, L, ref_out, ref_lse)
+                row = run_config(args.kernel, c, parse_config(cfg_text), sched, H, n, lens, ref_out, ref_lse)
                 if row is None:
                     continue
                 row.update(shape=shape_text, config=cfg_text, tflops=flops / row["us"] / 1e6,
