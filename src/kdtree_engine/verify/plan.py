@@ -326,17 +326,22 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
         named += [("parts_tail" + (f":{i + 1}" if i else ""), tail) for i, tail in enumerate(tails)]
     if costs.auto_rounds and rounds_apply(R, T, P):
         named.append(("rounds", _rounds_schedule(R, T, P)))
-    candidates = [Candidate(name, pieces, schedule_cost(pieces, costs)) for name, pieces in named]
-    line = candidates[0]
-    if costs.auto_rounds and cuts_row_blocks(line.pieces, T):
-        candidates[0] = line._replace(cost=line.cost * LINE_OVER_LOCKSTEP)
-    return candidates
+    return [Candidate(name, pieces, line_cost(pieces, T, costs) if name == "line" else schedule_cost(pieces, costs))
+            for name, pieces in named]
 
 
 def cuts_row_blocks(pieces: Pieces, T: np.ndarray) -> bool:
     """Whether a piece of the schedule covers part of its row block's KV (of ``T[seq]`` tiles): in
     the line schedule, its programs then read a sequence's KV at different offsets."""
     return bool(((pieces.t0 != 0) | (pieces.t1 != T[pieces.seq])).any())
+
+
+def line_cost(pieces: Pieces, T: np.ndarray, costs: ScheduleCosts) -> float:
+    """The priced cost of a line schedule over sequences of ``T`` KV tiles: :func:`schedule_cost`,
+    times :data:`LINE_OVER_LOCKSTEP` under costs whose ``auto_rounds`` is set where it cuts row
+    blocks (:func:`cuts_row_blocks`)."""
+    cost = schedule_cost(pieces, costs)
+    return cost * LINE_OVER_LOCKSTEP if costs.auto_rounds and cuts_row_blocks(pieces, T) else cost
 
 
 def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
@@ -951,9 +956,8 @@ class VerifyPlan:
             return "line"
         pieces = [device_parts(R, T, self.num_programs, self.costs) if k == "parts"
                   else schedule(R, T, self.num_programs, only=k) for k in kinds]
-        costs = [schedule_cost(p, self.costs) for p in pieces]
-        if self.costs.auto_rounds and cuts_row_blocks(pieces[0], T):
-            costs[0] *= LINE_OVER_LOCKSTEP
+        costs = [line_cost(p, T, self.costs) if k == "line" else schedule_cost(p, self.costs)
+                 for k, p in zip(kinds, pieces)]
         return kinds[costs.index(min(costs))]
 
     @staticmethod
