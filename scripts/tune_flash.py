@@ -120,9 +120,12 @@ def run_config(kernel, c, cfg, sched, H, n, lens, ref_out, ref_lse) -> dict | No
             vplan.schedule = AUTO_SCHEDULE
         R = np.full(B, -(-n * H // cfg.block_m))
         T = -(-np.array(lens) // cfg.block_n)
-        cost = vplan.schedule_cost(forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs), plan.costs)
-        picked = sched if sched != "auto" else min(vplan.schedule_candidates(R, T, plan.num_programs, costs=plan.costs),
-                                                   key=lambda cand: cand.cost).name
+        if sched == "auto":  # the plan's pick, named
+            picked, pieces, _ = min(vplan.schedule_candidates(R, T, plan.num_programs, costs=plan.costs),
+                                    key=lambda cand: cand.cost)
+        else:
+            picked, pieces = sched, forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs)
+        cost = vplan.schedule_cost(pieces, plan.costs)
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
