@@ -137,8 +137,8 @@ def run_config(kernel, c, cfg, sched, H, n, lens, ref_out, ref_lse) -> dict | No
     except Exception as exc:  # a config that does not compile or fit: report, go on
         print(f"{H}x{n}x{B}x{lens[0] - n} {sched}  ERROR {type(exc).__name__}: {str(exc)[:120]}")
         return None
-    return dict(schedule=sched, picked=picked, kv_lens=lens, us=t * 1e6, cost=cost, programs=plan.num_programs, segments=plan.num_segments,
-                groups=plan.num_groups, ok=ok, **rep)
+    return dict(schedule=sched, picked=picked, kv_lens=lens, us=t * 1e6, cost=cost, programs=plan.num_programs,
+                segments=plan.num_segments, groups=plan.num_groups, ok=ok, **rep)
 
 
 def main() -> None:
@@ -149,7 +149,8 @@ def main() -> None:
     parser.add_argument("--kernel", default="flash", choices=("flash", "hopper"))
     parser.add_argument("--schedules", default="auto")
     parser.add_argument("--kv-spread", type=float, default=0.0,
-                        help="ragged KV: each sequence after the first takes a prefix drawn from [(1 - F) prefix, prefix]")
+                        help="ragged KV: each sequence after the first takes a prefix drawn from "
+                        "[(1 - F) prefix, prefix]")
     parser.add_argument("--seed", type=int, default=0, help="the ragged lengths' seed")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -180,7 +181,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"{shape_text:>22} {cfg_text:>12} {sched:>5} {'PASS' if row['ok'] else 'FAIL'} {row['us']:9.1f} us "
                       f"{row['tflops']:6.1f} TF/s {row['tbps']:5.2f} TB/s {row['pct_floor']:5.1f}% of floor "
-                      f"({row['floor_us']:.1f} us) picked={row['picked']} programs={row['programs']} segments={row['segments']} "
+                      f"({row['floor_us']:.1f} us) picked={row['picked']} programs={row['programs']} "
+                      f"segments={row['segments']} "
                       f"cost={row['cost']} regs={row['regs']} spills={row['spills']} smem={row['smem']} "
                       f"wgmma={row['wgmma']}", flush=True)
         del c

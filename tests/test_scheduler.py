@@ -139,8 +139,9 @@ def test_host_prices_a_line_that_cuts_row_blocks_up():
     runs 51-52): at 128x256x1x131072 (512 row blocks of 2052 tiles on 132 programs) it takes the
     rounds, modelled at 1.031x the line and run in 0.887 of its time; at 128x16x6x131072 (32 row
     blocks a sequence) KV parts with a tail, modelled at the line's cost and run in 0.816; at
-    128x48x6x131072 whole sequences (the rounds' segments), modelled at 1.145x and run in 0.897; at 128x96x1x131072 it keeps the line, whose one lockstep rival (whole sequences) is modelled at
-    1.37x and ran at 1.18x. A line of whole row blocks (128x33x4x131072: every program reads from
+    128x48x6x131072 whole sequences (the rounds' segments), modelled at 1.145x and run in 0.897;
+    at 128x96x1x131072 it keeps the line, whose one lockstep rival (whole sequences) is modelled
+    at 1.37x and ran at 1.18x. A line of whole row blocks (128x33x4x131072: every program reads from
     offset 0, as the rounds do) is not priced up and keeps its tie. The Triton kernel's costs keep
     the line at the first."""
     line = lambda R, T: schedule(R, T, 132, only="line")  # noqa: E731
@@ -159,7 +160,7 @@ def test_host_prices_a_line_that_cuts_row_blocks_up():
     assert same(schedule(R, T, 132, costs=HOPPER_COSTS), schedule(R, T, 132, costs=HOPPER_COSTS, only="parts_tail"))
     cands = {c.name: c for c in schedule_candidates(R, T, 132, costs=HOPPER_COSTS)}
     assert min(cands.values(), key=lambda c: c.cost).name == "parts_tail" and {"line", "parts"} <= set(cands)
-    assert cands["line"].cost == LINE_OVER_LOCKSTEP * schedule_cost(line(R, T), HOPPER_COSTS)
+    assert cands["line"].cost == LINE_OVER_LOCKSTEP * cost(line(R, T))
     with pytest.raises(ValueError, match="needs work"):
         schedule_candidates(np.zeros(2, dtype=np.int64), T[:2], 132)
 
