@@ -40,7 +40,7 @@ def main() -> int:
         s = scheduler.DeviceScheduler(p.kv_lens_buf, p.qo_indptr_buf, p.tables, num_heads=128, max_batch=max_batch,
                                       max_tree_nodes=65, min_split=MIN_SPLIT_TILES,
                                       segment_tiles=p.costs.segment_tiles, block_s=a.block_s,
-                                      num_warps=a.num_warps, auto_rounds=True)
+                                      num_warps=a.num_warps, lockstep=True)
         consts = s.constexprs(kind)  # the constexprs and warps the launch passes
         cases.append((f"{fn.__name__} ({kind}, max_batch {max_batch}, P {a.programs}, "
                        f"{a.block_s} pieces per program, {a.num_warps} warps)", fn,

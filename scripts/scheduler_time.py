@@ -90,6 +90,7 @@ def main() -> None:
                         max_tree_nodes=a.max_tree_nodes, min_split=MIN_SPLIT_TILES,
                         **({"segment_tiles": p.costs.segment_tiles}
                            if "segment_tiles" in inspect.signature(cls).parameters else {}),
+                        **({"lockstep": p.costs.lockstep} if "lockstep" in inspect.signature(cls).parameters else {}),
                         **(dict(block_s=int(block_s)) if block_s else {}),
                         **(dict(num_warps=int(warps)) if warps else {}))
             launch = sched.prepare(kv, qo, **(dict(schedule=a.schedule) if a.schedule != "line" else {}))

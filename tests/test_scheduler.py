@@ -22,7 +22,8 @@ from kdtree_engine.verify import api
 from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_LOCKSTEP, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
                                        VerifyPlan, cuts_row_blocks, device_parts, rounds_apply, schedule,
                                        schedule_candidates, schedule_cost, whole_segments_apply)
-from kdtree_engine.verify.scheduler import one_sequence_groups, parts_fill, work_range, work_segment
+from kdtree_engine.verify.scheduler import (AUTO_TAIL_MIN_TILES, one_sequence_groups, parts_fill, work_range,
+                                           work_segment)
 
 CONFIGS = [FlashConfig(32, 16, 4, 1), FlashConfig(64, 64, 8, 2)]
 
@@ -93,7 +94,7 @@ def test_device_tables_equal_the_host_rounds_schedule(seed, kind):
     nodes on few programs), equal and ragged trees over ragged KV, one to 12 sequences; where it
     does not apply (a last round too empty, or 2L within the programs) the line, or for "auto"
     whole segments or parts, as the host's ``device_tables`` says ("auto" under the Hopper kernel's
-    costs, whose ``auto_rounds`` asks for rounds; under the Triton kernel's it writes the line
+    costs, whose ``lockstep`` asks for rounds; under the Triton kernel's it writes the line
     there)."""
     rng = np.random.default_rng(200 + seed)
     took = 0
@@ -216,6 +217,27 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
             assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
                                                             host_pick(p, kv, trees))), what
     assert took >= 3
+
+
+def test_auto_takes_the_parts_tail_where_the_parts_fill_too_few():
+    """``"auto"`` under the Hopper kernel's costs: 7 row blocks a sequence on 20 programs (two parts
+    keep 14 busy, under nine tenths) take the parts with their tail, whose programs 14-19 run the
+    KV's last tiles, where the step holds ``AUTO_TAIL_MIN_TILES`` tile pairs per program (B = 3 and
+    B = 1 over ~5k-12k tokens); a shorter step, and the Triton kernel's costs, keep the line."""
+    trees = 14  # 16 heads x 14 nodes = 224 rows: 7 row blocks of 32
+    for B, kv_len, costs, tail in [(3, 5000, HOPPER_COSTS, True), (1, 12000, HOPPER_COSTS, True),
+                                   (3, 900, HOPPER_COSTS, False), (3, 5000, TRITON_COSTS, False)]:
+        p = VerifyPlan(4, trees, 16, DEVICE, config=CONFIGS[0], num_programs=20, costs=costs)
+        kv = kv_len - 37 * np.arange(B)
+        R, T = p.blocks_and_tiles(kv, np.full(B, trees))
+        what = f"B={B} kv={kv.tolist()} {costs}"
+        assert not parts_fill(7, 20) and not whole_segments_apply(R, T, 20), what
+        assert (int(T.sum()) * 7 >= AUTO_TAIL_MIN_TILES * 20) == (kv_len > 900), what
+        check_device_plan(p, kv, np.arange(B + 1) * trees, what, "auto")
+        auto, parts, line = (device_tables(p, kv, np.full(B, trees), k) for k in ("auto", "parts", "line"))
+        assert not np.array_equal(parts[1], line[1]), what
+        assert all(np.array_equal(a, b) for a, b in zip(auto, parts if tail else line)), what
+        assert (np.diff(parts[0])[14:] > 0).all(), what  # the tail: programs 14-19, idle in the parts alone, work
 
 
 @pytest.mark.parametrize("tiles, L, P, straddles, cut", [

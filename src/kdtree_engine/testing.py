@@ -175,9 +175,11 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     for these lengths (``[B]`` each) and ``schedule_kind``, as the host writes it: the KV parts schedule
     for ``"parts"`` where it applies (every tree of the same row blocks L, 2L at most the programs with
     work, the KV tiles in all fewer than 2**31; with its tail where L does not divide those programs:
-    :func:`~kdtree_engine.verify.plan.device_parts`) and for ``"auto"`` (the parts alone) where its
-    parts also keep nine tenths of those programs busy; the rounds schedule for ``"rounds"`` (and
-    ``"auto"`` under a cost model with ``auto_rounds``) where it applies
+    :func:`~kdtree_engine.verify.plan.device_parts`) and for ``"auto"``: the parts alone where they
+    also keep nine tenths of those programs busy, with their tail where they keep fewer, the cost
+    model has ``lockstep`` and the step holds ``AUTO_TAIL_MIN_TILES`` tile pairs per program (see
+    :mod:`~kdtree_engine.verify.scheduler`); the rounds schedule for ``"rounds"`` (and
+    ``"auto"`` under a cost model with ``lockstep``) where it applies
     (:func:`~kdtree_engine.verify.plan.rounds_apply`); else the line schedule; ``"auto"`` takes whole
     segments first where the host's plan takes them without pricing (KV columns of one program's share
     make at most one segment per program). ``prog_first_seg [P + 1]``, segments ``[5, S]`` and groups
@@ -185,18 +187,19 @@ def device_tables(plan, kv_lens: np.ndarray, tree_sizes: np.ndarray, schedule_ki
     R, T = plan.blocks_and_tiles(kv_lens, tree_sizes)
     pe = programs_with_work(R, T, plan.num_programs)
     L = int(R.max())
-    from .verify.scheduler import PARTS_MAX_TILES, parts_fill  # (loads Triton)
+    from .verify.scheduler import AUTO_TAIL_MIN_TILES, PARTS_MAX_TILES, parts_fill  # (loads Triton)
 
     parts = (schedule_kind in ("parts", "auto") and int(R.min()) == L and 2 * L <= pe
              and int(T.sum()) < PARTS_MAX_TILES.value)
-    if schedule_kind == "auto":
-        parts = parts and parts_fill(L, pe)
+    tail = schedule_kind == "parts"
+    if schedule_kind == "auto" and parts and not parts_fill(L, pe):
+        tail = parts = plan.costs.lockstep and int(T.sum()) * L >= AUTO_TAIL_MIN_TILES * pe
     if schedule_kind == "auto" and whole_segments_apply(R, T, plan.num_programs):
         pieces = schedule(R, T, plan.num_programs, costs=plan.costs)  # whole segments, taken without pricing
-    elif parts:  # the tail only where asked for by name ("auto": the parts alone)
-        pieces = (device_parts(R, T, plan.num_programs, plan.costs) if schedule_kind == "parts"
+    elif parts:
+        pieces = (device_parts(R, T, plan.num_programs, plan.costs) if tail
                   else schedule(R, T, plan.num_programs, only="parts"))
-    elif ((schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.auto_rounds))
+    elif ((schedule_kind == "rounds" or (schedule_kind == "auto" and plan.costs.lockstep))
           and rounds_apply(R, T, plan.num_programs)):
         pieces = schedule(R, T, plan.num_programs, only="rounds")
     else:

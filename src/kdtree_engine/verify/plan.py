@@ -90,12 +90,14 @@ class ScheduleCosts(NamedTuple):
 
     segment_tiles: int  # a segment's fixed cost: q block load, pipeline fill, epilogue, its partial's combine
     hbm_tiles_per_tile: int  # KV tiles (64 x 576 bf16: 73.7 KB) the GPU reads from HBM in one tile time
-    # whether the device's "auto" (the unplanned call) takes the rounds schedule where it applies,
-    # and the host prices a line that cuts row blocks at LINE_OVER_LOCKSTEP times its cost: for a
-    # kernel fast enough that the line's re-reads of the KV bind (the Hopper kernel; under the
-    # Triton kernel's costs the line is within 1-3% of the host's pick there and rounds are not
-    # cheaper, see scheduler.ROUNDS_MAX_SLACK_TENTHS)
-    auto_rounds: bool = False
+    # whether schedules whose programs read one KV together (lockstep) pay against the line: the
+    # device's "auto" (the unplanned call) then takes the rounds schedule where it applies and the
+    # KV parts' tail where the parts alone leave programs idle, and the host prices a line that
+    # cuts row blocks at LINE_OVER_LOCKSTEP times its cost. For a kernel fast enough that the
+    # line's re-reads of the KV bind (the Hopper kernel; under the Triton kernel's costs the line
+    # is within 1-3% of the host's pick there and neither is cheaper: see
+    # scheduler.ROUNDS_MAX_SLACK_TENTHS and scheduler.AUTO_TAIL_MIN_TILES)
+    lockstep: bool = False
 
 
 # Measured on the H200 (docs/perf_log.md; 4.25 TB/s from HBM). The Triton flash kernel: ~16 us per
@@ -110,9 +112,9 @@ class ScheduleCosts(NamedTuple):
 # from HBM in 301 us (2.6 TB/s), ran 2-7% slower than the parts schedule, which reads 2,049 (run 31);
 # so its HBM term counts 72 tiles per tile time (2.9 TB/s at 1.85 us per tile) where 90 said 3.6.
 TRITON_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=250)
-HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72, auto_rounds=True)
+HOPPER_COSTS = ScheduleCosts(segment_tiles=3, hbm_tiles_per_tile=72, lockstep=True)
 L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same KV share it in L2
-# Under costs whose auto_rounds is set (the Hopper kernel), a line schedule that cuts row blocks
+# Under costs whose lockstep is set (the Hopper kernel), a line schedule that cuts row blocks
 # (its programs then read a sequence's KV at different offsets, each from HBM) is priced at this
 # many times its modelled cost against the schedules whose programs read one KV together (KV parts,
 # their tails, whole segments, the rounds). Measured on an H100 (docs/perf_log.md runs 51-52, the
@@ -293,10 +295,10 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
       lengths of that tail; last, so taken only where cheaper than every other (perf log, CPU
       session 35, under the Hopper costs on 132 programs: the busiest program's tile pairs 0.77-0.99x
       at 155 of 500 equal-tree shapes, B 1-8, H 16-128, trees of 1-65 nodes, KV 1k-128k; none more);
-    - where the device's ``"auto"`` would take the rounds schedule (``costs.auto_rounds`` and
+    - where the device's ``"auto"`` would take the rounds schedule (``costs.lockstep`` and
       :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`).
 
-    Under costs whose ``auto_rounds`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
+    Under costs whose ``lockstep`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
     is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
     """
     R = np.asarray(row_blocks, dtype=np.int64)
@@ -324,7 +326,7 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
     if parts:  # last: taken only where cheaper than all the others (the rounds need 2 L > P: not with parts)
         tails = _parts_tail_candidates(R, T, P, costs.segment_tiles, n_blocks)
         named += [("parts_tail" + (f":{i + 1}" if i else ""), tail) for i, tail in enumerate(tails)]
-    if costs.auto_rounds and rounds_apply(R, T, P):
+    if costs.lockstep and rounds_apply(R, T, P):
         named.append(("rounds", _rounds_schedule(R, T, P)))
     return [Candidate(name, pieces, line_cost(pieces, T, costs) if name == "line" else schedule_cost(pieces, costs))
             for name, pieces in named]
@@ -338,10 +340,10 @@ def cuts_row_blocks(pieces: Pieces, T: np.ndarray) -> bool:
 
 def line_cost(pieces: Pieces, T: np.ndarray, costs: ScheduleCosts) -> float:
     """The priced cost of a line schedule over sequences of ``T`` KV tiles: :func:`schedule_cost`,
-    times :data:`LINE_OVER_LOCKSTEP` under costs whose ``auto_rounds`` is set where it cuts row
+    times :data:`LINE_OVER_LOCKSTEP` under costs whose ``lockstep`` is set where it cuts row
     blocks (:func:`cuts_row_blocks`)."""
     cost = schedule_cost(pieces, costs)
-    return cost * LINE_OVER_LOCKSTEP if costs.auto_rounds and cuts_row_blocks(pieces, T) else cost
+    return cost * LINE_OVER_LOCKSTEP if costs.lockstep and cuts_row_blocks(pieces, T) else cost
 
 
 def _parts_schedule(R: np.ndarray, T: np.ndarray, P: int, snap: int) -> Pieces:
@@ -823,9 +825,11 @@ class VerifyPlan:
         graph is captured). ``"auto"`` (what an unplanned call takes): the host's own schedule where
         the host takes it without pricing (whole segments, at most one per program: small steps),
         else parts where it also keeps nine tenths of the programs busy, a rule checked against the
-        cost model (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`), else rounds
-        where they apply and the plan's cost model says they pay (``costs.auto_rounds``: the
-        Hopper kernel's), else the line.
+        cost model (:data:`~kdtree_engine.verify.scheduler.AUTO_MIN_FILL_TENTHS`); where the plan's
+        cost model says lockstep schedules pay (``costs.lockstep``: the Hopper kernel's), else the
+        parts with their tail on a step long enough
+        (:data:`~kdtree_engine.verify.scheduler.AUTO_TAIL_MIN_TILES`), else rounds where they
+        apply; else the line.
 
         Only shapes, dtypes and the device are checked (``TypeError`` / ``ValueError`` naming the
         argument); the lengths stay on the device, so the host knows B but not T, the tree sizes
@@ -925,7 +929,7 @@ class VerifyPlan:
                                               num_heads=self.num_heads, max_batch=self.max_batch,
                                               max_tree_nodes=self.max_tree_nodes, min_split=MIN_SPLIT_TILES,
                                               segment_tiles=self.costs.segment_tiles,
-                                              auto_rounds=self.costs.auto_rounds)
+                                              lockstep=self.costs.lockstep)
         return self.keep(self._device_launches, key, (self._scheduler.prepare(kv_lens, qo_indptr, schedule), B))
 
     def blocks_and_tiles(self, kv_lens: np.ndarray, tree_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -943,7 +947,7 @@ class VerifyPlan:
         writes the same tables, and past them its own rules as the lengths grow), else the
         cheapest of ``"line"``, ``"parts"`` and ``"rounds"`` where they apply by the plan's cost
         model (:func:`schedule_cost` under :attr:`costs`; a line that cuts row blocks at
-        :data:`LINE_OVER_LOCKSTEP` times its cost where ``costs.auto_rounds`` is set, as on the host)."""
+        :data:`LINE_OVER_LOCKSTEP` times its cost where ``costs.lockstep`` is set, as on the host)."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         if whole_segments_apply(R, T, self.num_programs):

@@ -21,8 +21,10 @@ The device cannot price them: the caller picks (``VerifyPlan.device_schedule_for
 ``"auto"``: whole segments (:func:`~kdtree_engine.verify.plan._whole_segments`) where the host takes
 them without pricing: where KV columns of one program's share (``chunk`` tiles) make at most as many
 segments (column x row block) as programs, each program runs one, as in the host's plan (at most
-``P`` segments, partials and groups; :func:`_segment_pieces`); else parts only where it keeps nine
-tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`); else, as for ``"rounds"``, the rounds
+``P`` segments, partials and groups; :func:`_segment_pieces`); else parts alone where they keep nine
+tenths of the programs busy (:data:`AUTO_MIN_FILL_TENTHS`), or with their tail where they keep
+fewer on a long enough step (:data:`AUTO_TAIL_MIN_TILES`; under a lockstep cost model, as the
+rounds); else, as for ``"rounds"``, the rounds
 schedule (:func:`~kdtree_engine.verify.plan._rounds_schedule`, :func:`_rounds_pieces`: every row
 block against its whole sequence, segment i on program ``i mod pe``; as many segments as row
 blocks, nothing split) where a sequence has more row blocks than half the programs with work, which
@@ -90,6 +92,17 @@ NUM_WARPS = 8
 # at most 1.11x. Without the rule parts is dearer by up to 1.22x (Hopper) and 1.46x (Triton): L near
 # P / 2 leaves programs idle.
 AUTO_MIN_FILL_TENTHS = 9
+# schedule "auto" under costs whose lockstep flag is set (the Hopper kernel's): where the parts fill
+# fewer than AUTO_MIN_FILL_TENTHS, the parts with their tail (the programs they leave idle run the
+# KV's last tiles: plan.device_parts) when the step holds at least this many tile pairs (row block x
+# KV tile) per program, so that the tail's 7-15 us in the scheduler (run 48) is small against the
+# kernel. Under the Hopper cost model (656 random equal-tree steps with 2 L <= pe and the parts
+# below nine tenths: H 16-128, trees 1-129 nodes, B 1-16, KV 4k-128k, equal and ragged; 132
+# programs) the line, which "auto" took there, costs 2.04x the host's pick at the median, the parts
+# and tail 1.00x; the tail is dearer than the line in 12, all but 4 of them below 300 tile times, by
+# at most 1.005x above it. Under the Triton kernel's costs the tail is the line's cost at the
+# median (dearer in 346 of 656): not taken there.
+AUTO_TAIL_MIN_TILES = 256
 # schedule "rounds" (and "auto" past whole segments and parts): the rounds schedule where a sequence
 # has more than pe / 2 row blocks and the S row blocks in all fill their last round well enough:
 # ceil(S / pe) * pe <= this many tenths of S. Under the Hopper cost model (3,753 random steps with
@@ -100,7 +113,7 @@ AUTO_MIN_FILL_TENTHS = 9
 # by at most 1.32x (ragged lengths over few rounds). Under the Triton kernel's costs, where HBM
 # rarely binds, the line is within 1.00-1.02x of the host's pick at the median there and rounds are
 # 1.02-1.03x (worst 1.57x, on 84 / 132 / 264 programs), so "auto" takes them only for a plan whose
-# costs say so (ScheduleCosts.auto_rounds: the Hopper kernel's). 12 tenths since the H100 runs 51-52
+# costs say so (ScheduleCosts.lockstep: the Hopper kernel's). 12 tenths since the H100 runs 51-52
 # (docs/perf_log.md) put a line that cuts row blocks at 1.2x its modelled cost
 # (plan.LINE_OVER_LOCKSTEP): rounds up to 1.2x the busiest program's ideal load still beat it. With
 # the line so priced (5,535 such random steps), 11 tenths left the device 1.88x the host's pick at
@@ -583,6 +596,13 @@ def _rounds_pieces(i0, kv, R, pe, prog_first_seg, group_count,
 
 
 @triton.jit
+def _parts_fill(L, pe, MIN_FILL_TENTHS: tl.constexpr):
+    """Whether the KV parts' ``pe // L`` groups of L programs keep ``MIN_FILL_TENTHS`` tenths of the
+    ``pe`` programs busy (:func:`parts_fill`'s condition on the device)."""
+    return (pe // L) * L * 10 >= MIN_FILL_TENTHS * pe
+
+
+@triton.jit
 def _schedule_kernel(
     kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
     seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
@@ -590,6 +610,7 @@ def _schedule_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SEGMENTS: tl.constexpr, PARTS: tl.constexpr,
     MIN_FILL_TENTHS: tl.constexpr, ROUNDS: tl.constexpr, PARTS_TAIL: tl.constexpr, SEGMENT_TILES: tl.constexpr,
+    TAIL_MIN_TILES: tl.constexpr,
 ):
     """Pieces ``[pid * BLOCK_S, (pid + 1) * BLOCK_S)`` of the schedule, in program order, each program
     computing the sequences and boundaries first: with ``SEGMENTS``, whole segments one per program
@@ -598,7 +619,9 @@ def _schedule_kernel(
     ``PARTS_TAIL``, its tail where L does not divide ``pe``: :func:`_parts_tail_pieces`) when every
     sequence has the same row blocks L, ``2 L <= pe`` (where the host offers it), the tiles in all
     are fewer than :data:`PARTS_MAX_TILES` and the parts keep
-    ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition), else with
+    ``MIN_FILL_TENTHS`` tenths of the ``pe`` programs busy (0: no such condition; then the parts
+    alone, or, with ``PARTS_TAIL``, with their tail where the step holds ``TAIL_MIN_TILES`` tile
+    pairs per program: :data:`AUTO_TAIL_MIN_TILES`), else with
     ``ROUNDS`` the rounds schedule (:func:`_rounds_pieces`) where a sequence has more than ``pe / 2``
     row blocks and their last round is full enough (:data:`ROUNDS_MAX_SLACK_TENTHS`), else the line
     schedule; program 0 also writes the lengths, ``prog_first_seg`` and
@@ -624,13 +647,19 @@ def _schedule_kernel(
                         seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P, seg_cap, grp_cap,
                         BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S)
     elif PARTS and ((tl.min(tl.where(m_b, R, L), 0) == L) & (2 * L <= pe) & (tl.sum(T, 0) < PARTS_MAX_TILES)
-                    & ((pe // L) * L * 10 >= MIN_FILL_TENTHS * pe)):
-        # the idle programs' tail where L does not divide pe (plan._parts_tail_candidates' first tail)
+                    & (_parts_fill(L, pe, MIN_FILL_TENTHS)
+                       | (PARTS_TAIL and tl.sum(T, 0) >= (TAIL_MIN_TILES * pe + L - 1) // L))):
+        # the idle programs' tail where L does not divide pe (plan._parts_tail_candidates' first
+        # tail): for "parts" wherever there is one, for "auto" only where the parts alone fill too few
         S = pe - pe // L * L
         K = tl.sum(T, 0)
         tail = (K * S - SEGMENT_TILES * L * (pe // L)) // pe
         tail = tl.where(tail >= 1, tail, K * S // pe)
-        if PARTS_TAIL and ((S > 0) & (tail >= 1)):
+        if MIN_FILL_TENTHS == 0:
+            with_tail = (S > 0) & (tail >= 1)
+        else:  # (S > 0 where the parts fill too few)
+            with_tail = (tail >= 1) & ~_parts_fill(L, pe, MIN_FILL_TENTHS)
+        if PARTS_TAIL and with_tail:
             _parts_tail_pieces(i0, kv, T, L, pe, tail, m_b, prog_first_seg, group_count, seg_seq, seg_row0,
                                seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count, P,
                                seg_cap, grp_cap, BLOCK_M, BLOCK_N, BLOCK_B, BLOCK_P, BLOCK_S, MIN_SPLIT)
@@ -661,14 +690,14 @@ class DeviceScheduler:
 
     def __init__(self, kv_out, qo_out, tables, *, num_heads: int, max_batch: int, max_tree_nodes: int,
                  min_split: int, segment_tiles: int, block_s: int = BLOCK_S, num_warps: int = NUM_WARPS,
-                 auto_rounds: bool = False):
+                 lockstep: bool = False):
         cfg, P = tables.config, tables.num_programs
         seg_cap, grp_cap = tables.segment_rows[0].shape[0], tables.group_rows[0].shape[0]
         self._const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
                            SEGMENT_TILES=segment_tiles, BLOCK_B=triton.next_power_of_2(max_batch),
                            BLOCK_P=triton.next_power_of_2(P + 2), BLOCK_S=block_s, num_warps=num_warps)
-        self._auto_rounds = auto_rounds
-        self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, auto_rounds, *self._const.values())
+        self._lockstep = lockstep
+        self._key = (num_heads, P, max_tree_nodes, seg_cap, grp_cap, lockstep, *self._const.values())
         self._grid = (triton.cdiv(seg_cap, block_s),)
         self._outputs = (kv_out, qo_out, tables.prog_first_seg, tables.group_count, *tables.segment_rows,
                          *tables.group_rows, num_heads, P, max_tree_nodes, seg_cap, grp_cap)
@@ -681,12 +710,14 @@ class DeviceScheduler:
         applies (every tree of the same row blocks L, ``2 L`` at most the programs with work; the
         programs it leaves idle on the KV's last tiles where L does not divide them:
         :func:`~kdtree_engine.verify.plan.device_parts`, which costs the scheduler 7-15 us more on an
-        H100, so only where asked for by name), else the line; ``"rounds"``: the rounds schedule where
+        H100), else the line; ``"rounds"``: the rounds schedule where
         it applies (a sequence of more row blocks than half the programs with work, the last round full
         enough: :data:`ROUNDS_MAX_SLACK_TENTHS`), else the line; ``"auto"``: the host's schedule where
-        the host takes it whatever it costs (whole segments, one per program), else parts where it
-        applies and keeps :data:`AUTO_MIN_FILL_TENTHS` of the programs busy, else (with ``auto_rounds``
-        at construction: the plan's cost model says they pay) rounds where they apply, else the line."""
+        the host takes it whatever it costs (whole segments, one per program), else the parts alone
+        where they apply and keep :data:`AUTO_MIN_FILL_TENTHS` of the programs busy; with
+        ``lockstep`` at construction (the plan's cost model says lockstep schedules pay), else the
+        parts with their tail where they apply and the step holds :data:`AUTO_TAIL_MIN_TILES` tile
+        pairs per program, else rounds where they apply; else the line."""
         ints = (kv_lens.stride(0), qo_indptr.stride(0), kv_lens.shape[0])
         return Launch(_SCHEDULE, (spec_key((kv_lens, qo_indptr), ints), self._key, schedule), self._grid, (),
                       (0, 1), (*ints, *self._outputs), self.constexprs(schedule))
@@ -694,10 +725,12 @@ class DeviceScheduler:
     def constexprs(self, schedule: str) -> dict:
         """The kernel's constexprs and ``num_warps`` for ``schedule`` (``"line"``, ``"parts"``,
         ``"rounds"``, ``"auto"``)."""
-        return self._const | {"SEGMENTS": schedule == "auto", "PARTS": schedule in ("parts", "auto"),
-                              "PARTS_TAIL": schedule == "parts",
-                              "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if schedule == "auto" else 0,
-                              "ROUNDS": schedule == "rounds" or (schedule == "auto" and self._auto_rounds)}
+        auto = schedule == "auto"
+        return self._const | {"SEGMENTS": auto, "PARTS": schedule in ("parts", "auto"),
+                              "PARTS_TAIL": schedule == "parts" or (auto and self._lockstep),
+                              "MIN_FILL_TENTHS": AUTO_MIN_FILL_TENTHS if auto else 0,
+                              "TAIL_MIN_TILES": AUTO_TAIL_MIN_TILES,
+                              "ROUNDS": schedule == "rounds" or (auto and self._lockstep)}
 
 
 # ----------------------------------------------------------------------------------------------
