@@ -240,6 +240,27 @@ def test_auto_takes_the_parts_tail_where_the_parts_fill_too_few():
         assert (np.diff(parts[0])[14:] > 0).all(), what  # the tail: programs 14-19, idle in the parts alone, work
 
 
+def test_auto_takes_the_parts_tail_on_random_long_steps():
+    """``"auto"`` under the Hopper kernel's costs on random steps where the KV parts apply (equal
+    trees, 2L <= P programs): 1-12 sequences of 1-69 nodes over 2k-60k tokens, 16-128 heads, both
+    configs. The device's tables equal ``device_tables`` whether it takes the parts with their tail
+    (the parts filling under nine tenths on a long enough step: 11 of the 16 draws), the parts
+    alone, whole segments or the line."""
+    rng = np.random.default_rng(300)
+    tails = 0
+    for i in range(16):
+        B, n, H, c = int(rng.integers(1, 13)), int(rng.integers(1, 70)), int(rng.choice([16, 32, 64, 128])), i % 2
+        L = -(-n * H // CONFIGS[c].block_m)
+        P = int(rng.integers(2 * L, min(6 * L, 400)))
+        kv, trees = n + rng.integers(2000, 60000, B), np.full(B, n)
+        p = VerifyPlan(B, n, H, DEVICE, config=CONFIGS[c], num_programs=P, costs=HOPPER_COSTS)
+        check_device_plan(p, kv, np.arange(B + 1) * n, f"kv={kv.tolist()} n={n} H={H} P={P} {CONFIGS[c]}", "auto")
+        auto, parts, line = (device_tables(p, kv, trees, k) for k in ("auto", "parts", "line"))
+        tails += not parts_fill(L, P) and not np.array_equal(parts[1], line[1]) and all(
+            np.array_equal(a, b) for a, b in zip(auto, parts))
+    assert tails >= 4
+
+
 @pytest.mark.parametrize("tiles, L, P, straddles, cut", [
     ([18, 1, 6, 6, 13, 11, 22, 14, 10], 11, 31, True, False),
     ([19, 21, 17, 23, 13, 27, 28, 13, 21], 7, 20, True, True),
