@@ -325,6 +325,38 @@ def test_row_with_no_visible_key(kernel):
     assert compare(lse, r_lse, *TOLERANCES["bf16"]["lse"]).ok
 
 
+@pytest.mark.parametrize("kernel, num_programs", [("naive", None)] + [(k, n) for k in PLANNED for n in (None, 5)])
+def test_nan_reaches_exactly_the_rows_that_see_it(kernel, num_programs):
+    """NaN where a row's scores read it makes that row's out and lse NaN and no other row's: a NaN
+    in the rope part of a prefix key (K only) reaches every node and head of its sequence, on
+    whichever KV segment of a split it falls (merged by the combine); in a tree node's key only the
+    nodes that see that node; in one head of a node's q that head of that node. (A NaN in the
+    latent of a key a row does not see reaches it as 0 x NaN, in the reference as in the kernels.) (The kernels once took a NaN row sum for "no visible key": a segment holding the NaN came
+    out as 0 / -inf and the combine merged the other segments into a finite answer.)"""
+    if kernel not in available_kernels(DEVICE, opt_in=True):
+        pytest.skip(f"{kernel} does not run here")
+    spec = CaseSpec("nan", 3, [P, 40, 20], [random_tree(9, G), chain_tree(5), random_tree(6, G)], page_size=16)
+    c = build_case(spec, DEVICE)
+    ps, qo = spec.page_size, c["qo_indptr"].tolist()
+
+    def poison(b, pos, col):
+        c["kv_cache"][int(c["page_table"][b, pos // ps]), pos % ps, col] = math.nan
+
+    poison(0, P // 2, 520)  # seq 0's prefix, K's rope columns: all its nodes
+    poison(1, 40 + 2, 530)  # seq 1's node 2, K's rope columns (a chain: nodes 2, 3, 4 see it)
+    c["q"][qo[2] + 1, 1] = math.nan  # seq 2's node 1, head 1: that head of that node only
+    expect = torch.zeros(c["q"].shape[:2], dtype=torch.bool)
+    expect[qo[0]:qo[1]] = True
+    expect[qo[1] + 2:qo[2]] = True
+    expect[qo[2] + 1, 1] = True
+    plan = None if kernel == "naive" else plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), 3, DEVICE,
+                                                      num_programs=num_programs)
+    out, lse = run_checked(c, kernel, "bf16", plan=plan)  # NaN where the float64 reference has it
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(out.isnan().all(-1), expect) and torch.equal(lse.isnan(), expect)
+    assert bool(torch.isfinite(out[~expect]).all()) and bool(torch.isfinite(lse[~expect]).all())
+
+
 @pytest.mark.parametrize("kernel, num_programs",
                          [("naive", None)] + [(k, n) for k in PLANNED for n in (None, 1, 6, 13)])
 def test_logits_far_below_zero(kernel, num_programs):

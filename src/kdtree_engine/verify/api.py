@@ -228,7 +228,9 @@ def verify_attention(
     Returns:
         ``(out, lse)``: out ``[T, H, 512]`` in q's dtype; lse ``[T, H]`` float32, the natural-log
         sum of exp of the scaled scores over the visible keys. A row with no visible key (only
-        possible with a malformed mask) gets out = 0 and lse = -inf.
+        possible with a malformed mask) gets out = 0 and lse = -inf. NaN in q or in a key a row
+        sees (a cache or an activation gone bad) makes that row's out and lse NaN, never a finite
+        value that leaves it out.
     """
     compiling = torch.compiler.is_compiling()  # dynamo traces the plain checks, not their cache
     if compiling:

@@ -116,7 +116,7 @@ def combine_items(
             b_acc = b_acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_part, 0)
             b_l = b_l * b_alpha + tl.sum(b_w, 0)
             b_m = b_m_new
-        has_key = b_l > 0
+        has_key = b_l != 0  # a NaN part propagates
         b_l_safe = tl.where(has_key, b_l, 1.0)
         o_t = (qo_start + row // H).to(tl.int64)
         p_out = out + (o_t * stride_ot + (row % H) * stride_oh)[:, None] + o_d[None, :]

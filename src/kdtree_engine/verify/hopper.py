@@ -519,7 +519,7 @@ if HAVE_GLUON:
             # one row-sum swap per segment: n_seg - 1 swaps came before this one
             l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
 
-            has_key = l_i > 0
+            has_key = l_i != 0  # NaN (a NaN score of a visible key) propagates: NaN out and lse
             l_safe = gl.where(has_key, l_i, 1.0)
             lse2 = gl.where(has_key, m_i + gl.log2(l_safe), float("-inf"))  # log2-sum-exp2
             b_o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, ROW_O), 1)
@@ -692,7 +692,7 @@ if HAVE_GLUON:
                          + gl.sum(gl.expand_dims(b_w, 2) * b_part, axis=0))
                 b_l = b_l * b_alpha + gl.sum(b_w, axis=0)
                 b_m = b_m_new
-            has_key = b_l > 0
+            has_key = b_l != 0  # a NaN part propagates
             b_l_safe = gl.where(has_key, b_l, 1.0)
             o_t = (qo_start + row // H).to(gl.int64)
             gl.store(lse + o_t * stride_lt + (row % H) * stride_lh,

@@ -630,7 +630,7 @@ __device__ __forceinline__ void write_segment(const Params& p, const StepContext
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = sm->row_sum[0][local[r]] + sm->row_sum[1][local[r]];
-        const bool any = l > 0.f;
+        const bool any = l != 0.f;  // NaN (a NaN score of a visible key) propagates
         const float inv = any ? 1.f / l : 1.f;
         const float lse2 = any ? sm->row_max[local[r]] + log2f(l) : -INFINITY;
         if (!rows.real[r]) continue;
@@ -827,7 +827,7 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
             named_sync(BAR_MATH);  // every part read: the next item may write its own
         }
         if (!real) continue;
-        const float inv = l > 0.f ? 1.f / l : 1.f;
+        const float inv = l != 0.f ? 1.f / l : 1.f;  // a NaN part propagates
         const long long token = qo_start + packed / p.heads;
         const int head = packed % p.heads;
         uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + (token * p.o_st + head * p.o_sh + col) * 2);
@@ -835,7 +835,7 @@ __device__ void merge_splits(const Params& p, Smem* sm, int n_groups, int math_w
         for (int k = 0; k < 8; ++k)  // out: 4-byte
             if (2 * k < cols) dst[k] = pack16<F16>(acc[2 * k] * inv, acc[2 * k + 1] * inv);
         if (lane == 0 && part == 0)
-            p.lse[token * p.l_st + head * p.l_sh] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
+            p.lse[token * p.l_st + head * p.l_sh] = l != 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     }
 }
 

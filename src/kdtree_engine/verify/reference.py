@@ -35,7 +35,8 @@ def reference(
     """Float64 tree-verify attention with the contract of :func:`kdtree_engine.verify_attention`.
 
     Returns ``(out [T, H, 512] float64, lse [T, H] float64)`` on q's device. Rows with no visible
-    key get out = 0 and lse = -inf.
+    key get out = 0 and lse = -inf; a row with a NaN score among its visible keys (NaN in q or in
+    a key it sees) gets out and lse NaN.
     """
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D_QK)
@@ -56,7 +57,9 @@ def reference(
         scores = scores.masked_fill(~visible[:, None, :], -math.inf)
         row_lse = torch.logsumexp(scores, dim=-1)  # [n, H]
         has_key = visible.any(-1)[:, None].expand(n, H)
-        probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+        # a row with no visible key has probs 0 (its exp(-inf - -inf) is NaN); a NaN score of a
+        # visible key (NaN in q or in the KV it sees) makes its row NaN, out and lse
+        probs = torch.where(has_key[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
         out[q0:q1] = torch.einsum("nhl,ld->nhd", probs, v)
         lse[q0:q1] = torch.where(has_key, row_lse, -math.inf)
     return out, lse

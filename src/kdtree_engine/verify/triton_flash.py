@@ -150,7 +150,7 @@ def _attend_segment(
             PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, True, DOT_FP32,
         )
 
-    has_key = b_l > 0
+    has_key = b_l != 0  # NaN (a NaN score of a visible key) propagates: NaN out and lse
     b_l_safe = tl.where(has_key, b_l, 1.0)
     b_out = tl.where(has_key[:, None], b_acc / b_l_safe[:, None], 0.0)
     b_lse2 = tl.where(has_key, b_m + tl.log2(b_l_safe), float("-inf"))  # log2-sum-exp2

@@ -78,7 +78,7 @@ def _verify_naive_kernel(
         b_acc = b_acc * b_alpha + tl.sum(b_p[:, None] * b_k, 0)
         b_m = b_m_new
 
-    has_key = b_l > 0
+    has_key = b_l != 0  # NaN (a NaN score of a visible key) propagates: NaN out and lse
     b_out = tl.where(has_key, b_acc / tl.where(has_key, b_l, 1.0), 0.0)
     b_lse = tl.where(has_key, (b_m + tl.log2(tl.where(has_key, b_l, 1.0))) * LN2, float("-inf"))
     tl.store(out + i_t.to(tl.int64) * stride_ot + i_h * stride_oh + o_d, b_out.to(out.dtype.element_ty))
