@@ -330,9 +330,10 @@ def test_nan_reaches_exactly_the_rows_that_see_it(kernel, num_programs):
     """NaN where a row's scores read it makes that row's out and lse NaN and no other row's: a NaN
     in the rope part of a prefix key (K only) reaches every node and head of its sequence, on
     whichever KV segment of a split it falls (merged by the combine); in a tree node's key only the
-    nodes that see that node; in one head of a node's q that head of that node. (A NaN in the
-    latent of a key a row does not see reaches it as 0 x NaN, in the reference as in the kernels.) (The kernels once took a NaN row sum for "no visible key": a segment holding the NaN came
-    out as 0 / -inf and the combine merged the other segments into a finite answer.)"""
+    nodes that see that node; in one head of a node's q that head of that node. The kernels once
+    took a NaN row sum for "no visible key": a segment holding the NaN came out as 0 / -inf and the
+    combine merged the other segments into a finite answer. (A NaN in the latent of a key a row
+    does not see reaches it as 0 x NaN, in the reference as in the kernels.)"""
     if kernel not in available_kernels(DEVICE, opt_in=True):
         pytest.skip(f"{kernel} does not run here")
     spec = CaseSpec("nan", 3, [P, 40, 20], [random_tree(9, G), chain_tree(5), random_tree(6, G)], page_size=16)
