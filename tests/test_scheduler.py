@@ -39,6 +39,12 @@ def random_batches(seed: int, count: int):
         yield kv, n, int(rng.choice([1, 3, 16, 64, 128])), int(rng.integers(1, 300)), i % 2, B + int(rng.integers(0, 9))
 
 
+def same(a, b) -> bool:
+    """Whether two schedules (``Pieces``, or tables as ``device_tables`` returns them) hold equal
+    arrays."""
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def check_device_plan(p: VerifyPlan, kv: np.ndarray, qo: np.ndarray, what: str, schedule: str = "line"):
     """Plan ``kv [B]`` / ``qo [B + 1]`` on the device from strided tensors (every other element of a
     bigger buffer): the lengths copied, the tables the host's tables of ``schedule`` (where it
@@ -146,7 +152,6 @@ def test_host_prices_a_line_that_cuts_row_blocks_up():
     offset 0, as the rounds do) is not priced up and keeps its tie. The Triton kernel's costs keep
     the line at the first."""
     line = lambda R, T: schedule(R, T, 132, only="line")  # noqa: E731
-    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))  # noqa: E731
     shape = lambda H, n, B, prefix: (np.full(B, -(-H * n // 64)), np.full(B, -(-(prefix + n) // 64)))  # noqa: E731
     cost = lambda pieces: schedule_cost(pieces, HOPPER_COSTS)  # noqa: E731
 
@@ -214,8 +219,7 @@ def test_auto_writes_the_hosts_whole_segments_on_small_steps():
         if whole_segments_apply(*p.blocks_and_tiles(kv, trees), P):
             took += 1
             assert p.device_schedule_for(kv, qo) == "auto", what
-            assert all(np.array_equal(a, b) for a, b in zip(device_tables(p, kv, trees, "auto"),
-                                                            host_pick(p, kv, trees))), what
+            assert same(device_tables(p, kv, trees, "auto"), host_pick(p, kv, trees)), what
     assert took >= 3
 
 
@@ -236,7 +240,7 @@ def test_auto_takes_the_parts_tail_where_the_parts_fill_too_few():
         check_device_plan(p, kv, np.arange(B + 1) * trees, what, "auto")
         auto, parts, line = (device_tables(p, kv, np.full(B, trees), k) for k in ("auto", "parts", "line"))
         assert not np.array_equal(parts[1], line[1]), what
-        assert all(np.array_equal(a, b) for a, b in zip(auto, parts if tail else line)), what
+        assert same(auto, parts if tail else line), what
         assert (np.diff(parts[0])[14:] > 0).all(), what  # the tail: programs 14-19, idle in the parts alone, work
 
 
@@ -256,8 +260,7 @@ def test_auto_takes_the_parts_tail_on_random_long_steps():
         p = VerifyPlan(B, n, H, DEVICE, config=CONFIGS[c], num_programs=P, costs=HOPPER_COSTS)
         check_device_plan(p, kv, np.arange(B + 1) * n, f"kv={kv.tolist()} n={n} H={H} P={P} {CONFIGS[c]}", "auto")
         auto, parts, line = (device_tables(p, kv, trees, k) for k in ("auto", "parts", "line"))
-        tails += not parts_fill(L, P) and not np.array_equal(parts[1], line[1]) and all(
-            np.array_equal(a, b) for a, b in zip(auto, parts))
+        tails += not parts_fill(L, P) and not np.array_equal(parts[1], line[1]) and same(auto, parts)
     assert tails >= 4
 
 
