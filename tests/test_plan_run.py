@@ -161,6 +161,31 @@ def test_run_checks_shapes_against_the_plan():
         verify_attention(**c, plan=attn.workspace)
 
 
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c["page_table"].__setitem__((1, 1), -2**31), "page_table\\[1, 1\\]=-2147483648 is outside"),
+        (lambda c: c["page_table"].__setitem__((0, 0), 99), "page_table\\[0, 0\\]=99 is outside"),
+        (lambda c: c["tree_mask"].__setitem__((1, 0), 4), "row 1 does not set its own bit"),
+    ],
+)
+def test_run_on_the_cpu_checks_the_contents(edit, match):
+    """On the CPU, run checks page ids and mask bits as verify_attention does there (the host's
+    data: no sync); Triton's interpreter would otherwise read a page id past the cache from host
+    memory (a segfault); so does the op a compiled run calls. The caller's tensors are left as they
+    were."""
+    torch._dynamo.reset()
+    c = build_case(CaseSpec("c", 2, [5, 7], [[-1, 0, 0], [-1, 0]], page_size=4, seed=6), "cpu")
+    attn = VerifyAttention(2, 8, 2, "cpu")
+    attn.plan(c["kv_lens"], c["qo_indptr"])
+    edit(c)
+    before = {k: v.clone() for k, v in c.items()}
+    for run in (attn.run, torch.compile(attn.run, backend="eager", fullgraph=True)):
+        with pytest.raises(ValueError, match=match):
+            run(c["q"], c["kv_cache"], c["page_table"], c["tree_mask"])
+    torch.testing.assert_close(c, before, rtol=0, atol=0, equal_nan=True)
+
+
 def _op_args(attn, c, scale):
     ws = attn.workspace
     t, cfg = ws.tables, ws.tables.config

@@ -376,8 +376,9 @@ class VerifyAttention:
             out, lse: optional ``[T, H, 512]`` (q's dtype) / ``[T, H]`` float32 outputs.
             sm_scale: default ``1/sqrt(576)``.
 
-        Checks shapes, dtypes and devices only (no content, no sync; see
-        :func:`~kdtree_engine.verify.contract.check_content` to validate a step once). For a CUDA
+        Checks shapes, dtypes and devices; on a GPU no content (no sync; see
+        :func:`~kdtree_engine.verify.contract.check_content` to validate a step once), on the CPU
+        the content too, as :func:`verify_attention` does there (host data: no sync). For a CUDA
         graph replayed across plans, pass views of buffers allocated for the maxima (the graph
         keeps their addresses and strides); rows past the current T are not written.
 
@@ -413,6 +414,8 @@ class VerifyAttention:
         if call.state is not ws.state:
             self._check_plan(sig.info, q.device)
             call.state = ws.state
+        if not q.is_cuda:  # (Triton's interpreter would read a page id past the cache from host memory)
+            check_content(page_table, kv_lens, qo_indptr, tree_mask, sig.info)
         call.run(tensors, ptrs, ws.tables.num_groups)
         return out, lse
 

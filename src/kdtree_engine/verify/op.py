@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .contract import D_V
+from .contract import D_V, check_content, check_inputs
 from .plan import FlashConfig, FlashTables, plan_of
 
 __all__ = ["KERNELS", "OPT_IN_KERNELS", "available_kernels", "preparer", "launch", "resolve", "verify_attention_op"]
@@ -154,7 +154,8 @@ def verify_attention_op(
     ``plan_serial``: the :attr:`~kdtree_engine.verify.plan.VerifyPlan.serial` of the plan the
     tables belong to; the call is checked against its host lengths here, when it runs
     (:meth:`~kdtree_engine.verify.plan.VerifyPlan.check_fits`: the rows, the mask and the page
-    table wide enough), not where it is traced.
+    table wide enough), not where it is traced. On the CPU it checks the contents too
+    (:func:`~.contract.check_content`; the host's data: no sync).
     A separate combine kernel always runs where the kernel does not merge its splits itself (the
     host count of split groups does not cross the op); ``grid_barrier`` is the word of a fused
     kernel's grid barrier (see :mod:`.combine`)."""
@@ -162,6 +163,9 @@ def verify_attention_op(
     plan = plan_of(plan_serial)
     if plan is not None:
         plan.check_fits(T, tree_mask.shape[1], page_table.shape[1] * kv_cache.shape[1])
+    if not q.is_cuda:  # as VerifyAttention.run on the CPU (the host's data: no sync)
+        check_content(page_table, kv_lens, qo_indptr, tree_mask,
+                      check_inputs(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask))
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
