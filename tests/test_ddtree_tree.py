@@ -478,6 +478,11 @@ def test_check_tree_rejects():
         tree_from_parents([[-1, 0]], [[1, 2]], [3])
     with pytest.raises(ValueError, match="outside"):
         tree_from_parents([[-1, 0], [-1, 5]], [[1, 2], [1, 2]])
+    for bad in (-5, 4, 2**31 - 1):  # CPU tensors too (a gather past the row raised IndexError, -5 passed)
+        with pytest.raises(ValueError, match=r"parents\[1\] holds an index outside \[-1, 4\)"):
+            tree_from_parents(torch.tensor([[-1, 0, 0, 0], [-1, 0, bad, 1]]), torch.ones(2, 4, dtype=torch.int64),
+                              max_depth=3)
+    tree_from_parents(torch.tensor([[-1, 0, 1, 99]]), torch.ones(1, 4, dtype=torch.int64), [3])  # past num_nodes
     with pytest.raises(TypeError, match="both"):
         tree_from_parents(torch.tensor([[-1, 0]]), [[1, 2]])
 

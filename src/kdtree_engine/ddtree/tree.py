@@ -550,9 +550,10 @@ def tree_from_parents(
         max_depth: host bound of the depth; computed on the host when omitted (a device sync when
             the tensors are on a GPU).
 
-    Depths are computed on the device by pointer jumping. List input is range-checked here;
-    tensors are not (a sync): validate them with :func:`check_tree` (out-of-range parents make the
-    gathers fault on a GPU).
+    Depths are computed on the device by pointer jumping. Lists are checked here (range, cycles,
+    depth); tensors for range on the CPU, and for cycles and depth where ``max_depth`` is omitted;
+    GPU tensors not at all (a sync): validate them with :func:`check_tree` (out-of-range parents
+    make the gathers fault on a GPU).
     """
     if isinstance(parents, torch.Tensor) != isinstance(tokens, torch.Tensor):
         raise TypeError("parents and tokens must both be tensors or both be lists")
@@ -604,6 +605,11 @@ def tree_from_parents(
     tok = torch.where(valid, tok, -1)
     if max_depth is not None and (not is_int(max_depth) or max_depth < 0):
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    if dev.type == "cpu" and isinstance(parents, torch.Tensor):  # host data: no sync (lists: checked above)
+        bad = valid & ((par < -1) | (par >= nn[:, None]))
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(f"parents[{b}] holds an index outside [-1, {sizes[b]})")
     if max_depth is None or not isinstance(parents, torch.Tensor):  # host parents: the true depth costs nothing
         deepest = _host_max_depth(par.cpu(), sizes)
         if max_depth is not None and max_depth < deepest:
