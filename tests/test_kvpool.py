@@ -416,6 +416,28 @@ def test_refused_calls_change_nothing(use_triton):
     assert_consistent(pool, model)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cpu_commit_checks_the_paths_without_debug(page_size):
+    """On the CPU a commit checks its accepted paths without debug (the read costs no sync): a
+    repeated node (page size 1: a page in two table entries), a negative one (clamped to the root,
+    a repeat) or one past the tree is refused and the pool is unchanged; num_accepted past the
+    path is still clamped, as on a GPU."""
+    pool = KVPool(32, page_size, device="cpu", debug=False, use_triton=False)
+    pool.shuffle_free_pages(3)
+    a = pool.add_sequence()
+    pool.extend([a], [6])
+    pool.reserve_tree([a], [5])
+    snap = snapshot(pool)
+    for path in ([0, 2, 2], [0, -3, 1], [0, 5, 1], [0, 2**31 - 1, 1]):
+        with pytest.raises(ValueError, match="must be distinct nodes in \\[0, 5\\)"):
+            pool.commit([a], torch.tensor([path]), torch.tensor([3]), num_accepted_host=[3])
+        assert_same_state(snap, snapshot(pool))
+        assert not pool.pending_commit
+    pool.commit([a], torch.tensor([[0, 3, 99]]), torch.tensor([0]), num_accepted_host=[1])  # 1: 99 unread
+    assert pool.seq_len(a) == 7
+    pool.check()
+
+
 def test_finalize_with_wrong_host_lengths_is_caught_in_debug():
     gen = torch.Generator().manual_seed(5)
     pool = new_pool(32, 1)

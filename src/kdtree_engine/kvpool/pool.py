@@ -100,7 +100,8 @@ class KVPool:
             entries); default ``num_pages * page_size``. The table costs
             ``4 * max_seqs * max_seq_len / page_size`` bytes.
         debug: check inputs that need a device read (accepted paths, host lengths) and fill freed
-            pages with NaN, so a kernel that reads a freed slot produces NaN.
+            pages with NaN, so a kernel that reads a freed slot produces NaN. On the CPU the
+            accepted paths are checked always (the read costs no sync).
         use_triton: fused kernels for commit, page pops and moves and a step's verify inputs
             (default on CUDA); otherwise torch ops (on the CPU, or under ``TRITON_INTERPRET=1`` for
             testing the kernels).
@@ -617,7 +618,8 @@ class KVPool:
         Args:
             seq_ids: host ids of sequences with a reserved tree (B of them).
             accepted: ``[B, A]`` int32/int64 on the pool's device: node indices of the accepted
-                path, root first, then the path in order; distinct, in ``[0, n_b)``; entries past
+                path, root first, then the path in order; distinct, in ``[0, n_b)`` (checked on
+                the CPU and with ``debug``: ``ValueError``, the pool unchanged); entries past
                 ``num_accepted[b]`` are ignored (pad with -1).
             num_accepted: ``[B]`` int on the device, ``1 <= num_accepted[b] <= min(n_b, A)``
                 (values outside are clamped into that range, on host and device alike).
@@ -650,8 +652,8 @@ class KVPool:
         num_accepted = num_accepted.contiguous()
         if num_accepted_host is not None:  # checked before the commit runs: a refused call changes nothing
             num_accepted_host = _accepted_counts(num_accepted_host, B)
-        if self.debug:
-            self._check_accepted(ids, accepted, num_accepted)
+        if self.debug or self.device.type == "cpu":  # (on the CPU the read costs no sync)
+            self._check_accepted(ids, accepted, num_accepted, strict=self.debug)
         rows = self._rows_of(ids, rows)
         if self.use_triton:
             launch_commit(self._store, self._table, self._lens_d, self._tree_d, self._stack, self._top, self._done,
@@ -716,13 +718,17 @@ class KVPool:
             self._poison(self._stack[nf: self._num_free])
             self._poison_tails(p.ids)
 
-    def _check_accepted(self, ids, accepted, num_accepted) -> None:
+    def _check_accepted(self, ids, accepted, num_accepted, *, strict: bool) -> None:
+        """Each accepted path on the host: distinct nodes in ``[0, n_b)`` (``ValueError``); its
+        length in ``[1, min(n_b, A)]`` where ``strict``, else clamped into it as the commit does."""
         acc = accepted.cpu().numpy()
         na = num_accepted.cpu().numpy()
         for b, s in enumerate(ids):
             n, a = int(self._tree[s]), int(na[b])
-            if not 1 <= a <= min(n, acc.shape[1]):
+            most = min(n, acc.shape[1])
+            if strict and not 1 <= a <= most:
                 raise ValueError(f"num_accepted[{b}]={a} outside [1, min(n={n}, A={acc.shape[1]})]")
+            a = min(max(a, 1), most)
             path = acc[b, :a]
             if (path < 0).any() or (path >= n).any() or len(np.unique(path)) != a:
                 raise ValueError(f"accepted[{b}, :{a}]={path.tolist()} must be distinct nodes in [0, {n})")
