@@ -417,11 +417,11 @@ def test_refused_calls_change_nothing(use_triton):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_cpu_commit_checks_the_paths_without_debug(page_size):
+def test_cpu_commit_and_write_check_their_indices(page_size):
     """On the CPU a commit checks its accepted paths without debug (the read costs no sync): a
     repeated node (page size 1: a page in two table entries), a negative one (clamped to the root,
     a repeat) or one past the tree is refused and the pool is unchanged; num_accepted past the
-    path is still clamped, as on a GPU."""
+    path is still clamped, as on a GPU. write() checks its slots there too."""
     pool = KVPool(32, page_size, device="cpu", debug=False, use_triton=False)
     pool.shuffle_free_pages(3)
     a = pool.add_sequence()
@@ -436,6 +436,11 @@ def test_cpu_commit_checks_the_paths_without_debug(page_size):
     pool.commit([a], torch.tensor([[0, 3, 99]]), torch.tensor([0]), num_accepted_host=[1])  # 1: 99 unread
     assert pool.seq_len(a) == 7
     pool.check()
+    snap = snapshot(pool)
+    for bad in (-1, 32 * page_size, 2**40):  # (index_copy_ raised IndexError; 32 * page_size: the trash page)
+        with pytest.raises(ValueError, match=f"slots must be in \\[0, {32 * page_size}\\)"):
+            pool.write(torch.tensor([0, bad]), torch.zeros(2, 576, dtype=torch.bfloat16), layer=0)
+    assert_same_state(snap, snapshot(pool))
 
 
 def test_finalize_with_wrong_host_lengths_is_caught_in_debug():

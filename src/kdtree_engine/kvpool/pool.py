@@ -474,7 +474,9 @@ class KVPool:
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor, layer: int | None = 0) -> None:
         """Scatter KV rows to slots in one op: ``rows [T, 576]`` into ``layer``, or
-        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``. ``slots [T]`` int64.
+        ``rows [num_layers, T, 576]`` into every layer with ``layer=None``. ``slots [T]`` int64 in
+        ``[0, num_pages * page_size)``: checked on the CPU (``ValueError``); on a GPU they are not
+        read (a sync), and one past the cache is a device-side assert.
         Any strides (broadcast rows included); ``rows`` must not be a view of the pool's own cache
         (``ValueError``: it would be read while written; gather a copy first)."""
         for name, t in (("slots", slots), ("rows", rows)):
@@ -487,6 +489,10 @@ class KVPool:
             raise ValueError("slots must be 1-D")
         if slots.dtype != torch.int64:
             raise TypeError(f"slots must be torch.int64, got {slots.dtype}")
+        end = self.num_pages * self.page_size
+        host = slots.numpy() if slots.device.type == "cpu" else None  # (on a GPU: not read)
+        if host is not None and host.size and not 0 <= host.min() <= host.max() < end:
+            raise ValueError(f"slots must be in [0, {end}) (num_pages * page_size), got {host.min()}..{host.max()}")
         if layer is not None:
             self._check_layer(layer)
         t = slots.shape[0]
