@@ -418,10 +418,11 @@ def test_refused_calls_change_nothing(use_triton):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_cpu_commit_and_write_check_their_indices(page_size):
-    """On the CPU a commit checks its accepted paths without debug (the read costs no sync): a
-    repeated node (page size 1: a page in two table entries), a negative one (clamped to the root,
-    a repeat) or one past the tree is refused and the pool is unchanged; num_accepted past the
-    path is still clamped, as on a GPU. write() checks its slots there too."""
+    """On the CPU a commit checks its accepted paths and its rows without debug (the read costs no
+    sync): a repeated node (page size 1: a page in two table entries), a negative one (clamped to
+    the root, a repeat), one past the tree, or rows naming another sequence is refused and the pool
+    is unchanged; num_accepted past the path is still clamped, as on a GPU. write() checks its
+    slots there too."""
     pool = KVPool(32, page_size, device="cpu", debug=False, use_triton=False)
     pool.shuffle_free_pages(3)
     a = pool.add_sequence()
@@ -433,6 +434,9 @@ def test_cpu_commit_and_write_check_their_indices(page_size):
             pool.commit([a], torch.tensor([path]), torch.tensor([3]), num_accepted_host=[3])
         assert_same_state(snap, snapshot(pool))
         assert not pool.pending_commit
+    with pytest.raises(ValueError, match="rows holds"):  # another sequence's row: its table rewritten
+        pool.commit([a], torch.tensor([[0, 1]]), torch.tensor([2]), rows=torch.tensor([a + 1]))
+    assert_same_state(snap, snapshot(pool))
     pool.commit([a], torch.tensor([[0, 3, 99]]), torch.tensor([0]), num_accepted_host=[1])  # 1: 99 unread
     assert pool.seq_len(a) == 7
     pool.check()

@@ -101,7 +101,7 @@ class KVPool:
             ``4 * max_seqs * max_seq_len / page_size`` bytes.
         debug: check inputs that need a device read (accepted paths, host lengths) and fill freed
             pages with NaN, so a kernel that reads a freed slot produces NaN. On the CPU the
-            accepted paths are checked always (the read costs no sync).
+            input checks (accepted paths, a commit's ``rows``) run always (the read costs no sync).
         use_triton: fused kernels for commit, page pops and moves and a step's verify inputs
             (default on CUDA); otherwise torch ops (on the CPU, or under ``TRITON_INTERPRET=1`` for
             testing the kernels).
@@ -268,10 +268,16 @@ class KVPool:
             self._rows_cache.move_to_end(key)
         return t
 
+    @property
+    def _reads_inputs(self) -> bool:
+        """Whether the input checks that read device data (a commit's accepted paths and
+        ``rows``) run: with ``debug``, and always on the CPU, where the read costs no sync."""
+        return self.debug or self.device.type == "cpu"
+
     def _rows_of(self, ids: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor:
         """``rows`` (a caller's ``[B]`` int64 device buffer holding ``ids``, e.g. a captured step's
-        input) checked, or :meth:`device_rows` of ``ids``. With ``debug`` its values are checked too
-        (a host read; not while a CUDA graph is being captured)."""
+        input) checked, or :meth:`device_rows` of ``ids``. Its values are checked too where
+        :attr:`_reads_inputs` (a host read; not while a CUDA graph is being captured)."""
         if rows is None:
             return self.device_rows(ids)
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64:
@@ -280,7 +286,7 @@ class KVPool:
             raise ValueError(f"rows has shape {tuple(rows.shape)}, expected ({len(ids)},): one row per sequence")
         self._check_device("rows", rows)
         capturing = rows.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if self.debug and not capturing and not np.array_equal(rows.cpu().numpy(), ids):
+        if self._reads_inputs and not capturing and not np.array_equal(rows.cpu().numpy(), ids):
             raise ValueError(f"rows holds {rows.tolist()}, not the sequences {ids.tolist()}")
         return rows.contiguous()  # a strided view: copied (in a graph, the copy is captured too)
 
@@ -658,7 +664,7 @@ class KVPool:
         num_accepted = num_accepted.contiguous()
         if num_accepted_host is not None:  # checked before the commit runs: a refused call changes nothing
             num_accepted_host = _accepted_counts(num_accepted_host, B)
-        if self.debug or self.device.type == "cpu":  # (on the CPU the read costs no sync)
+        if self._reads_inputs:
             self._check_accepted(ids, accepted, num_accepted, strict=self.debug)
         rows = self._rows_of(ids, rows)
         if self.use_triton:
