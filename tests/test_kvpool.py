@@ -23,7 +23,6 @@ from kdtree_engine.kvpool import (
     KVPool,
     MoveSchedule,
     PoolFullError,
-    PoolInvariantError,
     ScheduleError,
     SequenceTooLongError,
     StalePlanError,
@@ -447,16 +446,40 @@ def test_cpu_commit_and_write_check_their_indices(page_size):
     assert_same_state(snap, snapshot(pool))
 
 
-def test_finalize_with_wrong_host_lengths_is_caught_in_debug():
+@pytest.mark.parametrize("debug", [False, True])
+def test_wrong_host_lengths_are_refused(debug):
+    """A num_accepted_host other than num_accepted (after both are clamped) would leave the host's
+    lengths and free count apart from the device's: on the CPU (a free read) and with debug, commit
+    refuses it before the kernel runs (the pool unchanged) and finalize_commit before any change
+    (the commit still pending, so a right call can follow). Values that clamp alike pass."""
+    if not debug and DEVICE != "cpu":
+        pytest.skip("without debug a GPU pool does not read the device's counts (a sync)")
     gen = torch.Generator().manual_seed(5)
-    pool = new_pool(32, 1)
+    pool = new_pool(32, 1, debug=debug)
     model = fill(pool, gen, [4])
     (a,) = model
     pool.reserve_tree([a], [4])
-    acc = torch.tensor([[0, 1, 2]], device=DEVICE)
-    pool.commit([a], acc, torch.tensor([3], device=DEVICE))
-    with pytest.raises(PoolInvariantError, match="disagree"):
+    snap = snapshot(pool)
+    acc, three = torch.tensor([[0, 1, 2]], device=DEVICE), torch.tensor([3], device=DEVICE)
+    with pytest.raises(ValueError, match=r"num_accepted_host \[2\] differs from num_accepted \[3\]"):
+        pool.commit([a], acc, three, num_accepted_host=[2])
+    assert_same_state(snap, snapshot(pool))
+    assert not pool.pending_commit
+    pool.commit([a], acc, three)
+    with pytest.raises(ValueError, match="differs"):
         pool.finalize_commit([2])
+    assert pool.pending_commit
+    pool.finalize_commit([3])
+    assert pool.seq_len(a) == 7
+    pool.check()
+    if debug:
+        return  # debug refuses a num_accepted outside [1, min(n, A)] instead of clamping it
+    pool.reserve_tree([a], [2])  # clamped alike: 9 and 2 (the tree), 0 and 1 (the root)
+    pool.commit([a], acc[:, :2], torch.tensor([9], device=DEVICE), num_accepted_host=[2])
+    pool.reserve_tree([a], [2])
+    pool.commit([a], acc[:, :2], torch.tensor([0], device=DEVICE), num_accepted_host=[1])
+    assert pool.seq_len(a) == 10
+    pool.check()
 
 
 # ----------------------------------------------------------------------------------------------

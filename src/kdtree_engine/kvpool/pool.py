@@ -635,7 +635,9 @@ class KVPool:
                 ``num_accepted[b]`` are ignored (pad with -1).
             num_accepted: ``[B]`` int on the device, ``1 <= num_accepted[b] <= min(n_b, A)``
                 (values outside are clamped into that range, on host and device alike).
-            num_accepted_host: the same lengths on the host, if known: finalizes at once.
+            num_accepted_host: the same lengths on the host, if known: finalizes at once
+                (compared with ``num_accepted`` on the CPU and with ``debug``: ``ValueError``,
+                the pool unchanged).
             rows: see :meth:`place_tree`.
 
         Accepted node ``accepted[b, i]`` becomes position ``P_b + i``; the other nodes are freed
@@ -666,6 +668,8 @@ class KVPool:
             num_accepted_host = _accepted_counts(num_accepted_host, B)
         if self._reads_inputs:
             self._check_accepted(ids, accepted, num_accepted, strict=self.debug)
+            if num_accepted_host is not None:
+                self._check_host_counts(num_accepted_host, num_accepted, n, A)
         rows = self._rows_of(ids, rows)
         if self.use_triton:
             launch_commit(self._store, self._table, self._lens_d, self._tree_d, self._stack, self._top, self._done,
@@ -700,11 +704,17 @@ class KVPool:
         """Host bookkeeping of the pending commit: new lengths and free count.
 
         ``num_accepted_host``: the accepted lengths on the host (as passed to :meth:`commit`);
-        without it they are read from the device (one sync)."""
+        without it they are read from the device (one sync). On the CPU and with ``debug`` they
+        are compared with the device's first: ``ValueError``, the commit still pending."""
         p = self._pending
         if p is None:
             raise RuntimeError("no commit is pending")
-        a = _accepted_counts(p.num_accepted.cpu() if num_accepted_host is None else num_accepted_host, len(p.ids))
+        if num_accepted_host is None:
+            a = _accepted_counts(p.num_accepted.cpu(), len(p.ids))
+        else:
+            a = _accepted_counts(num_accepted_host, len(p.ids))
+            if self._reads_inputs:  # before any change: a refused call leaves the commit pending
+                self._check_host_counts(a, p.num_accepted, p.tree, p.max_acc)
         a = np.clip(a, 1, np.minimum(p.tree, p.max_acc))
         old = self._len[p.ids]
         new = old - p.tree + a
@@ -725,10 +735,21 @@ class KVPool:
             if top != self._num_free or not np.array_equal(lens, new):
                 raise PoolInvariantError(
                     f"host and device disagree after commit (host free {self._num_free}, device top "
-                    f"{top}; host lens {new.tolist()}, device {lens.tolist()}): was num_accepted_host "
-                    f"the same as num_accepted?")
+                    f"{top}; host lens {new.tolist()}, device {lens.tolist()})")
             self._poison(self._stack[nf: self._num_free])
             self._poison_tails(p.ids)
+
+    @staticmethod
+    def _check_host_counts(host: np.ndarray, num_accepted: torch.Tensor, tree: np.ndarray, width: int) -> None:
+        """``num_accepted_host`` against the device's ``num_accepted``, both clamped into
+        ``[1, min(n_b, A)]`` as the commit clamps them (``ValueError``): a wrong host count would
+        leave the host's lengths and free count apart from the device's."""
+        most = np.minimum(tree, width)
+        host = np.clip(host, 1, most)
+        dev = np.clip(num_accepted.cpu().numpy().astype(np.int64), 1, most)
+        if not np.array_equal(host, dev):
+            raise ValueError(f"num_accepted_host {host.tolist()} differs from num_accepted {dev.tolist()} "
+                             f"(both clamped into [1, min(tree size, {width})])")
 
     def _check_accepted(self, ids, accepted, num_accepted, *, strict: bool) -> None:
         """Each accepted path on the host: distinct nodes in ``[0, n_b)`` (``ValueError``); its
