@@ -446,6 +446,41 @@ def test_cpu_commit_and_write_check_their_indices(page_size):
     assert_same_state(snap, snapshot(pool))
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_place_tree_must_place_the_booking(use_triton):
+    """place_tree pops the pages book_tree counted: without a booking, for other sequences or
+    another size, or twice, it would pop pages the host never counted (the free count and the
+    stack apart). Until the booking is placed every other mutation raises, as while a commit is
+    pending. replayed_commit's num_accepted is checked before the commit is marked pending."""
+    pool = new_pool(16, 1, use_triton=use_triton)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.extend([a, b], [3, 2])
+    with pytest.raises(RuntimeError, match="no book_tree to place"):
+        pool.place_tree([a], 2)
+    with pytest.raises(TypeError, match="tree_size must be an int"):
+        pool.book_tree([a], 1.5)
+    snap = snapshot(pool)
+    pool.book_tree([a], 2)
+    for ids, size in (([a], 5), ([a], 2.0), ([b], 2), ([a, b], 2)):
+        with pytest.raises(ValueError, match="must place the booking"):
+            pool.place_tree(ids, size)
+    for call in (lambda: pool.extend([b], [1]), lambda: pool.commit([a], torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)),
+                 lambda: pool.book_tree([b], 1), pool.check):
+        with pytest.raises(RuntimeError, match="not placed"):
+            call()
+    now = snapshot(pool)  # the refused places left the device as the booking found it
+    assert_same_state({k: snap[k] for k in ("store", "table", "lens", "tree", "stack", "top")}, now)
+    pool.place_tree([a], 2)
+    pool.check()
+    with pytest.raises(RuntimeError, match="no book_tree to place"):
+        pool.place_tree([a], 2)
+    snap = snapshot(pool)
+    with pytest.raises(TypeError, match="num_accepted must be a 1-D int32/int64 tensor"):
+        pool.replayed_commit([a], [2], 2)
+    assert_same_state(snap, snapshot(pool))
+    assert not pool.pending_commit
+
+
 @pytest.mark.parametrize("debug", [False, True])
 def test_wrong_host_lengths_are_refused(debug):
     """A num_accepted_host other than num_accepted (after both are clamped) would leave the host's

@@ -165,6 +165,7 @@ class KVPool:
         self._free_rows = list(range(S))
         self._num_free = n
         self._pending: _Pending | None = None
+        self._booking: tuple | None = None  # (ids, tree_size) of a book_tree not placed yet
         self._version = 0
         self._token = object()  # names this pool in its defragmentation plans
         self._steps = 0  # committed steps (finalize_commit calls), for policies
@@ -237,6 +238,8 @@ class KVPool:
     def _require_idle(self, what: str) -> None:
         if self._pending is not None:
             raise RuntimeError(f"{what}: a commit is pending; call finalize_commit() first")
+        if self._booking is not None:
+            raise RuntimeError(f"{what}: a book_tree is not placed; call place_tree() first")
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
         """Raise unless tensor ``t`` is on the pool's device (both in canonical form)."""
@@ -394,8 +397,12 @@ class KVPool:
         """The host half of ``reserve_tree(seq_ids, [tree_size] * B)``: the checks (raising
         :class:`PoolFullError` / :class:`SequenceTooLongError` before changing anything) and the
         host counts, no device work. :meth:`place_tree` with the same arguments must follow, before
-        anything reads these sequences on the device."""
+        anything reads these sequences on the device; until then every other mutation raises
+        (``RuntimeError``), as while a commit is pending."""
+        if not is_int(tree_size):
+            raise TypeError(f"tree_size must be an int, got {tree_size!r}")
         self._grow(seq_ids, tree_size, tree=True, device=False)
+        self._booking = (self._ids(seq_ids), int(tree_size))
 
     def place_tree(self, seq_ids, tree_size: int, *, rows: torch.Tensor | None = None) -> None:
         """The device half of a :meth:`book_tree`: pops the pages the trees need from the free stack
@@ -404,9 +411,17 @@ class KVPool:
         once :meth:`device_rows` has seen ``seq_ids``: it can be captured in a CUDA graph.
         ``rows``: the sequences' rows as a ``[B]`` int64 device tensor the caller keeps (default
         :meth:`device_rows`); a CUDA graph captured with a buffer here serves any B sequences whose
-        rows are copied into that buffer before each replay."""
+        rows are copied into that buffer before each replay. ``seq_ids`` and ``tree_size`` must be
+        the booking's (``ValueError``; without a booking, ``RuntimeError``)."""
+        if self._booking is None:
+            raise RuntimeError("place_tree: no book_tree to place")
         ids = self._ids(seq_ids)
-        self._pop_pages(self._rows_of(ids, rows), tree_size, _cdiv(tree_size, self.page_size), tree=True)
+        booked, size = self._booking
+        if not np.array_equal(ids, booked) or not is_int(tree_size) or tree_size != size:
+            raise ValueError(f"place_tree({ids.tolist()}, {tree_size!r}) must place the booking, "
+                             f"book_tree({booked.tolist()}, {size})")
+        self._pop_pages(self._rows_of(ids, rows), size, _cdiv(size, self.page_size), tree=True)
+        self._booking = None
 
     def _pop_pages(self, rows: torch.Tensor, counts, max_pages: int, tree: bool) -> None:
         """Device half of a grow: sequence rows ``rows [B]`` gain ``counts`` (an int, or ``[B]``
@@ -651,13 +666,8 @@ class KVPool:
         n = self._tree[ids]
         if (n < 1).any():
             raise ValueError(f"sequence {int(ids[n < 1][0])} has no tree reserved")
-        B = len(ids)
-        for name, t, dim in (("accepted", accepted, 2), ("num_accepted", num_accepted, 1)):
-            if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name} must be a {dim}-D int32/int64 tensor")
-            self._check_device(name, t)
-            if t.shape[0] != B:
-                raise ValueError(f"{name} has {t.shape[0]} rows for {B} sequences")
+        self._check_int_tensor("accepted", accepted, 2, len(ids))
+        self._check_int_tensor("num_accepted", num_accepted, 1, len(ids))
         A = accepted.shape[1]
         if A < 1:
             raise ValueError("accepted needs at least one column (the root)")
@@ -665,7 +675,7 @@ class KVPool:
             accepted = accepted.contiguous()
         num_accepted = num_accepted.contiguous()
         if num_accepted_host is not None:  # checked before the commit runs: a refused call changes nothing
-            num_accepted_host = _accepted_counts(num_accepted_host, B)
+            num_accepted_host = _accepted_counts(num_accepted_host, len(ids))
         if self._reads_inputs:
             self._check_accepted(ids, accepted, num_accepted, strict=self.debug)
             if num_accepted_host is not None:
@@ -687,14 +697,18 @@ class KVPool:
         replay of that graph (a replay runs the commit's kernel but no Python): marks the commit
         of ``seq_ids``' reserved trees pending, exactly as :meth:`commit` with an ``accepted`` of
         ``accepted_width`` columns and this ``num_accepted`` (the captured ``[B]`` device tensor)
-        would. ``num_accepted_host``: finalizes at once, as in :meth:`commit`."""
-        self._require_idle("replayed_commit")
+        would. ``num_accepted_host``: finalizes at once, as in :meth:`commit`. A :meth:`book_tree`
+        of ``seq_ids`` before the replay counts as placed (the graph holds its :meth:`place_tree`)."""
         ids = self._ids(seq_ids)
+        if self._booking is not None and np.array_equal(self._booking[0], ids):
+            self._booking = None
+        self._require_idle("replayed_commit")
         n = self._tree[ids]
         if len(ids) == 0 or (n < 1).any():
             raise ValueError("seq_ids must be sequences with a tree reserved")
         if not is_int(accepted_width) or accepted_width < 1:
             raise ValueError(f"accepted_width must be a positive int, got {accepted_width!r}")
+        self._check_int_tensor("num_accepted", num_accepted, 1, len(ids))
         self._pending = _Pending(ids, n.copy(), num_accepted, int(accepted_width))
         self._version += 1
         if num_accepted_host is not None:
@@ -738,6 +752,14 @@ class KVPool:
                     f"{top}; host lens {new.tolist()}, device {lens.tolist()})")
             self._poison(self._stack[nf: self._num_free])
             self._poison_tails(p.ids)
+
+    def _check_int_tensor(self, name: str, t, dim: int, num_seqs: int) -> None:
+        """``t``: a ``dim``-D int32/int64 tensor on the pool's device with one row per sequence."""
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be a {dim}-D int32/int64 tensor")
+        self._check_device(name, t)
+        if t.shape[0] != num_seqs:
+            raise ValueError(f"{name} has {t.shape[0]} rows for {num_seqs} sequences")
 
     @staticmethod
     def _check_host_counts(host: np.ndarray, num_accepted: torch.Tensor, tree: np.ndarray, width: int) -> None:
