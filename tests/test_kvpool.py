@@ -403,16 +403,41 @@ def test_refused_calls_change_nothing(use_triton):
     for call in (lambda: pool.book_tree([a], 2**63 - 1), lambda: pool.extend([a], [2**63 - 1])):
         with pytest.raises(SequenceTooLongError):
             call()
-    for call in (lambda: pool.extend([b], [1.9]), lambda: pool.truncate(a, 2.7), lambda: pool.truncate("1", 1),
-                 lambda: pool.extend([0.6], [1])):
+    for call in (lambda: pool.extend([b], [1.9]), lambda: pool.truncate("1", 1), lambda: pool.extend([0.6], [1])):
         with pytest.raises(TypeError, match="must hold integers"):
             call()
+    for call, name in ((lambda: pool.truncate(a, 2.7), "new_len"), (lambda: pool.truncate(a, [2, 4]), "new_len"),
+                       (lambda: pool.slots(a, 1.5), "start"), (lambda: pool.slots(a, 0, True), "end"),
+                       (lambda: pool.shuffle_free_pages(1.5), "seed"), (lambda: pool.apply_defragment(None), "plan"),
+                       (lambda: pool.maybe_defragment(5), "policy"), (lambda: pool.write([0], rand_rows(gen, 1)), "slots")):
+        with pytest.raises(TypeError, match=f"^{name} must be"):
+            call()
+    with pytest.raises(ValueError, match="layer must be"):
+        pool.gather_kv(a, layer=1)
     with pytest.raises(TypeError, match="slots must be torch.int64"):
         pool.write(torch.zeros(1, dtype=torch.int32, device=DEVICE), rand_rows(gen, 1), layer=0)
     with pytest.raises(ValueError, match="layer must be"):
         pool.write(torch.zeros(1, dtype=torch.int64, device=DEVICE), rand_rows(gen, 1), layer=1)
     assert_same_state(snap, snapshot(pool))
     assert_consistent(pool, model)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(num_pages=2.5), TypeError, "num_pages must be an int"),  # (was truncated)
+    (dict(num_pages=True), TypeError, "num_pages must be an int"),
+    (dict(num_pages="3"), TypeError, "num_pages must be an int"),
+    (dict(page_size=1.5), TypeError, "page_size must be an int"),
+    (dict(max_seqs=2.5), TypeError, "max_seqs must be an int"),
+    (dict(max_seq_len=3.5), TypeError, "max_seq_len must be an int"),
+    (dict(num_pages=0), ValueError, "must be positive"),
+    (dict(device=[0]), TypeError, "device must be"),
+    (dict(device="meta"), ValueError, "CPU or CUDA device"),
+    (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError, "no such CUDA device"),
+])
+def test_constructor_refuses_bad_arguments(kwargs, err, match):
+    args = dict(num_pages=8, page_size=1, device="cpu", use_triton=False) | kwargs
+    with pytest.raises(err, match=match):
+        KVPool(**args)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

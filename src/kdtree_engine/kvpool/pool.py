@@ -43,7 +43,13 @@ def _canonical_device(device=None) -> torch.device:
     torch.device("cuda:0")``: the pool keeps this form so ``t.device == pool.device`` is exact."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (isinstance(device, (str, torch.device)) or is_int(device)):
+        raise TypeError(f"device must be a str, torch.device or CUDA index, got {type(device).__name__}")
     device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {device}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: no such CUDA device ({torch.cuda.device_count()} available)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     elif device.type == "cpu" and device.index is not None:
@@ -114,6 +120,11 @@ class KVPool:
                  dtype: torch.dtype = torch.bfloat16, device=None, max_seqs: int = 64,
                  max_seq_len: int | None = None, debug: bool = False, use_triton: bool | None = None,
                  defrag_scratch_bytes: int = 256 << 20):
+        sizes = dict(num_pages=num_pages, page_size=page_size, num_layers=num_layers, max_seqs=max_seqs,
+                     max_seq_len=max_seq_len, defrag_scratch_bytes=defrag_scratch_bytes)
+        for name, v in sizes.items():
+            if not (is_int(v) or v is None and name == "max_seq_len"):
+                raise TypeError(f"{name} must be an int, got {v!r}")
         if num_pages < 1 or page_size < 1 or num_layers < 1 or max_seqs < 1:
             raise ValueError("num_pages, page_size, num_layers and max_seqs must be positive")
         if num_pages >= 2**31 - 1:
@@ -242,7 +253,9 @@ class KVPool:
             raise RuntimeError(f"{what}: a book_tree is not placed; call place_tree() first")
 
     def _check_device(self, name: str, t: torch.Tensor) -> None:
-        """Raise unless tensor ``t`` is on the pool's device (both in canonical form)."""
+        """Raise unless ``t`` is a tensor on the pool's device (both in canonical form)."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if _canonical_device(t.device) != self.device:
             raise ValueError(f"{name} is on {t.device}, the pool on {self.device}: must be on the pool's device")
 
@@ -347,7 +360,9 @@ class KVPool:
         reserved, ``new_len`` must not exceed the prefix (the tree is dropped)."""
         self._require_idle("truncate")
         ids = self._ids([seq_id])
-        seq_id, new_len = int(ids[0]), int(_host_ints("new_len", new_len)[0])
+        if not is_int(new_len):
+            raise TypeError(f"new_len must be an int, got {new_len!r}")
+        seq_id, new_len = int(ids[0]), int(new_len)
         old = int(self._len[seq_id])
         if not 0 <= new_len <= old:
             raise ValueError(f"new_len must be in [0, {old}], got {new_len}")
@@ -530,6 +545,9 @@ class KVPool:
     def slots(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Flat slots ``[end-start]`` int64 of positions ``start..end-1`` of a sequence."""
         self._ids([seq_id])
+        for name, v in (("start", start), ("end", end)):
+            if not (is_int(v) or v is None and name == "end"):
+                raise TypeError(f"{name} must be an int, got {v!r}")
         end = int(self._len[seq_id]) if end is None else end
         if not 0 <= start <= end <= self._len[seq_id]:
             raise ValueError(f"positions {start}..{end} outside the sequence (length {int(self._len[seq_id])})")
@@ -539,6 +557,8 @@ class KVPool:
 
     def gather_kv(self, seq_id: int, layer: int | None = 0) -> torch.Tensor:
         """The sequence's KV in position order: ``[len, 576]`` (or ``[num_layers, len, 576]``)."""
+        if layer is not None:
+            self._check_layer(layer)
         s = self.slots(seq_id)
         flat = self._store.view(self.num_layers, -1, D)
         return flat[:, s] if layer is None else flat[layer, s]
@@ -940,6 +960,8 @@ class KVPool:
         """Randomly permute the free stack (tests and benchmarks: the state after many steps,
         where consecutive allocations get scattered pages)."""
         self._require_idle("shuffle_free_pages")
+        if not is_int(seed):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         nf = self._num_free
         g = torch.Generator().manual_seed(seed)
         (perm,) = self._to_device(torch.randperm(nf, generator=g).numpy())
@@ -1093,6 +1115,8 @@ class KVPool:
         """Run a plan: the page moves (scratch gather, one launch per level, scratch scatter),
         then the rewrite of the moved tables and the free stack, all on the device. No sync."""
         self._require_idle("apply_defragment")
+        if not isinstance(plan, DefragPlan):
+            raise TypeError(f"plan must be a DefragPlan (from plan_defragment), got {type(plan).__name__}")
         if plan.pool is not self._token:
             raise ValueError("plan was made by another pool: plan with this pool's plan_defragment()")
         if plan.version != self._version:
@@ -1142,8 +1166,11 @@ class KVPool:
         """Policy hook for the serving loop: every ``policy.check_every`` committed steps, read
         the fragmentation (one sync) and compact the sequences the policy selects (packing the
         pool when they find no contiguous room). Returns the report, or None if nothing ran."""
-        policy = policy or ThresholdPolicy()
-        if self._steps - self._steps_at_check < policy.check_every or self._pending is not None:
+        policy = ThresholdPolicy() if policy is None else policy
+        if not isinstance(policy, ThresholdPolicy):
+            raise TypeError(f"policy must be a ThresholdPolicy, got {type(policy).__name__}")
+        busy = self._pending is not None or self._booking is not None
+        if self._steps - self._steps_at_check < policy.check_every or busy:
             return None
         self._steps_at_check = self._steps
         chosen = policy.select(self.fragmentation())
