@@ -349,6 +349,41 @@ def test_check_lossless_report():
     far = check_lossless([[1, 0]], [[1, 1]], logits, tie_tol=0.01)
     assert not far.ok and "MISMATCH" in far.line()
     assert check_lossless([[1, 1]], [[1, 1]]).exact
+    for args, match in ((([[1, 2], [3, 4]], [[1, 2]]), "outputs holds 2 sequences, references 1"),  # (zip dropped one)
+                        (([[1], [3]], [[1], [3]], logits), "reference_logits holds 1"),
+                        (([[1]], [[2]], [torch.zeros(1, 1)]), "V >= 2")):
+        with pytest.raises(ValueError, match=match):
+            check_lossless(*args)
+
+
+def test_engine_refuses_bad_arguments(model, monkeypatch):
+    """Sizes, prompts and decode's arguments are checked before any work: floats were truncated
+    (a prompt [1.7, 2.2] ran as [1, 2]), page_size 0 divided by zero, a token past the
+    vocabulary failed inside the embedding."""
+    runner = MLARunner(model, kernel="reference")
+    for kwargs, err, match in ((dict(budget=2.5), TypeError, "budget must be an int"),
+                               (dict(depth=True), TypeError, "depth must be an int"),
+                               (dict(page_size=0), ValueError, "page_size must be >= 1"),
+                               (dict(max_pool_bytes=1.5), TypeError, "max_pool_bytes")):
+        with pytest.raises(err, match=match):
+            SpeculativeEngine(runner, NGramDrafter(V), **kwargs)
+    eng = SpeculativeEngine(runner, NGramDrafter(V), budget=4, depth=2)
+    called = []
+    monkeypatch.setattr(runner, "prefill", lambda *a, **k: called.append(1))
+    for prompts, err, match in (([[1.7, 2.2]], TypeError, "token ids must be integers"),
+                                ([[True, False]], TypeError, "token ids must be integers"),
+                                ([[[1, 2]]], ValueError, "must be 1-D"),
+                                ([[1, V]], ValueError, "outside the vocabulary"),
+                                ([[-1, 2]], ValueError, "outside the vocabulary")):
+        with pytest.raises(err, match=match):
+            eng.prefill(prompts, 4)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        eng.prefill([[1, 2]], 4.0)
+    assert not called and eng.pool is None
+    monkeypatch.undo()
+    eng.prefill([[1, 2]], 4)
+    with pytest.raises(TypeError, match="eos_token_id must be an int or None"):
+        eng.decode(eos_token_id=1.5)
 
 
 def test_top2_margins_match_logits(model, prompts, hf_greedy):

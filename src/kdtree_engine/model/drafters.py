@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from ..backend import interpreting
+from ..masks import is_int_tensor
 
 __all__ = ["Drafter", "NGramDrafter", "SyntheticDrafter", "as_context"]
 
@@ -52,8 +53,14 @@ class Drafter(Protocol):
 
 
 def as_context(tokens) -> torch.Tensor:
-    """A 1-D int64 CPU tensor of a token sequence."""
-    return torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
+    """A 1-D int64 CPU tensor of a token sequence (a list, numpy array or tensor of integers, at
+    most 1-D: ``TypeError`` for other values, ``ValueError`` for more dimensions)."""
+    t = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+    if t.numel() and not is_int_tensor(t):
+        raise TypeError(f"token ids must be integers, got {t.dtype}")
+    if t.dim() > 1:
+        raise ValueError(f"a token sequence must be 1-D, got shape {tuple(t.shape)}")
+    return t.to(torch.int64).reshape(-1).cpu()
 
 
 def pad_contexts(contexts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ import torch
 
 from ..ddtree import accept_greedy, build_ddtree, greedy_workspace, tree_from_parents
 from ..verify import VerifyAttention
+from ..masks import is_int
 from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
 from .graphs import GRAPH_MODES, PhaseClock, StepGraph
@@ -110,6 +111,9 @@ def memory_plan(runner: MLARunner, prompt_lens: Sequence[int], max_new_tokens: i
     A sequence holds at most ``prompt + max_new_tokens - 1`` committed tokens plus one reserved
     tree of ``tree_nodes`` nodes; its pages are that, rounded up.
     """
+    for name, v in (("max_new_tokens", max_new_tokens), ("tree_nodes", tree_nodes), ("page_size", page_size)):
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
     c = runner.config
     H = runner.num_heads
     elt = torch.empty((), dtype=runner.dtype).element_size()
@@ -386,8 +390,15 @@ class SpeculativeEngine:
                  page_size: int = 16, max_pool_bytes: int | None = None, graphs: str | None = None):
         self.runner = runner
         self.drafter = drafter
+        for name, v in (("budget", budget), ("depth", depth), ("page_size", page_size)):
+            if not is_int(v):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if not (max_pool_bytes is None or is_int(max_pool_bytes)):
+            raise TypeError(f"max_pool_bytes must be an int or None, got {max_pool_bytes!r}")
         if budget < 0 or depth < 0:
             raise ValueError(f"budget and depth must be >= 0, got {budget}, {depth}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.budget = budget
         self.depth = depth
         self.page_size = page_size
@@ -441,6 +452,11 @@ class SpeculativeEngine:
         prompts = [as_context(p) for p in prompts]
         if not prompts or any(p.numel() < 1 for p in prompts):
             raise ValueError("need at least one prompt, each of at least one token")
+        V = r.vocab_size
+        if any(int(p.min()) < 0 or int(p.max()) >= V for p in prompts):
+            raise ValueError(f"prompts hold a token id outside the vocabulary [0, {V})")
+        if not is_int(max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         self.close()  # a previous request's graphs and pool: freed first, so the plan counts their memory free
@@ -543,6 +559,9 @@ class SpeculativeEngine:
         """
         if self.pool is None:
             raise RuntimeError("call prefill() first")
+        for name, v in (("max_new_tokens", max_new_tokens), ("eos_token_id", eos_token_id), ("max_steps", max_steps)):
+            if not (v is None or is_int(v)):
+                raise TypeError(f"{name} must be an int or None, got {v!r}")
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if max_new > self.max_new_tokens:
             raise ValueError(f"the KV pool was sized for {self.max_new_tokens} new tokens, asked {max_new}")
@@ -754,6 +773,13 @@ def check_lossless(outputs: Sequence[Sequence[int]], references: Sequence[Sequen
     reference's margin top1 - top2 is reported, and divergences with margin <= ``tie_tol`` count
     as numerics (not losslessness failures) in :attr:`LosslessReport.ok`.
     """
+    if len(outputs) != len(references):
+        raise ValueError(f"outputs holds {len(outputs)} sequences, references {len(references)}")
+    if reference_logits is not None:
+        if len(reference_logits) != len(references):
+            raise ValueError(f"reference_logits holds {len(reference_logits)} sequences, references {len(references)}")
+        if any(x.dim() != 2 or x.shape[1] < 2 for x in reference_logits):
+            raise ValueError("reference_logits[b] must be [N_b, V] with V >= 2 (the margin needs two logits)")
     compared = matched = 0
     div = []
     for b, (out, ref) in enumerate(zip(outputs, references)):
