@@ -16,12 +16,15 @@ from kdtree_engine.ddtree import (
     build_ddtree,
     commit_positions,
     compile_tree,
+    filter_logits,
     filter_probs,
     greedy_workspace,
-    tree_links,
+    sample_from_logits,
     sample_from_probs,
+    target_tokens_greedy,
     target_tokens_sampled,
     tree_from_parents,
+    tree_links,
 )
 
 from kdtree_engine.ddtree.accept import _accept_tokens_torch, _padded_targets
@@ -311,6 +314,22 @@ def test_accept_bad_inputs(device):
         accept_sampling(tree, torch.zeros(12, 4, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="top_p"):
         accept_sampling(tree, torch.zeros(12, 4, device=device), top_k=2, top_p=1.5)
+    tgt = torch.zeros(12, dtype=torch.long, device=device)
+    for dtype in (torch.bool, torch.complex64):  # (were accepted: read as 0 / 1, imaginary part dropped)
+        for accept in (accept_tokens, accept_reference):
+            with pytest.raises(TypeError, match="target_tokens must be an integer tensor"):
+                accept(tree, tgt.to(dtype))
+    with pytest.raises(TypeError, match="tree must be a DraftTree"):
+        accept_reference(None, tgt)
+    res = accept_tokens(tree, tgt)
+    with pytest.raises(TypeError, match="result must be an AcceptResult"):
+        commit_positions(None, torch.zeros(2, dtype=torch.long, device=device))  # (an AttributeError)
+    for dtype in (torch.float32, torch.bool):  # (floats were truncated, bools read as 0 / 1)
+        with pytest.raises(TypeError, match="prefix_lens must be an integer tensor"):
+            commit_positions(res, torch.ones(2, device=device).to(dtype))
+    if device == "cpu":  # host values: >= 0 (gave negative positions)
+        with pytest.raises(ValueError, match="prefix_lens must be >= 0"):
+            commit_positions(res, torch.tensor([-3, 4]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,6 +414,26 @@ def test_filter_probs_bad_inputs(device):
     for t in (math.nan, math.inf):  # a host scalar: checked (the paths disagreed, or sampled token 0)
         with pytest.raises(ValueError, match="temperature must be a finite number"):
             filter_probs(x, t)
+    # per-row tensors: real dtypes (a complex temperature raised NotImplementedError, bools were read as 0 / 1)
+    rows = torch.ones(3, device=device)
+    for kw, msg in ((dict(temperature=rows.to(torch.complex64)), "temperature must be a real-valued tensor"),
+                    (dict(top_p=rows.bool()), "top_p must be a real-valued tensor"),
+                    (dict(top_k=rows.bool()), "top_k must be an int or an integer")):
+        with pytest.raises(TypeError, match=msg):
+            filter_logits(x, **kw)
+    if device == "cpu":  # host values: a negative top_k row was read as off (an int one raises)
+        with pytest.raises(ValueError, match="top_k must be >= 0"):
+            filter_logits(x, top_k=torch.tensor([2, -1, 2]))
+    # the row functions: [R, V >= 1] floating point (were IndexError / RuntimeError / AttributeError)
+    for fn in (sample_from_logits, sample_from_probs, target_tokens_greedy):
+        with pytest.raises(ValueError, match=r"must be \[R, V\]"):
+            fn(torch.zeros(2, 0, device=device))
+        with pytest.raises(ValueError, match=r"must be \[R, V\]"):
+            fn(torch.zeros(3, device=device))
+        with pytest.raises(TypeError, match="must be a floating-point torch.Tensor"):
+            fn(torch.zeros(2, 3, dtype=torch.long, device=device))
+        with pytest.raises(TypeError, match="must be a floating-point torch.Tensor"):
+            fn([[0.0, 1.0]])
 
 
 def test_per_row_parameters_out_of_range_are_greedy_or_argmax(device):

@@ -211,6 +211,8 @@ def test_parents_from_eagle_selection(topk, steps, num_draft, device):
     assert plist.shape[1] == topk * (steps - 1) + 1
     got = parents_from_sglang_eagle(plist.to(device), sel.to(device), topk)
     assert got.tolist() == truth.tolist()
+    root_only = parents_from_sglang_eagle(plist.to(device), sel[:, :0].to(device), topk)  # (argmax of nothing raised)
+    assert root_only.tolist() == [[-1]] * 3
 
 
 def test_accept_to_sglang(device):
@@ -229,3 +231,66 @@ def test_accept_to_sglang(device):
         accept_to_sglang(out, 6)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         accept_to_sglang(res, "6")
+
+
+def accepted_small_tree():
+    """small_tree's batch on the CPU with node 4 (of 6) accepted in tree 0."""
+    return accept_tokens(small_tree("cpu"), torch.tensor([[11, 13, 0, 14, 9, 0], [12, 0, 7, 0, 0, 0]]))
+
+
+def off_tree_mask():
+    """small_tree's QLEN_ONLY mask with node 4's root bit cleared: not the relation of a tree."""
+    vis = tree_visible(small_tree("cpu"))
+    vis[0, 4, 0] = False
+    return vis.reshape(-1)
+
+
+NOT_SQUARE = torch.ones(2, 3, 4, dtype=torch.bool)
+NEXT_NONE = torch.full((1, 6), -1)
+
+
+@pytest.mark.parametrize("call, exc, msg", [
+    # an n below the accepted nodes: rows overlapping the next tree's (n = 3), or a scatter past the end (n = 2)
+    (lambda: accept_to_sglang(accepted_small_tree(), 3), ValueError, "num_draft_tokens=3 is below"),
+    (lambda: accept_to_sglang(accepted_small_tree(), 2), ValueError, "num_draft_tokens=2 is below"),
+    # masks that are no tree, a max_depth below the tree's depth (the acceptance was wrong)
+    (lambda: tree_from_sglang(torch.tensor(TOKENS * 2), off_tree_mask(), 1, 6), ValueError, "not the ancestor"),
+    (lambda: tree_from_sglang(torch.tensor(TOKENS * 2), torch.zeros(72, dtype=torch.bool), 1, 6), ValueError,
+     "only root"),
+    (lambda: tree_from_sglang(torch.tensor(TOKENS * 2), tree_visible(small_tree("cpu")).reshape(-1), 1, 6,
+                              max_depth=1), ValueError, r"deeper \(3\) than max_depth=1"),
+    (lambda: parents_from_visible(NOT_SQUARE), ValueError, r"visible must be \[B, n, n\]"),
+    (lambda: to_sglang_tree_mask(NOT_SQUARE, 1), ValueError, r"visible must be \[B, n, n\]"),
+    (lambda: to_sglang_tree_mask(NOT_SQUARE, 0, [1, 2]), ValueError, r"visible must be \[B, n, n\]"),
+    (lambda: to_sglang_tree_mask(NOT_SQUARE[:, :3, :3], 1.7), ValueError, "mode must be a TreeMaskMode"),
+    (lambda: to_sglang_tree_mask(NOT_SQUARE[:, :3, :3], "1"), ValueError, "mode must be a TreeMaskMode"),
+    (lambda: pack_visible(NOT_SQUARE[:, :3, :3], True), TypeError, "words must be an int"),
+    (lambda: pack_visible(NOT_SQUARE[:, :3, :3], 2**40), ValueError, "words=1099511627776 is wider"),
+    # retrieve arrays: an index past n (a scatter's RuntimeError), below -1 (read as none), bools
+    (lambda: parents_from_sglang_retrieve(torch.tensor([[11, -1, -1, -1, -1, -1]]), NEXT_NONE), ValueError,
+     r"next_token holds an index outside \[-1, 6\)"),
+    (lambda: parents_from_sglang_retrieve(torch.tensor([[6, -1, -1, -1, -1, -1]]), NEXT_NONE), ValueError,
+     "next_token holds an index outside"),
+    (lambda: parents_from_sglang_retrieve(torch.tensor([[-5, -1, -1, -1, -1, -1]]), NEXT_NONE), ValueError,
+     "next_token holds an index outside"),
+    (lambda: parents_from_sglang_retrieve(torch.tensor([[1, -1, -1, -1, -1, -1]]), torch.tensor([[-1, 12, -1, -1, -1, -1]])),
+     ValueError, "next_sibling holds an index outside"),
+    (lambda: parents_from_sglang_retrieve(NEXT_NONE.bool(), NEXT_NONE.bool()), TypeError, "next_token must be an integer"),
+    # EAGLE selections: a negative score index (a gather's RuntimeError), one past parent_list (clamped)
+    (lambda: parents_from_sglang_eagle(torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[-3, 1, 3]]), 2), ValueError,
+     r"selected_index holds a score index outside \[0, topk \* 4\)"),
+    (lambda: parents_from_sglang_eagle(torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0, 1, 8]]), 2), ValueError,
+     "selected_index holds a score index outside"),
+    (lambda: parents_from_sglang_eagle(torch.tensor([[-1, 0, 1, 2]]).to(torch.complex64), torch.tensor([[0, 1, 3]]), 2),
+     TypeError, "parent_list must be an integer"),
+    # prefix lengths of a CPU tensor are host values: negative ones gave negative positions
+    (lambda: to_sglang_verify_input(small_tree("cpu"), torch.tensor([-5, -5]), 1), ValueError,
+     "prefix_lens must be >= 0"),
+    (lambda: to_sglang_verify_input(small_tree("cpu"), torch.tensor([5.0, 5.0]), 1), TypeError,
+     "prefix_lens must be an integer tensor"),
+])
+def test_interop_rejects(call, exc, msg):
+    """Bad arguments raise a TypeError / ValueError naming them (CPU tensors: their values too;
+    on a GPU the content checks here are the caller's)."""
+    with pytest.raises(exc, match=msg):
+        call()

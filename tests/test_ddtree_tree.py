@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -399,6 +400,24 @@ def test_build_bad_inputs(device):
         build_ddtree(x.long(), 3, r)
     with pytest.raises(TypeError, match="top"):
         expand_topk(x, 3, r)
+    for bad in ([1.5, 2.7], [True, False]):  # host lists: integers only (were truncated / read as 0, 1)
+        with pytest.raises(TypeError, match="root_tokens must hold integers"):
+            build_ddtree(x, 3, bad)
+    top = draft_topk(torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)).to(device), 2)
+    lp, ids = top.logprobs, top.token_ids  # distinct log-probs along K
+    bad_tops = [
+        (DraftTopK(ids[..., :1], lp), ValueError, "same shape"),  # (returned garbage)
+        (DraftTopK(ids, lp.float()), TypeError, r"top.logprobs must be an integer \[B, L, K\]"),
+        (DraftTopK(ids.tolist(), lp.tolist()), TypeError, "top.logprobs must be an integer"),
+        (DraftTopK(ids[0], lp[0]), TypeError, "top.logprobs must be an integer"),
+    ]
+    if x.device.type == "cpu":  # host values: the log-probs' range and order too
+        bad_tops += [(DraftTopK(ids, lp.flip(-1)), ValueError, "non-increasing along K"),
+                     (DraftTopK(ids, lp + 2**30), ValueError, "fixed-point log-probabilities")]
+    for top, exc, msg in bad_tops:
+        for expansion in (expand_topk, expand_topk_reference):
+            with pytest.raises(exc, match=msg):
+                expansion(top, 3, r)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,13 +486,18 @@ def test_tree_from_parents_depths_and_links(device):
 def test_check_tree_rejects():
     with pytest.raises(ValueError, match="two children with token"):
         check_tree(tree_from_parents([[-1, 0, 0]], [[1, 5, 5]]))
+    good = tree_from_parents([[-1, 0, 0]], [[1, 2, 3]])
     with pytest.raises(ValueError, match="only root"):
-        check_tree(tree_from_parents([[-1, -1, 0]], [[1, 2, 3]]))
-    for make in (lambda x: x, torch.tensor):  # host lists: refused when built; tensors: by check_tree
+        check_tree(dataclasses.replace(good, parents=torch.tensor([[-1, -1, 0]])))
+    # lists and CPU tensors are refused when built (with a max_depth, tensors were not checked)
+    for make in (lambda x: x, torch.tensor):
         with pytest.raises(ValueError, match="cycle"):
-            check_tree(tree_from_parents(make([[-1, 2, 1]]), make([[1, 2, 3]]), max_depth=2))
-        with pytest.raises(ValueError, match="deeper"):
-            check_tree(tree_from_parents(make([[-1, 0, 1, 2]]), make([[1, 2, 3, 4]]), max_depth=2))
+            tree_from_parents(make([[-1, 2, 1]]), make([[1, 2, 3]]), max_depth=2)
+        with pytest.raises(ValueError, match=r"deeper \(3\) than max_depth=2"):
+            tree_from_parents(make([[-1, 0, 1, 2]]), make([[1, 2, 3, 4]]), max_depth=2)
+        for parents in ([[-1, -1, 1]], [[-1, 0, -1]], [[1, 0, 0]]):  # (check_tree refused them)
+            with pytest.raises(ValueError, match=r"parents\[0\]: node 0 must be the only root"):
+                tree_from_parents(make(parents), make([[1, 2, 3]]), max_depth=2)
     with pytest.raises(ValueError, match="num_nodes"):
         tree_from_parents([[-1, 0]], [[1, 2]], [3])
     with pytest.raises(ValueError, match="outside"):
@@ -555,5 +579,16 @@ def test_compile_bad_inputs(device):
         compile_tree(tree, torch.zeros(2, device=device))
     with pytest.raises(ValueError, match="words"):
         compile_tree(tree, [0, 0], words=0)
+    with pytest.raises(ValueError, match="words=1099511627776 is wider than the 32 words"):
+        compile_tree(tree, [0, 0], words=2**40)  # (reached the allocator)
+    with pytest.raises(TypeError, match="words must be an int"):
+        compile_tree(tree, [0, 0], words=True)
+    for bad in ([1.5, 2.5], [True, False]):  # host lists: integers only (were truncated)
+        with pytest.raises(TypeError, match="prefix_lens must hold integers"):
+            compile_tree(tree, bad)
+    bad_lens = [[-5, -7]] + ([torch.tensor([3, -1])] if tree.device.type == "cpu" else [])  # host values >= 0
+    for bad in bad_lens:
+        with pytest.raises(ValueError, match="prefix_lens must be >= 0"):
+            compile_tree(tree, bad)
     with pytest.raises(TypeError, match="tree"):
         compile_tree("tree", [0, 0])

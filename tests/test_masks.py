@@ -70,6 +70,7 @@ def test_parents_in_any_order():
         ([-1, 2, 1], "cycle"),
         ([-1, 5], "outside"),
         ([], "non-empty"),
+        ([-1, 2**64], "outside int64"),  # (a RuntimeError)
     ],
 )
 def test_bad_parents(parents, msg):
@@ -88,6 +89,10 @@ def test_pack_errors():
         pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool), words=2.0)
     with pytest.raises(TypeError, match="words must be an int"):
         pack_tree_mask(torch.zeros(3, 3, dtype=torch.bool), words=True)
+    with pytest.raises(ValueError, match="words=1099511627776 is wider than the 32 words"):
+        pack_tree_mask(torch.eye(3, dtype=torch.bool), 2**40)  # (reached the allocator)
+    with pytest.raises(ValueError, match="words=33 is wider"):
+        concat_tree_masks([tree_mask_from_parents([-1, 0])], words=33)
 
 
 def test_integer_arguments_of_other_integer_types():
@@ -100,9 +105,11 @@ def test_integer_arguments_of_other_integer_types():
     assert torch.equal(unpack_tree_mask(packed, torch.tensor(5)), visible)
 
 
-@pytest.mark.parametrize("parents", [[-1, 0.5, 1.9], [-1.5, 0], torch.tensor([-1.0, 0.0]), [-1, float("nan")]])
+@pytest.mark.parametrize("parents", [[-1, 0.5, 1.9], [-1.5, 0], torch.tensor([-1.0, 0.0]), [-1, float("nan")],
+                                     [None, 0], [-1, True]])
 def test_parents_must_be_integers(parents):
-    """Float parents were truncated into a valid-looking tree ([-1, 0.5, 1.9] masked as [-1, 0, 1])."""
+    """Float parents were truncated into a valid-looking tree ([-1, 0.5, 1.9] masked as [-1, 0, 1]);
+    None raised a RuntimeError, a bool was read as 1."""
     with pytest.raises(TypeError, match="parents must hold integers"):
         tree_mask_from_parents(parents)
 

@@ -11,7 +11,7 @@ Node order inside a tree is free: nothing here assumes that a parent comes befor
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 MAX_TREE_NODES = 1024
+MAX_MASK_WORDS = (MAX_TREE_NODES + 31) // 32  # a wider mask row is zero padding past the largest tree
 
 
 def mask_words(n: int) -> int:
@@ -45,13 +46,7 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     if visible.dtype != torch.bool:
         raise TypeError(f"visible must be torch.bool, got {visible.dtype}")
     n = visible.shape[0]
-    need = mask_words(n)
-    words = need if words is None else words
-    if not is_int(words):
-        raise TypeError(f"words must be an int, got {words!r}")
-    words = int(words)
-    if words < need:
-        raise ValueError(f"words={words} is too narrow for a tree of {n} nodes (needs {need})")
+    words = check_words(words, n)
     bits = torch.zeros(n, words * 32, dtype=torch.int64, device=visible.device)
     bits[:, :n] = visible.to(torch.int64)
     weights = torch.bitwise_left_shift(
@@ -63,12 +58,50 @@ def pack_tree_mask(visible: torch.Tensor, words: int | None = None) -> torch.Ten
     return packed.to(torch.int32)
 
 
+def is_int_tensor(x) -> bool:
+    """A tensor of an integer dtype (bool is not one)."""
+    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
 def is_int(x) -> bool:
     """An integer that is not a bool (Python, numpy or a 0-d integer tensor): the check of every
     integer argument of the package's public functions."""
     if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+        return x.dim() == 0 and is_int_tensor(x)
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def host_ints(name: str, values) -> list[int]:
+    """``values`` (a sequence, numpy array or 1-D tensor; a device tensor is copied, a sync) as a
+    list of int64-range Python ints: the check of every host integer list of the package's public
+    functions. ``TypeError`` naming ``name`` unless every entry is an integer (floats were
+    truncated, bools read as 0 / 1), ``ValueError`` for one outside int64."""
+    items = values.tolist() if isinstance(values, torch.Tensor) else values
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(values).__name__}")
+    items = list(items)
+    if not all(is_int(x) for x in items):
+        raise TypeError(f"{name} must hold integers, got {items}")
+    items = [int(x) for x in items]
+    if any(not -(2**63) <= x < 2**63 for x in items):
+        raise ValueError(f"{name} holds a value outside int64, got {items}")
+    return items
+
+
+def check_words(words, n: int) -> int:
+    """The mask width W for trees of ``n`` nodes: ``words`` (an int in ``[ceil(n / 32),
+    MAX_MASK_WORDS]``), ``ceil(n / 32)`` when None."""
+    need = mask_words(n)
+    if words is None:
+        return need
+    if not is_int(words):
+        raise TypeError(f"words must be an int, got {words!r}")
+    words = int(words)
+    if words < need:
+        raise ValueError(f"words={words} is too narrow for trees of {n} nodes (needs {need})")
+    if words > MAX_MASK_WORDS:
+        raise ValueError(f"words={words} is wider than the {MAX_MASK_WORDS} words of a {MAX_TREE_NODES}-node tree")
+    return words
 
 
 def _check_mask(name: str, mask) -> None:
@@ -97,13 +130,10 @@ def ancestor_matrix(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
     ``parents[i]`` is the index of node ``i``'s parent, ``-1`` for the root. Exactly one root;
     any node order; cycles and out-of-range parents raise ``ValueError``.
     """
-    par = torch.as_tensor(parents).cpu()
-    if par.numel() and (par.is_floating_point() or par.is_complex() or par.dtype == torch.bool):
-        raise TypeError(f"parents must hold integers, got {par.dtype}")  # (floats were truncated)
-    par = par.to(torch.int64)
-    if par.dim() != 1 or par.numel() == 0:
-        raise ValueError(f"parents must be a non-empty 1-D sequence, got shape {tuple(par.shape)}")
+    par = torch.tensor(host_ints("parents", parents), dtype=torch.int64)  # (floats were truncated)
     n = par.numel()
+    if n == 0:
+        raise ValueError("parents must be a non-empty sequence")
     if n > MAX_TREE_NODES:
         raise ValueError(f"parents describes {n} nodes; at most {MAX_TREE_NODES} are supported")
     if bool(((par < -1) | (par >= n)).any()):
@@ -138,7 +168,7 @@ def concat_tree_masks(masks: Sequence[torch.Tensor], words: int | None = None) -
         raise ValueError("masks must hold at least one tree")
     for b, m in enumerate(masks):
         _check_mask(f"masks[{b}]", m)
-    width = max(m.shape[1] for m in masks) if words is None else words
+    width = max(m.shape[1] for m in masks) if words is None else check_words(words, 0)
     rows = []
     for m in masks:
         if m.shape[1] > width:

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import interpreting
+from ..masks import is_int_tensor
 from .kernels import MAX_FUSED_TOP_K, greedy_walk, sample_walk, walk
-from .tree import DraftTree, _jump_iters
+from .tree import DraftTree, _jump_iters, _prefix_tensor
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -82,6 +83,8 @@ def _check_param(name, value, rows: int, device):
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real-valued tensor, got {value.dtype}")
         if value.dim() == 0:
             value = value.reshape(1).expand(rows)
         if value.dim() != 1 or value.shape[0] != rows:
@@ -99,10 +102,7 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
     ``(temperature, k_static, k_rows, top_p)``; temperature and top_p a number or a ``[R]``
     tensor (top_p None: off), ``k_static`` the int top-k when it filters (``0 < top_k < V``) else
     None, ``k_rows`` a ``[R]`` tensor top-k or None."""
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point torch.Tensor")
-    if logits.dim() != 2 or logits.shape[1] < 1:
-        raise ValueError(f"{name} must be [R, V], got shape {tuple(logits.shape)}")
+    _check_rows(name, logits)
     R, V = logits.shape
     dev = logits.device
     temperature = _check_param("temperature", temperature, R, dev)
@@ -115,8 +115,10 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
         k_static = top_k if 0 < top_k < V else None
-    elif isinstance(top_k, torch.Tensor) and not (top_k.is_floating_point() or top_k.is_complex()):
+    elif is_int_tensor(top_k):
         k_rows = _check_param("top_k", top_k, R, dev)
+        if k_rows.device.type == "cpu" and bool((k_rows < 0).any()):  # host values: read (a GPU's: the caller's)
+            raise ValueError(f"top_k must be >= 0, got {k_rows.tolist()}")
     elif top_k is not None:
         raise TypeError(f"top_k must be an int or an integer [R] tensor, got {top_k!r}")
     if top_p is not None and not isinstance(top_p, torch.Tensor):
@@ -126,6 +128,14 @@ def _filter_args(logits, temperature, top_k, top_p, name: str = "logits"):
     if isinstance(top_p, torch.Tensor):  # a row not above 0 (NaN too) keeps its most probable token alone
         top_p = torch.where(top_p > 0, top_p.float(), torch.finfo(torch.float32).tiny)
     return temperature, k_static, k_rows, top_p
+
+
+def _check_rows(name: str, logits) -> None:
+    """``logits`` a floating-point ``[R, V]`` tensor with ``V >= 1`` (``TypeError`` / ``ValueError``)."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"{name} must be [R, V], got shape {tuple(logits.shape)}")
 
 
 def _rows(value, rows: int, device, dtype, default):
@@ -154,8 +164,10 @@ def filter_logits(
         logits: ``[R, V]`` float (any float dtype; computed in float32 on a copy).
         temperature: scalar (finite) or ``[R]``; a row with temperature <= 0 (in a tensor: or
             NaN) is greedy: only its argmax (the first index among ties) survives.
-        top_k: int or ``[R]`` int tensor; keep the tokens whose logit is >= the k-th largest (ties
-            at the boundary are kept). None, 0 or >= V: off for that row.
+        top_k: int or ``[R]`` int tensor, >= 0; keep the tokens whose logit is >= the k-th
+            largest (ties at the boundary are kept). None, 0 or >= V: off for that row. A
+            tensor's entries are checked on the CPU; on a GPU they are the caller's (not read:
+            a negative one reads as off).
         top_p: float or ``[R]`` tensor in (0, 1]; on the top-k-renormalised distribution, keep the
             smallest set of most probable tokens whose mass reaches top_p, plus every token tied
             with the least probable one kept. None or >= 1: off. A tensor entry <= 0 or NaN keeps
@@ -212,10 +224,11 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
     """One token per row of ``probs [R, V]`` (non-negative, rows need not be normalised): ``[R]`` int64.
 
     Exponential race: argmax(p / E), E ~ Exp(1) i.i.d. (``torch.multinomial``'s method for one
-    sample); a zero-probability token is never drawn; no host sync.
+    sample); a zero-probability token is never drawn; no host sync. ``probs`` is a floating-point
+    tensor; its values are not read (as the logits of :func:`sample_from_logits`): a row without
+    positive mass, or with a negative or NaN entry, gives an unspecified token.
     """
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
-        raise ValueError("probs must be a [R, V] tensor")
+    _check_rows("probs", probs)
     e = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
     return (probs.float() / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=1)
 
@@ -224,16 +237,17 @@ def sample_from_logits(x: torch.Tensor, generator: torch.Generator | None = None
     """One sample per row of ``softmax(x)`` for float32 ``x [R, V]`` (-inf = excluded): ``[R]`` int64.
 
     The same exponential race in log space, ``argmax(x - log E)`` (Gumbel-max), without the
-    softmax; ``x`` is overwritten.
+    softmax; ``x`` is overwritten. Its values are not read: a row of -inf or NaN only gives an
+    unspecified token.
     """
+    _check_rows("x", x)
     e = torch.empty(x.shape, dtype=x.dtype, device=x.device).exponential_(generator=generator)  # x's layout aside
     return x.sub_(e.clamp_(min=torch.finfo(torch.float32).tiny).log_()).argmax(dim=1)
 
 
 def target_tokens_greedy(target_logits: torch.Tensor) -> torch.Tensor:
     """``[T]`` int64 argmax of each row of ``target_logits [T, V]`` (first index among ties)."""
-    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
-        raise ValueError("target_logits must be a [T, V] tensor")
+    _check_rows("target_logits", target_logits)
     return target_logits.argmax(dim=1)
 
 
@@ -257,7 +271,7 @@ def _check_targets(tree: DraftTree, target_tokens: torch.Tensor) -> bool:
     """Validate ``target_tokens`` (``[T]`` flat rows or ``[B, n]``) against ``tree``; True when flat."""
     if not isinstance(target_tokens, torch.Tensor):
         raise TypeError(f"target_tokens must be a torch.Tensor, got {type(target_tokens).__name__}")
-    if target_tokens.is_floating_point():
+    if not is_int_tensor(target_tokens):
         raise TypeError(f"target_tokens must be an integer tensor, got {target_tokens.dtype}")
     if target_tokens.device != tree.device:
         raise ValueError(f"target_tokens is on {target_tokens.device}, expected {tree.device}")
@@ -477,6 +491,8 @@ def accept_reference(tree: DraftTree, target_tokens: torch.Tensor) -> AcceptResu
     From the root, scan the current node's children in index order for the target's token at the
     current node; move there if found, else stop.
     """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     tgt = _padded_targets(tree, target_tokens).cpu().tolist()
     par = tree.parents.cpu().tolist()
     tok = tree.tokens.cpu().tolist()
@@ -527,14 +543,16 @@ def commit_positions(result: AcceptResult, prefix_lens: torch.Tensor):
     at position ``P + i``. ``src``/``dst`` are ``[B, max_depth+1]`` int64 positions, -1 padded
     (entries with src == dst need no copy). ``new_prefix_lens = P + lengths`` (root and accepted
     drafts are committed; the bonus token is the next step's root, its KV not yet computed).
+    ``prefix_lens``: ``[B]`` integer tensor on the result's device, >= 0 (checked on the CPU; on a
+    GPU the caller's).
     """
-    if not isinstance(prefix_lens, torch.Tensor) or prefix_lens.dim() != 1:
-        raise TypeError("prefix_lens must be a [B] tensor")
-    if prefix_lens.shape[0] != result.accepted.shape[0]:
-        raise ValueError(f"prefix_lens has {prefix_lens.shape[0]} entries for {result.accepted.shape[0]} sequences")
-    P = prefix_lens.to(torch.int64)[:, None]
+    if not isinstance(result, AcceptResult):
+        raise TypeError(f"result must be an AcceptResult, got {type(result).__name__}")
+    if not isinstance(prefix_lens, torch.Tensor):
+        raise TypeError(f"prefix_lens must be a [B] tensor, got {type(prefix_lens).__name__}")
+    P = _prefix_tensor(prefix_lens, result.accepted.shape[0], result.accepted.device)
     on = result.accepted >= 0
     col = torch.arange(result.accepted.shape[1], device=P.device)[None, :]
-    src = torch.where(on, P + result.accepted, -1)
-    dst = torch.where(on, P + col, -1)
-    return src, dst, prefix_lens.to(torch.int64) + result.lengths
+    src = torch.where(on, P[:, None] + result.accepted, -1)
+    dst = torch.where(on, P[:, None] + col, -1)
+    return src, dst, P + result.lengths

@@ -34,9 +34,9 @@ from enum import IntEnum
 
 import torch
 
-from ..masks import is_int, mask_words, unpack_tree_mask
+from ..masks import check_words, host_ints, is_int, is_int_tensor, unpack_tree_mask
 from .accept import AcceptResult
-from .tree import DraftTree, ancestor_words, tree_from_parents, tree_links
+from .tree import DraftTree, _prefix_tensor, ancestor_words, tree_from_parents, tree_links
 
 __all__ = [
     "TreeMaskMode",
@@ -69,12 +69,9 @@ _PACKED_DTYPES = ((8, torch.uint8), (16, torch.uint16), (32, torch.uint32))
 
 
 def _mode(mode) -> TreeMaskMode:
-    try:
-        if isinstance(mode, bool):
-            raise TypeError
+    if is_int(mode) and int(mode) in (m.value for m in TreeMaskMode):  # (1.7 and "1" read as 1)
         return TreeMaskMode(int(mode))
-    except (ValueError, TypeError):
-        raise ValueError(f"mode must be a TreeMaskMode (0, 1 or 2), got {mode!r}") from None
+    raise ValueError(f"mode must be a TreeMaskMode (0, 1 or 2), got {mode!r}")
 
 
 def _packed_dtype(n: int) -> torch.dtype:
@@ -87,14 +84,7 @@ def _packed_dtype(n: int) -> torch.dtype:
 def _host_lens(name: str, lens, batch: int | None) -> list[int]:
     if lens is None:
         raise ValueError(f"{name} is required for FULL_MASK (its rows include the prefix)")
-    if isinstance(lens, torch.Tensor):
-        if lens.dim() != 1 or lens.is_floating_point():
-            raise TypeError(f"{name} must be a 1-D integer tensor")
-        lens = lens.tolist()  # a sync when on a GPU: FULL_MASK sizes depend on it
-    lens = list(lens)
-    if not all(is_int(x) for x in lens):
-        raise TypeError(f"{name} must hold integers, got {lens}")  # (floats were truncated)
-    lens = [int(x) for x in lens]
+    lens = host_ints(name, lens)  # a sync for a GPU tensor: FULL_MASK sizes depend on it
     if batch is not None and len(lens) != batch:
         raise ValueError(f"{name} has {len(lens)} entries for {batch} sequences")
     if any(x < 0 for x in lens):
@@ -113,16 +103,19 @@ def tree_visible(tree: DraftTree) -> torch.Tensor:
     return unpack_tree_mask(words.reshape(B * n, W), n).view(B, n, n)
 
 
-def pack_visible(visible: torch.Tensor, words: int | None = None) -> torch.Tensor:
-    """Bool ``[B, n, n]`` -> the contract's ``[B * n, W]`` int32 mask (each tree's own bit space)."""
+def _check_visible(visible) -> tuple[int, int]:
+    """``(B, n)`` of a bool ``[B, n, n]`` relation (``TypeError`` / ``ValueError``)."""
     if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
         raise TypeError("visible must be a bool torch.Tensor")
     if visible.dim() != 3 or visible.shape[1] != visible.shape[2]:
         raise ValueError(f"visible must be [B, n, n], got shape {tuple(visible.shape)}")
-    B, n, _ = visible.shape
-    W = mask_words(n) if words is None else words
-    if W < mask_words(n):
-        raise ValueError(f"words={W} is too narrow for trees of {n} nodes (needs {mask_words(n)})")
+    return visible.shape[0], visible.shape[1]
+
+
+def pack_visible(visible: torch.Tensor, words: int | None = None) -> torch.Tensor:
+    """Bool ``[B, n, n]`` -> the contract's ``[B * n, W]`` int32 mask (each tree's own bit space)."""
+    B, n = _check_visible(visible)
+    W = check_words(words, n)
     bits = torch.zeros(B * n, W * 32, dtype=torch.int64, device=visible.device)
     bits[:, :n] = visible.reshape(B * n, n).to(torch.int64)
     weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=visible.device),
@@ -146,9 +139,7 @@ def parents_from_visible(visible: torch.Tensor) -> torch.Tensor:
 
     The parent is the deepest proper ancestor (depth = number of ancestors); any node order.
     """
-    if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool or visible.dim() != 3:
-        raise TypeError("visible must be a bool [B, n, n] tensor")
-    B, n, _ = visible.shape
+    B, n = _check_visible(visible)
     eye = torch.eye(n, dtype=torch.bool, device=visible.device)
     proper = visible & ~eye
     depth = proper.sum(-1)  # [B, n]
@@ -167,9 +158,7 @@ def to_sglang_tree_mask(visible: torch.Tensor, mode, prefix_lens=None) -> torch.
     ``prefix_lens`` (list or tensor, [B]) is needed for FULL_MASK only; a GPU tensor costs a sync.
     """
     mode = _mode(mode)
-    if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool or visible.dim() != 3:
-        raise TypeError("visible must be a bool [B, n, n] tensor")
-    B, n, _ = visible.shape
+    B, n = _check_visible(visible)
     dev = visible.device
     if mode == TreeMaskMode.QLEN_ONLY:
         return visible.reshape(-1).clone()
@@ -266,13 +255,16 @@ def parents_from_sglang_retrieve(next_token: torch.Tensor, next_sibling: torch.T
     """``[B, n]`` int64 parents from first-child / next-sibling arrays (node 0 = root, parent -1).
 
     Pointer jumping along sibling chains (``log2 n`` rounds); no host sync. Nodes reached by no
-    link get -1.
+    link get -1. Entries are node indices or -1: checked on the CPU; on a GPU they are the
+    caller's (not read: an index past ``n`` faults).
     """
     for name, t in (("next_token", next_token), ("next_sibling", next_sibling)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.is_floating_point():
+        if not is_int_tensor(t) or t.dim() != 2:
             raise TypeError(f"{name} must be an integer [B, n] tensor")
-    if next_token.shape != next_sibling.shape:
-        raise ValueError("next_token and next_sibling must have the same shape")
+        if t.device.type == "cpu" and bool(((t < -1) | (t >= t.shape[1])).any()):
+            raise ValueError(f"{name} holds an index outside [-1, {t.shape[1]})")
+    if next_token.shape != next_sibling.shape or next_token.device != next_sibling.device:
+        raise ValueError("next_token and next_sibling must have the same shape and device")
     B, n = next_token.shape
     dev = next_token.device
     nt, ns = next_token.to(torch.int64), next_sibling.to(torch.int64)
@@ -293,27 +285,36 @@ def parents_from_sglang_eagle(parent_list: torch.Tensor, selected_index: torch.T
 
     ``selected_index [B, n-1]`` (score-list index of node j+1), ``parent_list [B, topk*(depth-1)+1]``.
     A node whose parent is not among the selected nodes gets -1 (SGLang drops it with a warning).
+    ``selected_index`` entries must be in ``[0, topk * parent_list.shape[1])``: checked on the CPU;
+    on a GPU they are the caller's (not read; clamped into that range). ``n - 1 = 0`` selected
+    nodes give the root alone.
     """
     if not is_int(topk) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     for name, t in (("parent_list", parent_list), ("selected_index", selected_index)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.is_floating_point():
+        if not is_int_tensor(t) or t.dim() != 2:
             raise TypeError(f"{name} must be an integer [B, *] tensor")
-    if parent_list.shape[0] != selected_index.shape[0]:
-        raise ValueError("parent_list and selected_index must have the same batch size")
+    if parent_list.shape[0] != selected_index.shape[0] or parent_list.device != selected_index.device:
+        raise ValueError("parent_list and selected_index must have the same batch size and device")
     sel = selected_index.to(torch.int64)
     B, m = sel.shape
     dev = sel.device
+    width = parent_list.shape[1]
+    if dev.type == "cpu" and bool(((sel < 0) | (sel >= topk * width)).any()):
+        raise ValueError(f"selected_index holds a score index outside [0, topk * {width}) (parent_list's columns)")
+    root = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
+    if m == 0:
+        return root
     ptb = sel // topk  # [B, m]
-    if parent_list.shape[1] == 0:
+    if width == 0:
         ptok = torch.full_like(ptb, -1)
     else:
-        ptok = parent_list.to(torch.int64).gather(1, ptb.clamp(max=parent_list.shape[1] - 1))
+        ptok = parent_list.to(torch.int64).gather(1, ptb.clamp(0, width - 1))
     eq = sel[:, None, :] == ptok[:, :, None]  # [B, m(node), m(candidate parent)]
     found = eq.any(-1)
     pos = eq.to(torch.int8).argmax(-1) + 1
     body = torch.where(ptb == 0, 0, torch.where(found, pos, -1))
-    return torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), body], 1)
+    return torch.cat([root, body], 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,23 +326,20 @@ def to_sglang_verify_input(tree: DraftTree, prefix_lens, mode=TreeMaskMode.FULL_
 
     Returns a dict: ``draft_token [B*n]`` int64, ``positions [B*n]`` int64, ``tree_mask`` (mode's
     layout), ``retrive_index``, ``retrive_next_token``, ``retrive_next_sibling`` (``[B, n]`` int64).
-    The trees must all have n nodes (DDTree batches do).
+    The trees must all have n nodes (DDTree batches do). ``prefix_lens``: ``[B]`` integers >= 0,
+    host values or a tensor on any device (checked on the host; a GPU tensor's values are not
+    read, except by FULL_MASK, whose size depends on them).
     """
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     if not tree.uniform:
         raise ValueError("SGLang needs the same number of nodes in every tree of a batch")
     mode = _mode(mode)
-    P = prefix_lens
-    if isinstance(P, torch.Tensor):  # on the device: its values are not read (no sync)
-        if P.is_floating_point() or P.dtype == torch.bool or P.shape != (tree.batch_size,):
-            raise ValueError(f"prefix_lens must be {tree.batch_size} integers, got {P.dtype} {tuple(P.shape)}")
-    else:  # host values: integers >= 0, checked
-        P = torch.tensor(_host_lens("prefix_lens", P, tree.batch_size), dtype=torch.int64)
+    P = _prefix_tensor(prefix_lens, tree.batch_size, None)
     index, nxt, sib = sglang_retrieve_arrays(tree)
     return {
         "draft_token": tree.tokens.reshape(-1).clone(),
-        "positions": (P.to(tree.device, torch.int64)[:, None] + tree.depths).reshape(-1),
+        "positions": (P.to(tree.device)[:, None] + tree.depths).reshape(-1),
         "tree_mask": to_sglang_tree_mask(tree_visible(tree), mode, prefix_lens if mode == 0 else None),
         "retrive_index": index,
         "retrive_next_token": nxt,
@@ -361,6 +359,10 @@ def tree_from_sglang(
     """A :class:`DraftTree` from SGLang's verify inputs (``draft_token [B*n]`` and its tree mask).
 
     ``max_depth`` (EAGLE's spec_steps) bounds the accepted path; default ``n - 1`` (no sync).
+    On the CPU the mask is checked to be the ancestor-or-self relation of trees rooted at node 0
+    and their depth to be at most ``max_depth`` (``ValueError``); on a GPU both are the caller's
+    (not read: a sync; :func:`check_tree` verifies the tree): a mask that is not a tree, or a
+    ``max_depth`` below the trees' depth, gives a wrong acceptance.
     """
     n = num_draft_tokens
     visible = from_sglang_tree_mask(tree_mask, mode, n, prefix_lens)
@@ -368,7 +370,10 @@ def tree_from_sglang(
     if not isinstance(draft_token, torch.Tensor) or draft_token.numel() != B * n:
         raise ValueError(f"draft_token must hold B*n = {B * n} tokens")
     parents = parents_from_visible(visible)
-    return tree_from_parents(parents, draft_token.reshape(B, n), max_depth=n - 1 if max_depth is None else max_depth)
+    tree = tree_from_parents(parents, draft_token.reshape(B, n), max_depth=n - 1 if max_depth is None else max_depth)
+    if visible.device.type == "cpu" and not torch.equal(tree_visible(tree), visible):  # (roots, cycles, depth: above)
+        raise ValueError("tree_mask is not the ancestor-or-self relation of a tree")
+    return tree
 
 
 def accept_to_sglang(result: AcceptResult, num_draft_tokens: int) -> dict[str, torch.Tensor]:
@@ -377,6 +382,8 @@ def accept_to_sglang(result: AcceptResult, num_draft_tokens: int) -> dict[str, t
     Returns ``accept_index [B, D+1]`` int32 (flat rows ``b*n + j``, root first, -1 padded),
     ``accept_length [B]`` int32 (accepted drafts, root excluded), ``predicts [B*n]`` int32 (the
     target's next token at each accepted row, 0 elsewhere) and ``bonus [B]`` int64.
+    ``num_draft_tokens`` must be the trees' node count (every accepted node below it): checked on
+    the CPU; on a GPU the caller's (not read: a sync).
     """
     if not isinstance(result, AcceptResult):
         raise TypeError(f"result must be an AcceptResult, got {type(result).__name__}")
@@ -385,6 +392,8 @@ def accept_to_sglang(result: AcceptResult, num_draft_tokens: int) -> dict[str, t
     n = int(num_draft_tokens)
     B = result.accepted.shape[0]
     dev = result.accepted.device
+    if dev.type == "cpu" and bool((result.accepted >= n).any()):  # (rows of b would overlap b + 1's)
+        raise ValueError(f"num_draft_tokens={n} is below an accepted node index {int(result.accepted.max())}")
     base = torch.arange(B, device=dev)[:, None] * n
     on = result.accepted >= 0
     index = torch.where(on, base + result.accepted, -1)

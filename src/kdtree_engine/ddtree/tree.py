@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from ..backend import interpreting
-from ..masks import MAX_TREE_NODES, is_int, mask_words
+from ..masks import MAX_TREE_NODES, check_words, host_ints, is_int, is_int_tensor
 from .kernels import _bits, expand, topk_logprobs
 
 __all__ = [
@@ -187,10 +187,10 @@ def _check_logits(name: str, logits) -> torch.Tensor:
 
 def _check_roots(root_tokens, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(root_tokens, (list, tuple)):
-        root_tokens = torch.tensor(root_tokens, dtype=torch.int64, device=device)
+        root_tokens = torch.tensor(host_ints("root_tokens", root_tokens), dtype=torch.int64, device=device)
     if not isinstance(root_tokens, torch.Tensor):
         raise TypeError(f"root_tokens must be a torch.Tensor or a list of ints, got {type(root_tokens).__name__}")
-    if root_tokens.is_floating_point() or root_tokens.dtype == torch.bool:
+    if not is_int_tensor(root_tokens):
         raise TypeError(f"root_tokens must be an integer tensor, got {root_tokens.dtype}")
     if root_tokens.dim() != 1 or root_tokens.shape[0] != batch:
         raise ValueError(f"root_tokens must have shape [{batch}], got {tuple(root_tokens.shape)}")
@@ -330,14 +330,43 @@ def expand_topk(top: DraftTopK, budget: int, root_tokens: torch.Tensor) -> Draft
     (B, L, K, budget), no host sync: the function can be captured in a CUDA graph.
 
     Args:
-        top: from :func:`draft_topk`, ``[B, L, K]``.
+        top: from :func:`draft_topk`, ``[B, L, K]``; its log-probs in
+            ``[round(LOGPROB_FLOOR * LOGPROB_SCALE), 0]``, non-increasing along K: checked on
+            the CPU, the caller's on a GPU (not read: a sync).
         budget: number of draft nodes (root excluded), 0..1023.
         root_tokens: ``[B]`` integer tensor on the same device.
     """
+    return _expand(*_check_topk(top), budget, root_tokens)
+
+
+def _check_topk(top) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, token_ids)`` of a :class:`DraftTopK` as int64 ``[B, L, K]`` (``TypeError`` /
+    ``ValueError``); on the CPU (no sync) also the log-probs :func:`draft_topk` makes: in
+    ``[round(LOGPROB_FLOOR * LOGPROB_SCALE), 0]`` (keeps the int64 keys apart) and non-increasing
+    along K (the expansion's order relies on it)."""
     if not isinstance(top, DraftTopK):
         raise TypeError(f"top must be a DraftTopK, got {type(top).__name__}")
-    _check_int("budget", budget, 0, MAX_BUDGET)
     lp, ids = top.logprobs, top.token_ids
+    for name, t in (("top.logprobs", lp), ("top.token_ids", ids)):
+        if not is_int_tensor(t) or t.dim() != 3:
+            shown = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an integer [B, L, K] tensor, got {shown}")
+    if lp.shape != ids.shape or lp.device != ids.device:
+        raise ValueError(f"top.logprobs and top.token_ids must have the same shape and device, got "
+                         f"{tuple(lp.shape)} on {lp.device} and {tuple(ids.shape)} on {ids.device}")
+    if lp.shape[0] < 1:
+        raise ValueError(f"top needs at least one sequence, got shape {tuple(lp.shape)}")
+    if lp.device.type == "cpu":
+        floor = round(LOGPROB_FLOOR * LOGPROB_SCALE)
+        if bool(((lp > 0) | (lp < floor)).any()) or bool((lp[..., 1:] > lp[..., :-1]).any()):
+            raise ValueError(f"top.logprobs must be fixed-point log-probabilities in [{floor}, 0], non-increasing "
+                             "along K (as draft_topk makes them)")
+    return lp.to(torch.int64), ids.to(torch.int64)
+
+
+def _expand(lp: torch.Tensor, ids: torch.Tensor, budget: int, root_tokens) -> DraftTree:
+    """:func:`expand_topk` of checked int64 ``lp, ids [B, L, K]``."""
+    _check_int("budget", budget, 0, MAX_BUDGET)
     B, L, K = lp.shape
     dev = lp.device
     roots = _check_roots(root_tokens, B, dev)
@@ -449,14 +478,13 @@ def expand_topk_reference(top: DraftTopK, budget: int, root_tokens: torch.Tensor
     and its first child (depth+1, rank 0) while depth < L; stop after ``budget`` pops. Heap key =
     (-score, depth, parent's node index, rank). The result is moved back to the top-K's device.
     """
-    if not isinstance(top, DraftTopK):
-        raise TypeError(f"top must be a DraftTopK, got {type(top).__name__}")
+    lp, ids = _check_topk(top)
     _check_int("budget", budget, 0, MAX_BUDGET)
-    B, L, K = top.logprobs.shape
-    dev = top.logprobs.device
+    B, L, K = lp.shape
+    dev = lp.device
     roots = _check_roots(root_tokens, B, dev).cpu().tolist()
-    lp_all = top.logprobs.cpu().tolist()
-    id_all = top.token_ids.cpu().tolist()
+    lp_all = lp.cpu().tolist()
+    id_all = ids.cpu().tolist()
     rows = []
     for b in range(B):
         lp, ids = lp_all[b], id_all[b]
@@ -509,7 +537,8 @@ def build_ddtree(
     k = _resolve_k(budget, logits.shape[-1], topk)
     if k == 0 or logits.shape[1] == 0:
         return _root_only(_check_roots(root_tokens, logits.shape[0], logits.device))
-    return expand_topk(draft_topk(logits, k), budget, root_tokens)
+    top = draft_topk(logits, k)
+    return _expand(top.logprobs, top.token_ids, budget, root_tokens)
 
 
 def build_ddtree_reference(
@@ -550,26 +579,25 @@ def tree_from_parents(
         max_depth: host bound of the depth; computed on the host when omitted (a device sync when
             the tensors are on a GPU).
 
-    Depths are computed on the device by pointer jumping. Lists are checked here (range, cycles,
-    depth); tensors for range on the CPU, and for cycles and depth where ``max_depth`` is omitted;
-    GPU tensors not at all (a sync): validate them with :func:`check_tree` (out-of-range parents
-    make the gathers fault on a GPU).
+    Depths are computed on the device by pointer jumping. Lists and CPU tensors are checked here
+    (parents in range, node 0 the only root, no cycle, depth <= ``max_depth``), GPU tensors too
+    where ``max_depth`` is omitted (their copy to the host is made anyway); GPU tensors with a
+    ``max_depth`` are not read (a sync): validate them with :func:`check_tree` (out-of-range
+    parents make the gathers fault on a GPU). Sibling tokens are not checked here (see
+    :func:`check_tree`).
     """
     if isinstance(parents, torch.Tensor) != isinstance(tokens, torch.Tensor):
         raise TypeError("parents and tokens must both be tensors or both be lists")
     if not isinstance(parents, torch.Tensor):
         if len(parents) == 0 or len(parents) != len(tokens):
             raise ValueError("parents and tokens must hold the same, non-zero number of trees")
+        parents = [host_ints(f"parents[{b}]", p) for b, p in enumerate(parents)]  # (floats were truncated)
+        tokens = [host_ints(f"tokens[{b}]", t) for b, t in enumerate(tokens)]
         sizes = [len(p) for p in parents]
         if any(len(t) != s for t, s in zip(tokens, sizes)):
             raise ValueError("parents[b] and tokens[b] must have the same length")
         if min(sizes) < 1:
             raise ValueError("every tree needs at least its root")
-        for b, (p, t) in enumerate(zip(parents, tokens)):
-            if any(not is_int(x) for x in (*p, *t)):
-                raise TypeError(f"parents[{b}] and tokens[{b}] must hold integers")  # (floats were truncated)
-            if any(not -1 <= int(x) < len(p) for x in p):
-                raise ValueError(f"parents[{b}] holds an index outside [-1, {len(p)})")
         n = max(sizes)
         par = torch.full((len(sizes), n), -1, dtype=torch.int64)
         tok = torch.full((len(sizes), n), -1, dtype=torch.int64)
@@ -579,7 +607,7 @@ def tree_from_parents(
         num_nodes = sizes if num_nodes is None else num_nodes
     else:
         for name, t in (("parents", parents), ("tokens", tokens)):
-            if t.dim() != 2 or t.is_floating_point() or t.dtype == torch.bool:
+            if t.dim() != 2 or not is_int_tensor(t):
                 raise TypeError(f"{name} must be an integer tensor [B, n], got {t.dtype} {tuple(t.shape)}")
         if parents.shape != tokens.shape or parents.device != tokens.device:
             raise ValueError("parents and tokens must have the same shape and device")
@@ -592,10 +620,7 @@ def tree_from_parents(
     if num_nodes is None:
         sizes = [n] * B
     else:
-        given = num_nodes.tolist() if isinstance(num_nodes, torch.Tensor) else list(num_nodes)
-        if not all(is_int(x) for x in given):
-            raise TypeError(f"num_nodes must hold integers, got {given}")
-        sizes = [int(x) for x in given]
+        sizes = host_ints("num_nodes", num_nodes)
         if len(sizes) != B or min(sizes) < 1 or max(sizes) > n:
             raise ValueError(f"num_nodes must hold {B} sizes in [1, {n}], got {sizes}")
     dev = par.device
@@ -605,12 +630,7 @@ def tree_from_parents(
     tok = torch.where(valid, tok, -1)
     if max_depth is not None and (not is_int(max_depth) or max_depth < 0):
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    if dev.type == "cpu" and isinstance(parents, torch.Tensor):  # host data: no sync (lists: checked above)
-        bad = valid & ((par < -1) | (par >= nn[:, None]))
-        if bool(bad.any()):
-            b = int(torch.nonzero(bad)[0, 0])
-            raise ValueError(f"parents[{b}] holds an index outside [-1, {sizes[b]})")
-    if max_depth is None or not isinstance(parents, torch.Tensor):  # host parents: the true depth costs nothing
+    if max_depth is None or dev.type == "cpu":  # on the host (or copied there anyway): checked in full
         deepest = _host_max_depth(par.cpu(), sizes)
         if max_depth is not None and max_depth < deepest:
             raise ValueError(f"the trees are deeper ({deepest}) than max_depth={max_depth}")
@@ -627,14 +647,25 @@ def tree_from_parents(
 
 
 def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
-    """Deepest node over the batch, walking parents on the host (``ValueError`` on a cycle: a walk
-    as long as its tree)."""
+    """Deepest node over the batch, walking parents ``[B, n]`` (padding -1) on the host; a
+    ``ValueError`` unless every tree's parents are in range, with node 0 the only root, and
+    acyclic (a walk as long as its tree)."""
+    nn = torch.tensor(sizes)[:, None]
+    col = torch.arange(par_cpu.shape[1])
+    valid = col < nn
+    bad = valid & ((par_cpu < -1) | (par_cpu >= nn))
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"parents[{b}] holds an index outside [-1, {sizes[b]})")
+    bad = valid & ((par_cpu == -1) != (col == 0))
+    if bool(bad.any()):
+        raise ValueError(f"parents[{int(torch.nonzero(bad)[0, 0])}]: node 0 must be the only root (parent -1)")
     best = 0
     for b, size in enumerate(sizes):
         p = par_cpu[b, :size].tolist()
         for i in range(size):
             j, steps = i, 0
-            while 0 <= j < size and p[j] >= 0 and steps < size:
+            while p[j] >= 0 and steps < size:
                 j, steps = p[j], steps + 1
             if steps == size:
                 raise ValueError(f"parents[{b}] contains a cycle")
@@ -662,6 +693,8 @@ def tree_links(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     parent. For DDTree trees that is best-first (rank) order. Matches SGLang's retrive_next_token /
     retrive_next_sibling for trees whose parents precede their children.
     """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     B, n = tree.batch_size, tree.width
     dev = tree.device
     par = tree.parents
@@ -696,12 +729,10 @@ def ancestor_words(tree: DraftTree, words: int | None = None) -> torch.Tensor:
 
     Pointer jumping over the packed words: ``log2(max_depth)`` gather + OR rounds, no host sync.
     """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     B, n = tree.batch_size, tree.width
-    W = mask_words(n) if words is None else words
-    if not is_int(W):
-        raise TypeError(f"words must be an int, got {W!r}")
-    if W < mask_words(n):
-        raise ValueError(f"words={W} is too narrow for trees of {n} nodes (needs {mask_words(n)})")
+    W = check_words(words, n)
     dev = tree.device
     valid = tree.node_mask()
     own = _self_bits(n, W, dev).expand(B, n, W)
@@ -718,18 +749,21 @@ def ancestor_words(tree: DraftTree, words: int | None = None) -> torch.Tensor:
 # compile for verify
 
 
-def _prefix_tensor(prefix_lens, batch: int, device: torch.device) -> torch.Tensor:
-    if isinstance(prefix_lens, (list, tuple)):
-        prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64).to(device)
+def _prefix_tensor(prefix_lens, batch: int, device: torch.device | None) -> torch.Tensor:
+    """``prefix_lens`` (a ``[batch]`` integer tensor on ``device``, any device where None, or host
+    integers) as int64 on that device (host values: on ``device``, the CPU where None). Values
+    >= 0 are checked where they are on the host (no sync); a GPU tensor's are the caller's."""
     if not isinstance(prefix_lens, torch.Tensor):
-        raise TypeError(f"prefix_lens must be a tensor or a list of ints, got {type(prefix_lens).__name__}")
-    if prefix_lens.is_floating_point() or prefix_lens.dtype == torch.bool:
+        prefix_lens = torch.tensor(host_ints("prefix_lens", prefix_lens), dtype=torch.int64)  # (floats were truncated)
+    elif device is not None and prefix_lens.device != device:
+        raise ValueError(f"prefix_lens is on {prefix_lens.device}, expected {device}")
+    if not is_int_tensor(prefix_lens):
         raise TypeError(f"prefix_lens must be an integer tensor, got {prefix_lens.dtype}")
     if prefix_lens.dim() != 1 or prefix_lens.shape[0] != batch:
         raise ValueError(f"prefix_lens must have shape [{batch}], got {tuple(prefix_lens.shape)}")
-    if prefix_lens.device != device:
-        raise ValueError(f"prefix_lens is on {prefix_lens.device}, expected {device} (the tree's device)")
-    return prefix_lens.to(torch.int64)
+    if prefix_lens.device.type == "cpu" and bool((prefix_lens < 0).any()):
+        raise ValueError(f"prefix_lens must be >= 0, got {prefix_lens.tolist()}")
+    return prefix_lens.to(prefix_lens.device if device is None else device, torch.int64)
 
 
 def compile_tree(
@@ -742,8 +776,9 @@ def compile_tree(
 
     Args:
         tree: the trees.
-        prefix_lens: ``[B]`` committed prefix length P_b (tokens before the root), tensor on the
-            tree's device or a list.
+        prefix_lens: ``[B]`` committed prefix length P_b >= 0 (tokens before the root), tensor on
+            the tree's device or host integers (checked >= 0 on the host; a GPU tensor's values
+            are the caller's).
         words: mask width W (default ``ceil(n / 32)``); wider pads with zero words.
 
     No host sync: T (the number of rows) comes from ``tree.num_nodes_host``.
@@ -791,6 +826,8 @@ def check_tree(tree: DraftTree) -> None:
     Node 0 is the only root; parents are in range and acyclic; depths match the parents and are
     <= max_depth; siblings carry distinct tokens (acceptance relies on it); padding is -1.
     """
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     par = tree.parents.cpu()
     tok = tree.tokens.cpu()
     dep = tree.depths.cpu()
