@@ -95,14 +95,18 @@ AUTO_MIN_FILL_TENTHS = 9
 # schedule "auto" under costs whose lockstep flag is set (the Hopper kernel's): where the parts fill
 # fewer than AUTO_MIN_FILL_TENTHS, the parts with their tail (the programs they leave idle run the
 # KV's last tiles: plan.device_parts) when the step holds at least this many tile pairs (row block x
-# KV tile) per program, so that the tail's 7-15 us in the scheduler (run 48) is small against the
-# kernel. Under the Hopper cost model (656 random equal-tree steps with 2 L <= pe and the parts
-# below nine tenths: H 16-128, trees 1-129 nodes, B 1-16, KV 4k-128k, equal and ragged; 132
-# programs) the line, which "auto" took there, costs 2.04x the host's pick at the median, the parts
-# and tail 1.00x; the tail is dearer than the line in 12, all but 4 of them below 300 tile times, by
-# at most 1.005x above it. Under the Triton kernel's costs the tail is the line's cost at the
-# median (dearer in 346 of 656): not taken there.
-AUTO_TAIL_MIN_TILES = 256
+# KV tile) per program (~2 us each on the H100), so that the tail's cost in the scheduler (7-15 us
+# in run 48; 4-30 us more than the line's scheduler in run 53, growing with the KV tiles) is small
+# against the kernel. Under the Hopper cost model (656 random equal-tree steps with 2 L <= pe and
+# the parts below nine tenths: H 16-128, trees 1-129 nodes, B 1-16, KV 4k-128k, equal and ragged;
+# 132 programs) the line, which "auto" took there, costs 2.04x the host's pick at the median, the
+# parts and tail 1.00x; the tail is dearer than the line in 12, all but 4 of them below 300 tile
+# times, by at most 1.005x above it. Measured (run 53, H100, planned): the line 1.68-1.77x the
+# parts and tail at 148-1,243 tile pairs a program (16 and 32 heads); at 148 (4 x 75 nodes x 16
+# heads, 16k) the bound was 256 and the unplanned call took the line, 488 us against 282. Under the
+# Triton kernel's costs the tail is the line's cost at the median (dearer in 346 of 656): not
+# taken there.
+AUTO_TAIL_MIN_TILES = 64
 # schedule "rounds" (and "auto" past whole segments and parts): the rounds schedule where a sequence
 # has more than pe / 2 row blocks and the S row blocks in all fill their last round well enough:
 # ceil(S / pe) * pe <= this many tenths of S. Under the Hopper cost model (3,753 random steps with
