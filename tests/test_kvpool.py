@@ -471,6 +471,38 @@ def test_cpu_commit_and_write_check_their_indices(page_size):
     assert_same_state(snap, snapshot(pool))
 
 
+@pytest.mark.parametrize("path", [[0, 2, 2], [0, 0, 0], [0, -3, 1], [0, 3, 99]], ids=str)
+def test_repeated_nodes_keep_a_gpu_commit_consistent(path, monkeypatch):
+    """A GPU commit does not read the accepted path (a sync): a repeated node (also a negative one,
+    clamped to the root; one past the tree is clamped to its last node) put one slot in two table
+    entries at page size 1 and
+    pushed more freed slots than the host counts, over the next sequence's. Now the later
+    positions of a repeated node take rejected slots: the pool stays consistent, the positions of
+    each first occurrence hold their node's KV, and the kernel and the torch path agree. Here on
+    the CPU with its host checks off, as on a GPU."""
+    monkeypatch.setattr(KVPool, "_reads_inputs", property(lambda self: False))
+    gen = torch.Generator().manual_seed(16)
+    states = []
+    for use_triton in (False, True):
+        pool = new_pool(32, 1, debug=False, use_triton=use_triton, seed=16)
+        a, b = pool.add_sequence(), pool.add_sequence()
+        prefix = rand_rows(torch.Generator().manual_seed(1), 6)
+        pool.write(pool.extend([a, b], [6, 0]), torch.cat([prefix, prefix[:0]]), layer=0)
+        nodes = rand_rows(torch.Generator().manual_seed(2), 8)
+        pool.write(pool.reserve_tree([a, b], [5, 3]), nodes, layer=0)
+        acc = torch.tensor([path, [0, 2, -1]], device=DEVICE)
+        pool.commit([a, b], acc, torch.tensor([3, 2], device=DEVICE), num_accepted_host=[3, 2])
+        pool.check()  # (failed: a slot in two table entries, the freed slots over b's)
+        assert (pool.seq_len(a), pool.seq_len(b)) == (9, 2)
+        kv = pool.gather_kv(a).cpu()
+        first = [i for i, x in enumerate(path) if min(max(x, 0), 4) not in [min(max(y, 0), 4) for y in path[:i]]]
+        for i in first:
+            assert torch.equal(kv[6 + i], nodes[min(max(path[i], 0), 4)].cpu()), i
+        assert torch.equal(kv[:6], prefix.cpu()) and torch.equal(pool.gather_kv(b).cpu(), nodes[[5, 7]].cpu())
+        states.append({k: v for k, v in snapshot(pool).items() if k != "store"})  # (unwritten slots: garbage)
+    assert_same_state(*states)
+
+
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_place_tree_must_place_the_booking(use_triton):
     """place_tree pops the pages book_tree counted: without a booking, for other sequences or

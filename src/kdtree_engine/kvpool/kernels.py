@@ -124,7 +124,9 @@ def _commit_kernel(
     """Commit of one sequence (program axis 0) for one layer (axis 1; page size 1 has one).
 
     Accepted node i (root first) becomes position P+i. Page size 1: table[P+i] = slot of node
-    accepted[i]; the slots of the other nodes are pushed on the free stack (in node order).
+    accepted[i]; the slots of the other nodes are pushed on the free stack (in node order). A
+    node repeated in the path (out of contract) takes, at its later positions, the first
+    rejected slots instead, so the pool stays consistent.
     Larger pages: row P+accepted[i] is copied to row P+i (all reads of a column chunk before its
     writes), pages at or past ceil((P+a)/page_size) are pushed. Freed ids of sequence b go after
     those of sequences 0..b-1 (deterministic). The last program to finish updates lens, tree and
@@ -159,17 +161,29 @@ def _commit_kernel(
         m_n = o_n < n
         b_node = tl.load(p_row + prefix + o_n, mask=m_n, other=0)  # [BN] slot of each node
         b_acc_slot = tl.load(p_row + prefix + b_acc, mask=m_a, other=0)  # [BA]
-        # membership "node is accepted" through a per-slot scratch flag array (kept all zero)
-        tl.store(marks + b_acc_slot, 1, mask=m_a)
+        # a per-slot scratch array (kept all zero) marks each accepted slot with a - i of the first
+        # position i naming it: a node is accepted where its mark is set, and a later position
+        # naming the same node (a repeat: out of contract) is told apart
+        tl.atomic_max(marks + b_acc_slot, a - o_a, mask=m_a)
         tl.debug_barrier()
-        b_is_acc = tl.load(marks + b_node, mask=m_n, other=0, volatile=True)  # other threads' stores
+        b_is_acc = tl.load(marks + b_node, mask=m_n, other=0, volatile=True)  # other threads' atomics
+        m_first = m_a & (tl.load(marks + b_acc_slot, mask=m_a, other=0, volatile=True) == a - o_a)
         tl.debug_barrier()
         tl.store(marks + b_acc_slot, 0, mask=m_a)
         m_rej = m_n & (b_is_acc == 0)
         b_rej = m_rej.to(tl.int32)
         b_rank = tl.cumsum(b_rej, 0) - b_rej
-        tl.store(stack + base + b_rank, b_node, mask=m_rej)
-        tl.store(p_row + prefix + o_a, b_acc_slot, mask=m_a)
+        # repeated positions take the first rejected slots, in order (their KV is not the node's),
+        # so the sequence keeps a slots and frees n - a, as the host counts: no slot in two places
+        b_dup = (m_a & ~m_first).to(tl.int32)
+        n_dup = tl.sum(b_dup, 0)
+        b_dup_rank = tl.cumsum(b_dup, 0) - b_dup
+        tl.store(stack + base + b_rank - n_dup, b_node, mask=m_rej & (b_rank >= n_dup))
+        tl.store(p_row + prefix + o_a, b_acc_slot, mask=m_first)
+        for k in range(0, n_dup):  # none for a path in contract
+            spare = tl.sum(tl.where(m_rej & (b_rank == k), b_node, 0), 0)
+            pos = tl.sum(tl.where((b_dup == 1) & (b_dup_rank == k), o_a, 0), 0)
+            tl.store(p_row + prefix + pos, spare)
     else:
         src_pos = prefix + b_acc
         dst_pos = prefix + o_a

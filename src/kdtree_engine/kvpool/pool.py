@@ -666,7 +666,9 @@ class KVPool:
             seq_ids: host ids of sequences with a reserved tree (B of them).
             accepted: ``[B, A]`` int32/int64 on the pool's device: node indices of the accepted
                 path, root first, then the path in order; distinct, in ``[0, n_b)`` (checked on
-                the CPU and with ``debug``: ``ValueError``, the pool unchanged); entries past
+                the CPU and with ``debug``: ``ValueError``, the pool unchanged; on a GPU not read:
+                indices are clamped into range and a repeated node's later positions get other
+                slots, their KV unspecified, the pool consistent); entries past
                 ``num_accepted[b]`` are ignored (pad with -1).
             num_accepted: ``[B]`` int on the device, ``1 <= num_accepted[b] <= min(n_b, A)``
                 (values outside are clamped into that range, on host and device alike).
@@ -828,13 +830,22 @@ class KVPool:
             in_tree = o_n[None, :] < n[:, None]
             node_slot = tflat[torch.where(in_tree, rbase + P[:, None] + o_n, trash_col)]  # [B, n_max]
             acc_slot = node_slot.gather(1, acc.clamp(max=n_max - 1))
-            is_acc = torch.zeros(B, n_max + 1, dtype=torch.bool, device=dev)
-            is_acc.scatter_(1, torch.where(valid, acc, n_max), True)
-            rej = (in_tree & ~is_acc[:, :n_max]).reshape(-1)
-            rank = torch.cumsum(rej, 0) - rej.long()
-            pos = torch.where(rej, self._top.long() + rank, self.num_pages)
+            node_or_pad = torch.where(valid, acc, n_max)
+            first_pos = torch.full((B, n_max + 1), A, device=dev).scatter_reduce_(1, node_or_pad, o_a.expand(B, A), "amin")
+            first = valid & (first_pos.gather(1, node_or_pad) == o_a)  # a repeated node's later positions: not
+            rej = in_tree & (first_pos[:, :n_max] == A)
+            rej_rank = torch.cumsum(rej, 1) - rej.long()
+            dup = valid & ~first
+            n_dup = dup.sum(1, keepdim=True)
+            # as the kernel: repeated positions take the first rejected slots, the others are freed
+            spare = torch.zeros(B, n_max + 1, dtype=node_slot.dtype, device=dev)
+            spare.scatter_(1, torch.where(rej & (rej_rank < n_dup), rej_rank, n_max), node_slot)
+            pos_slot = torch.where(first, acc_slot, spare.gather(1, (torch.cumsum(dup, 1) - dup.long()).clamp(max=n_max)))
+            fr = (rej & (rej_rank >= n_dup)).reshape(-1)
+            rank = torch.cumsum(fr, 0) - fr.long()
+            pos = torch.where(fr, self._top.long() + rank, self.num_pages)
             self._stack[pos] = node_slot.reshape(-1)
-            tflat[torch.where(valid, rbase + P[:, None] + o_a, trash_col).reshape(-1)] = acc_slot.reshape(-1)
+            tflat[torch.where(valid, rbase + P[:, None] + o_a, trash_col).reshape(-1)] = pos_slot.reshape(-1)
             freed = (n - a).sum()
         else:
             def slot(pos):
