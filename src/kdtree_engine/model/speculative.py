@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ddtree import accept_greedy, build_ddtree, greedy_workspace, tree_from_parents
-from ..verify import VerifyAttention
 from ..masks import is_int
+from ..verify import VerifyAttention
 from ..verify.contract import D_QK
 from .drafters import Drafter, as_context
 from .graphs import GRAPH_MODES, PhaseClock, StepGraph
