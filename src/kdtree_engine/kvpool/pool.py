@@ -699,9 +699,10 @@ class KVPool:
         if num_accepted_host is not None:  # checked before the commit runs: a refused call changes nothing
             num_accepted_host = _accepted_counts(num_accepted_host, len(ids))
         if self._reads_inputs:
-            self._check_accepted(ids, accepted, num_accepted, strict=self.debug)
+            na = num_accepted.cpu().numpy()  # (one read for both checks)
+            self._check_accepted(ids, accepted, na, strict=self.debug)
             if num_accepted_host is not None:
-                self._check_host_counts(num_accepted_host, num_accepted, n, A)
+                self._check_host_counts(num_accepted_host, na, n, A)
         rows = self._rows_of(ids, rows)
         if self.use_triton:
             launch_commit(self._store, self._table, self._lens_d, self._tree_d, self._stack, self._top, self._done,
@@ -711,7 +712,7 @@ class KVPool:
         self._pending = _Pending(ids, n.copy(), num_accepted, A)
         self._version += 1
         if num_accepted_host is not None:
-            self.finalize_commit(num_accepted_host)
+            self._finalize(num_accepted_host)  # (checked above)
 
     def replayed_commit(self, seq_ids, num_accepted: torch.Tensor, accepted_width: int, *,
                         num_accepted_host=None) -> None:
@@ -750,7 +751,12 @@ class KVPool:
         else:
             a = _accepted_counts(num_accepted_host, len(p.ids))
             if self._reads_inputs:  # before any change: a refused call leaves the commit pending
-                self._check_host_counts(a, p.num_accepted, p.tree, p.max_acc)
+                self._check_host_counts(a, p.num_accepted.cpu().numpy(), p.tree, p.max_acc)
+        self._finalize(a)
+
+    def _finalize(self, a: np.ndarray) -> None:
+        """:meth:`finalize_commit` with the pending commit's accepted lengths ``a [B]`` (host)."""
+        p = self._pending
         a = np.clip(a, 1, np.minimum(p.tree, p.max_acc))
         old = self._len[p.ids]
         new = old - p.tree + a
@@ -784,22 +790,22 @@ class KVPool:
             raise ValueError(f"{name} has {t.shape[0]} rows for {num_seqs} sequences")
 
     @staticmethod
-    def _check_host_counts(host: np.ndarray, num_accepted: torch.Tensor, tree: np.ndarray, width: int) -> None:
+    def _check_host_counts(host: np.ndarray, num_accepted: np.ndarray, tree: np.ndarray, width: int) -> None:
         """``num_accepted_host`` against the device's ``num_accepted``, both clamped into
         ``[1, min(n_b, A)]`` as the commit clamps them (``ValueError``): a wrong host count would
         leave the host's lengths and free count apart from the device's."""
         most = np.minimum(tree, width)
         host = np.clip(host, 1, most)
-        dev = np.clip(num_accepted.cpu().numpy().astype(np.int64), 1, most)
+        dev = np.clip(num_accepted.astype(np.int64), 1, most)
         if not np.array_equal(host, dev):
             raise ValueError(f"num_accepted_host {host.tolist()} differs from num_accepted {dev.tolist()} "
                              f"(both clamped into [1, min(tree size, {width})])")
 
-    def _check_accepted(self, ids, accepted, num_accepted, *, strict: bool) -> None:
+    def _check_accepted(self, ids, accepted, na: np.ndarray, *, strict: bool) -> None:
         """Each accepted path on the host: distinct nodes in ``[0, n_b)`` (``ValueError``); its
-        length in ``[1, min(n_b, A)]`` where ``strict``, else clamped into it as the commit does."""
+        length ``na[b]`` (``num_accepted`` read to the host) in ``[1, min(n_b, A)]`` where
+        ``strict``, else clamped into it as the commit does."""
         acc = accepted.cpu().numpy()
-        na = num_accepted.cpu().numpy()
         for b, s in enumerate(ids):
             n, a = int(self._tree[s]), int(na[b])
             most = min(n, acc.shape[1])
