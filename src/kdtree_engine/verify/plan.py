@@ -123,6 +123,18 @@ L2_STEP_TOLERANCE = 4  # tiles: programs this close in their walk over the same 
 # the model put KV parts at 1.031x the line, ran them in 0.82 of its time; 128x96x1x131072 (the
 # rounds modelled 1.37x the line) ran them in 1.18x. 1.2 keeps both on the right side.
 LINE_OVER_LOCKSTEP = 1.2
+# Under costs whose lockstep is set, a KV parts' tail (:func:`_parts_tail_candidates`) is priced at
+# (1 + this x the most segments a program of it runs) times its modelled cost: the tail's busiest
+# programs run many short segments over KV the other programs do not read, which the model prices
+# as any others. Measured on an H100 (docs/perf_log.md run 54; the Hopper kernel, schedules forced,
+# 43 shapes where a tail and another candidate were timed, 10 of them after this was set): without
+# it the plan's pick was > 1.5% slower than the fastest timed at 16, 2.9% at the mean (up to 1.148x,
+# 32x128x4x32768; at 32x96x8x131072, whose tail runs 17 segments a program, whole segments modelled
+# 1.005x the tail ran in 0.905 of its time); with it at 3, 0.5% at the mean (KV parts at 64x65x16x16384 and
+# 32x128x16x16384, modelled within 1.3% of the tail, ran 1.101x and 1.045x its time; 64x16x2x131072
+# 1.031x). A flat 3% instead missed at 6 of the first 33, where the tail runs 2-3 segments a
+# program and was 3.5-7.6% the faster.
+PARTS_TAIL_SEGMENT_MARGIN = 0.002
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
 # the lengths and the last tile's end
@@ -299,7 +311,8 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
       :func:`rounds_apply`), the rounds (:func:`_rounds_schedule`).
 
     Under costs whose ``lockstep`` is set, a line that cuts row blocks (:func:`cuts_row_blocks`)
-    is priced at :data:`LINE_OVER_LOCKSTEP` times its cost.
+    is priced at :data:`LINE_OVER_LOCKSTEP` times its cost, a parts tail by the segments its
+    busiest programs run (:func:`candidate_cost`).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -328,8 +341,19 @@ def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = M
         named += [("parts_tail" + (f":{i + 1}" if i else ""), tail) for i, tail in enumerate(tails)]
     if costs.lockstep and rounds_apply(R, T, P):
         named.append(("rounds", _rounds_schedule(R, T, P)))
-    return [Candidate(name, pieces, line_cost(pieces, T, costs) if name == "line" else schedule_cost(pieces, costs))
-            for name, pieces in named]
+    return [Candidate(name, pieces, candidate_cost(name, pieces, T, costs)) for name, pieces in named]
+
+
+def candidate_cost(name: str, pieces: Pieces, T: np.ndarray, costs: ScheduleCosts) -> float:
+    """The priced cost of candidate ``name`` over sequences of ``T`` KV tiles: :func:`schedule_cost`;
+    for the line, :func:`line_cost`; under costs whose ``lockstep`` is set, a parts tail's times 1 +
+    :data:`PARTS_TAIL_SEGMENT_MARGIN` x the most segments a program of it runs."""
+    if name == "line":
+        return line_cost(pieces, T, costs)
+    cost = schedule_cost(pieces, costs)
+    if costs.lockstep and name.startswith("parts_tail"):
+        return cost * (1 + PARTS_TAIL_SEGMENT_MARGIN * int(np.bincount(pieces.prog).max()))
+    return cost
 
 
 def cuts_row_blocks(pieces: Pieces, T: np.ndarray) -> bool:
@@ -960,8 +984,7 @@ class VerifyPlan:
             return "line"
         pieces = [device_parts(R, T, self.num_programs, self.costs) if k == "parts"
                   else schedule(R, T, self.num_programs, only=k) for k in kinds]
-        costs = [line_cost(p, T, self.costs) if k == "line" else schedule_cost(p, self.costs)
-                 for k, p in zip(kinds, pieces)]
+        costs = [candidate_cost(k, p, T, self.costs) for k, p in zip(kinds, pieces)]
         return kinds[costs.index(min(costs))]
 
     @staticmethod
