@@ -227,16 +227,17 @@ def test_auto_takes_the_parts_tail_where_the_parts_fill_too_few():
     """``"auto"`` under the Hopper kernel's costs: 7 row blocks a sequence on 20 programs (two parts
     keep 14 busy, under nine tenths) take the parts with their tail, whose programs 14-19 run the
     KV's last tiles, where the step holds ``AUTO_TAIL_MIN_TILES`` tile pairs per program (B = 3 and
-    B = 1 over ~5k-12k tokens); a shorter step, and the Triton kernel's costs, keep the line."""
+    B = 1 over ~5k-12k tokens); a shorter step (B = 3 over ~130-200), and the Triton kernel's costs,
+    keep the line."""
     trees = 14  # 16 heads x 14 nodes = 224 rows: 7 row blocks of 32
     for B, kv_len, costs, tail in [(3, 5000, HOPPER_COSTS, True), (1, 12000, HOPPER_COSTS, True),
-                                   (3, 900, HOPPER_COSTS, False), (3, 5000, TRITON_COSTS, False)]:
+                                   (3, 200, HOPPER_COSTS, False), (3, 5000, TRITON_COSTS, False)]:
         p = VerifyPlan(4, trees, 16, DEVICE, config=CONFIGS[0], num_programs=20, costs=costs)
         kv = kv_len - 37 * np.arange(B)
         R, T = p.blocks_and_tiles(kv, np.full(B, trees))
         what = f"B={B} kv={kv.tolist()} {costs}"
         assert not parts_fill(7, 20) and not whole_segments_apply(R, T, 20), what
-        assert (int(T.sum()) * 7 >= AUTO_TAIL_MIN_TILES * 20) == (kv_len > 900), what
+        assert (int(T.sum()) * 7 >= AUTO_TAIL_MIN_TILES * 20) == (kv_len > 200), what
         check_device_plan(p, kv, np.arange(B + 1) * trees, what, "auto")
         auto, parts, line = (device_tables(p, kv, np.full(B, trees), k) for k in ("auto", "parts", "line"))
         assert not np.array_equal(parts[1], line[1]), what

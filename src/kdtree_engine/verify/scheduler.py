@@ -103,10 +103,12 @@ AUTO_MIN_FILL_TENTHS = 9
 # parts and tail 1.00x; the tail is dearer than the line in 12, all but 4 of them below 300 tile
 # times, by at most 1.005x above it. Measured (run 53, H100, planned): the line 1.68-1.77x the
 # parts and tail at 148-1,243 tile pairs a program (16 and 32 heads); at 148 (4 x 75 nodes x 16
-# heads, 16k) the bound was 256 and the unplanned call took the line, 488 us against 282. Under the
-# Triton kernel's costs the tail is the line's cost at the median (dearer in 346 of 656): not
-# taken there.
-AUTO_TAIL_MIN_TILES = 64
+# heads, 16k) the bound was 256 and the unplanned call took the line, 488 us against 282; run 54
+# (unplanned calls, this bound at 16 against 64): 0.84-0.88x the time at six steps of 19-55 tile
+# pairs a program (16-128 heads, 24-105 nodes, B 1-2, 4k-8k; 16x75x2x8192: 107.4 us against 127.6),
+# equal at 10 (both took the line). Under the Triton kernel's costs the tail is the line's cost at
+# the median (dearer in 346 of 656): not taken there.
+AUTO_TAIL_MIN_TILES = 16
 # schedule "rounds" (and "auto" past whole segments and parts): the rounds schedule where a sequence
 # has more than pe / 2 row blocks and the S row blocks in all fill their last round well enough:
 # ceil(S / pe) * pe <= this many tenths of S. Under the Hopper cost model (3,753 random steps with
