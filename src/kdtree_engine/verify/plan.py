@@ -127,13 +127,12 @@ LINE_OVER_LOCKSTEP = 1.2
 # (1 + this x the most segments a program of it runs) times its modelled cost: the tail's busiest
 # programs run many short segments over KV the other programs do not read, which the model prices
 # as any others. Measured on an H100 (docs/perf_log.md run 54; the Hopper kernel, schedules forced,
-# 43 shapes where a tail and another candidate were timed, 10 of them after this was set): without
-# it the plan's pick was > 1.5% slower than the fastest timed at 16, 2.9% at the mean (up to 1.148x,
+# 42 shapes where a tail and another candidate were timed, 9 of them after this was set): without it
+# the plan's pick was > 1.5% slower than the fastest timed at 16, 3.0% at the mean (up to 1.148x,
 # 32x128x4x32768; at 32x96x8x131072, whose tail runs 17 segments a program, whole segments modelled
-# 1.005x the tail ran in 0.905 of its time); with it at 3, 0.5% at the mean (KV parts at 64x65x16x16384 and
-# 32x128x16x16384, modelled within 1.3% of the tail, ran 1.101x and 1.045x its time; 64x16x2x131072
-# 1.031x). A flat 3% instead missed at 6 of the first 33, where the tail runs 2-3 segments a
-# program and was 3.5-7.6% the faster.
+# 1.005x the tail ran in 0.905 of its time); with it at 2, 0.2% at the mean (64x16x2x131072 1.031x,
+# 64x65x16x16384 1.024x). A flat 3% instead missed at 6 of the first 33, where the tail runs 2-3
+# segments a program and was 3.5-7.6% the faster.
 PARTS_TAIL_SEGMENT_MARGIN = 0.002
 # Schedules a plan keeps, by (row blocks, KV tiles) per sequence: in a decode loop a sequence's
 # tile count changes once every BLOCK_N tokens, so most steps reuse a schedule and only rewrite
