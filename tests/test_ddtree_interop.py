@@ -288,6 +288,16 @@ NEXT_NONE = torch.full((1, 6), -1)
      "prefix_lens must be >= 0"),
     (lambda: to_sglang_verify_input(small_tree("cpu"), torch.tensor([5.0, 5.0]), 1), TypeError,
      "prefix_lens must be an integer tensor"),
+    # a FULL_MASK's size follows its prefix lengths: one past int32 reached the allocator
+    (lambda: to_sglang_tree_mask(torch.eye(3, dtype=torch.bool)[None], TreeMaskMode.FULL_MASK, [2**40]), ValueError,
+     r"prefix_lens must be < 2\*\*31"),
+    (lambda: from_sglang_tree_mask(torch.ones(12, dtype=torch.bool), TreeMaskMode.FULL_MASK, 3, [2**31]),
+     ValueError, r"prefix_lens must be < 2\*\*31"),
+    # a CPU bit-packed row with a bit past the tree (a wrong n, or garbage) was read without it
+    (lambda: from_sglang_tree_mask(torch.tensor([1, 3, 8], dtype=torch.uint8), TreeMaskMode.QLEN_ONLY_BITPACKING, 3),
+     ValueError, "bit at or past num_draft_tokens=3"),
+    (lambda: from_sglang_tree_mask(torch.tensor([1, 3, 7, 16], dtype=torch.uint8), 2, 4), ValueError,
+     "bit at or past num_draft_tokens=4"),
 ])
 def test_interop_rejects(call, exc, msg):
     """Bad arguments raise a TypeError / ValueError naming them (CPU tensors: their values too;

@@ -89,6 +89,8 @@ def _host_lens(name: str, lens, batch: int | None) -> list[int]:
         raise ValueError(f"{name} has {len(lens)} entries for {batch} sequences")
     if any(x < 0 for x in lens):
         raise ValueError(f"{name} must be >= 0, got {lens}")
+    if any(x >= 2**31 for x in lens):  # (the mask's size follows them to the allocator)
+        raise ValueError(f"{name} must be < 2**31 (KV lengths are int32), got {lens}")
     return lens
 
 
@@ -188,7 +190,8 @@ def from_sglang_tree_mask(
     """SGLang's flat tree mask of ``mode`` -> bool ``[B, n, n]`` (n = ``num_draft_tokens``).
 
     FULL_MASK needs ``prefix_lens``; ``check_prefix=True`` also requires its prefix columns to be
-    True (raises ``ValueError`` otherwise; a sync).
+    True (raises ``ValueError`` otherwise; a sync). A CPU QLEN_ONLY_BITPACKING mask with a bit at or
+    past ``n`` set raises ``ValueError`` (a device one is not read).
     """
     mode = _mode(mode)
     n = num_draft_tokens
@@ -205,6 +208,8 @@ def from_sglang_tree_mask(
         if flat.numel() % n:
             raise ValueError(f"tree_mask has {flat.numel()} rows, not a multiple of num_draft_tokens={n}")
         v = flat.to(torch.int64)
+        if dev.type == "cpu" and bool((v >> n).any()):  # (a device tensor is not read: a sync)
+            raise ValueError(f"tree_mask has a row with a bit at or past num_draft_tokens={n} set")
         bit = torch.bitwise_and(torch.bitwise_right_shift(v[:, None], torch.arange(n, device=dev)), 1)
         return bit.bool().view(-1, n, n)
     if flat.dtype != torch.bool:
