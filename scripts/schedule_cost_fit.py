@@ -19,11 +19,18 @@ beside them. Rows either fitted form misses by more than ``--miss`` are listed. 
 over equal-tree shapes (H 16-128, trees 4-128 nodes, B 1-16, KV 4k-128k) on the rows' programs,
 the N shapes where the fitted additive form prices :func:`~kdtree_engine.verify.plan.schedule`'s
 pick furthest above its own (the shapes to time next).
+
+``--picks`` judges the plan's picks instead: per shape (equal lengths) with two or more of its
+candidates timed (forced, or ``auto`` under the pick it recorded; the fastest time of each), the
+timed candidate the plan prices cheapest against the fastest timed, over all such shapes and over
+those with a KV parts' tail among them; ``--tail-margin K`` prices the tails as the plan would with
+``PARTS_TAIL_SEGMENT_MARGIN = K`` (0: unpriced).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 
@@ -90,7 +97,14 @@ def main() -> None:
     parser.add_argument("--miss", type=float, default=0.06, help="list rows a fitted form misses by more (log)")
     parser.add_argument("--compare", type=int, default=0, metavar="N",
                         help="list the N shapes where the additive form disputes the plan's pick most")
+    parser.add_argument("--picks", action="store_true", help="judge the plan's picks against the timed candidates")
+    parser.add_argument("--tail-margin", type=float, default=vplan.PARTS_TAIL_SEGMENT_MARGIN,
+                        help="with --picks: PARTS_TAIL_SEGMENT_MARGIN to price the tails at")
     args = parser.parse_args()
+    if args.picks:
+        vplan.PARTS_TAIL_SEGMENT_MARGIN = args.tail_margin
+        judge_picks(timed_candidates(args.json, args.page_size or None))
+        return
     rows = load_rows(args.json, args.page_size or None)
     if not rows:
         raise SystemExit("no rows to fit")
@@ -119,6 +133,52 @@ def main() -> None:
                   f"max {np.exp(e_max):.3f}  additive {np.exp(e_add):.3f}")
     if args.compare:
         compare_picks(add[2:], int(programs.max()), args.compare)
+
+
+def timed_candidates(paths: list[str], page_size: int | None) -> dict:
+    """``{(shape, config, programs): {candidate name: fastest us}}`` over the rows of equal lengths
+    (a forced ``whole`` is the candidate of whole sequences; ``auto`` rows without the pick they
+    recorded are left out)."""
+    times = collections.defaultdict(dict)
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for row in doc["rows"] if isinstance(doc, dict) else doc:
+            H, n, B, prefix, ps = (int(x) for x in row["shape"].split("x"))
+            if (page_size is not None and ps != page_size) or len(set(row.get("kv_lens", [0]))) > 1:
+                continue
+            name = row.get("picked") if row["schedule"] == "auto" else row["schedule"]
+            if name is None:
+                continue
+            if name == "whole":
+                name = f"whole:{-(-(prefix + n) // int(row['config'].split('x')[1]))}"
+            key = (row["shape"], row["config"], row["programs"])
+            times[key][name] = min(times[key].get(name, float("inf")), row["us"])
+    return times
+
+
+def judge_picks(times: dict, slower: float = 1.015) -> None:
+    """Print how the plan's pick among each shape's timed candidates compares with the fastest timed."""
+    judged = []
+    for (shape, config, programs), timed in sorted(times.items()):
+        H, n, B, prefix, _ = (int(x) for x in shape.split("x"))
+        bm, bn = (int(x) for x in config.split("x")[:2])
+        R, T = np.full(B, -(-H * n // bm)), np.full(B, -(-(prefix + n) // bn))
+        cost = {c.name: c.cost for c in vplan.schedule_candidates(R, T, programs, costs=vplan.HOPPER_COSTS)}
+        timed = {k: v for k, v in timed.items() if k in cost}
+        if len(timed) < 2:
+            continue
+        pick = min(timed, key=cost.get)
+        best = min(timed, key=timed.get)
+        judged.append((timed[pick] / timed[best], shape, pick, best, any(k.startswith("parts_tail") for k in timed)))
+    print(f"PARTS_TAIL_SEGMENT_MARGIN = {vplan.PARTS_TAIL_SEGMENT_MARGIN:g}")
+    for label, rows in (("all", judged), ("with a tail timed", [j for j in judged if j[4]])):
+        losses = np.array([j[0] for j in rows])
+        print(f"{label}: {len(rows)} shapes; the plan's pick > {slower:.3f}x the fastest timed at "
+              f"{int((losses > slower).sum())}, {losses.mean():.4f}x at the mean, {losses.max():.3f}x at most")
+    for loss, shape, pick, best, _ in sorted(judged, reverse=True):
+        if loss > slower:
+            print(f"  {shape:22s} plan {pick:14s} {loss:.3f}x  fastest {best}")
 
 
 def compare_picks(constants, num_programs: int, count: int) -> None:
