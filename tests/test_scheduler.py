@@ -440,6 +440,24 @@ def test_bad_device_lengths_are_refused(kv_lens, qo_indptr, err, match):
 
 
 @requires_cuda
+def test_the_scheduler_compiles_once_as_the_batch_changes():
+    """A decode's batch moves through 5, 16, 17, 32, 2 and 40 sequences (other classes of
+    divisibility by 16 each) on one plan: the scheduler's kernel is compiled once per schedule, and
+    each step's tables are the host's (issue 11: no recompile during a decode)."""
+    from kdtree_engine.verify import scheduler
+
+    cache = scheduler._schedule_kernel.device_caches[torch.cuda.current_device()][0]
+    p = VerifyPlan(40, 9, 16, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
+    for kind in ("line", "auto"):
+        for step, B in enumerate((5, 16, 17, 32, 2, 40)):
+            kv = 3000 + 67 * np.arange(B)
+            check_device_plan(p, kv, np.arange(B + 1) * 9, f"{kind} B={B}", kind)
+            if step == 0:
+                compiled = len(cache)
+        assert len(cache) == compiled, kind
+
+
+@requires_cuda
 def test_cuda_graph_with_the_plan_replays_after_new_lengths():
     """Capture plan (device scheduler) + run in one graph, at buffers sized for the maxima; for each
     new step write its lengths into the captured length tensors and its inputs into the buffers,

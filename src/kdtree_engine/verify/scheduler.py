@@ -608,7 +608,9 @@ def _parts_fill(L, pe, MIN_FILL_TENTHS: tl.constexpr):
     return (pe // L) * L * 10 >= MIN_FILL_TENTHS * pe
 
 
-@triton.jit
+# Its integers are not specialised (Triton would key on 1 and divisibility by 16): the batch B changes
+# step to step in a decode, and a new class of it must not cost a recompile of this kernel there.
+@triton.jit(do_not_specialize=["stride_kl", "stride_qo", "B", "H", "P", "max_nodes", "seg_cap", "grp_cap"])
 def _schedule_kernel(
     kv_lens, qo_indptr, stride_kl, stride_qo, B, kv_out, qo_out, prog_first_seg, group_count,
     seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, grp_seq, grp_row0, grp_first, grp_count,
