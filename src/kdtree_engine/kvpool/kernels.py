@@ -56,7 +56,7 @@ def _copy_pages_kernel(
         tl.store(p_dst[:, None] + o_d[None, :], b_x, mask=m_x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "count", "stride_t"])
 def _pop_pages_kernel(
     rows, counts, table, lens, tree, stack, top, B, count,
     stride_t,
