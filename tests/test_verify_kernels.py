@@ -196,16 +196,19 @@ def test_a_tail_whose_programs_run_many_segments_is_priced_above_whole_segments(
     tail's busiest program runs 17 segments, modelled 0.995x whole segments (the H100 ran whole
     segments in 0.915 of its time, run 54); the Hopper plan takes whole segments. With 9 row blocks
     (two segments a program) the tail stays; the Triton kernel's costs price it as modelled."""
-    def pick(R, T):
-        return min(vplan.schedule_candidates(R, T, 132, costs=vplan.HOPPER_COSTS), key=lambda c: c.cost)
+    def candidates(R, T):
+        return {c.name: c for c in vplan.schedule_candidates(R, T, 132, costs=vplan.HOPPER_COSTS)}
+
+    def pick(named):
+        return min(named.values(), key=lambda c: c.cost).name
 
     R, T = np.full(8, 48), np.full(8, 514)
-    candidates = {c.name: c for c in vplan.schedule_candidates(R, T, 132, costs=vplan.HOPPER_COSTS)}
-    tail, whole = candidates["parts_tail"], candidates["whole:514"]
+    named = candidates(R, T)
+    tail, whole = named["parts_tail"], named["whole:514"]
     assert np.bincount(tail.pieces.prog).max() == 17
     assert vplan.schedule_cost(tail.pieces, vplan.HOPPER_COSTS) < whole.cost < tail.cost
-    assert pick(R, T).name.startswith("whole")
-    assert pick(np.full(4, 9), np.full(4, 257)).name.startswith("parts_tail")
+    assert pick(named).startswith("whole")
+    assert pick(candidates(np.full(4, 9), np.full(4, 257))).startswith("parts_tail")
     triton = {c.name: c for c in vplan.schedule_candidates(R, T, 132, costs=vplan.TRITON_COSTS)}
     assert triton["parts_tail"].cost == vplan.schedule_cost(triton["parts_tail"].pieces, vplan.TRITON_COSTS)
 
