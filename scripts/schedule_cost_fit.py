@@ -30,7 +30,6 @@ those with a KV parts' tail among them; ``--tail-margin K`` prices the tails as 
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import json
 
@@ -39,9 +38,9 @@ import numpy as np
 from kdtree_engine.verify import plan as vplan
 
 
-def load_rows(paths: list[str], page_size: int | None) -> list[dict]:
-    """Rows of tune_flash JSON files with their schedule's terms (``busiest``, ``total``, ``hbm``)."""
-    rows = []
+def tuned_rows(paths: list[str], page_size: int | None):
+    """``(path, row, R, T)`` for each row of tune_flash JSON files at ``page_size`` (None: all):
+    its row blocks and KV tiles per sequence (int64 ``[B]`` each)."""
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
@@ -52,14 +51,21 @@ def load_rows(paths: list[str], page_size: int | None) -> list[dict]:
             bm, bn = (int(x) for x in row["config"].split("x")[:2])
             R = np.full(B, -(-H * n // bm))
             T = -(-np.array(row.get("kv_lens", [prefix + n] * B)) // bn)  # ragged rows record their lengths
-            only = None if row["schedule"] == "auto" else row["schedule"]
-            pieces = vplan.schedule(R, T, row["programs"], costs=vplan.HOPPER_COSTS, only=only)
-            if len(pieces.prog) != row["segments"]:
-                continue  # an "auto" row whose pick has changed since it was timed
-            terms = vplan.schedule_terms(pieces, vplan.HOPPER_COSTS.segment_tiles)
-            rows.append(dict(source=path.rsplit("/", 1)[-1], shape=row["shape"], schedule=row["schedule"],
-                             us=row["us"], programs=row["programs"], busiest=terms.busiest, total=terms.total,
-                             hbm=terms.hbm_tiles))
+            yield path, row, R, T
+
+
+def load_rows(paths: list[str], page_size: int | None) -> list[dict]:
+    """Rows of tune_flash JSON files with their schedule's terms (``busiest``, ``total``, ``hbm``)."""
+    rows = []
+    for path, row, R, T in tuned_rows(paths, page_size):
+        only = None if row["schedule"] == "auto" else row["schedule"]
+        pieces = vplan.schedule(R, T, row["programs"], costs=vplan.HOPPER_COSTS, only=only)
+        if len(pieces.prog) != row["segments"]:
+            continue  # an "auto" row whose pick has changed since it was timed
+        terms = vplan.schedule_terms(pieces, vplan.HOPPER_COSTS.segment_tiles)
+        rows.append(dict(source=path.rsplit("/", 1)[-1], shape=row["shape"], schedule=row["schedule"],
+                         us=row["us"], programs=row["programs"], busiest=terms.busiest, total=terms.total,
+                         hbm=terms.hbm_tiles))
     return rows
 
 
@@ -136,34 +142,25 @@ def main() -> None:
 
 
 def timed_candidates(paths: list[str], page_size: int | None) -> dict:
-    """``{(shape, config, programs): {candidate name: fastest us}}`` over the rows of equal lengths
+    """``{(shape, config, programs): (R, T, {candidate name: fastest us})}`` over the rows of equal lengths
     (a forced ``whole`` is the candidate of whole sequences; ``auto`` rows without the pick they
     recorded are left out)."""
-    times = collections.defaultdict(dict)
-    for path in paths:
-        with open(path) as f:
-            doc = json.load(f)
-        for row in doc["rows"] if isinstance(doc, dict) else doc:
-            H, n, B, prefix, ps = (int(x) for x in row["shape"].split("x"))
-            if (page_size is not None and ps != page_size) or len(set(row.get("kv_lens", [0]))) > 1:
-                continue
-            name = row.get("picked") if row["schedule"] == "auto" else row["schedule"]
-            if name is None:
-                continue
-            if name == "whole":
-                name = f"whole:{-(-(prefix + n) // int(row['config'].split('x')[1]))}"
-            key = (row["shape"], row["config"], row["programs"])
-            times[key][name] = min(times[key].get(name, float("inf")), row["us"])
+    times = {}
+    for _, row, R, T in tuned_rows(paths, page_size):
+        name = row.get("picked") if row["schedule"] == "auto" else row["schedule"]
+        if name is None or len(set(T.tolist())) > 1:
+            continue
+        if name == "whole":
+            name = f"whole:{int(T.max())}"
+        timed = times.setdefault((row["shape"], row["config"], row["programs"]), (R, T, {}))[2]
+        timed[name] = min(timed.get(name, float("inf")), row["us"])
     return times
 
 
 def judge_picks(times: dict, slower: float = 1.015) -> None:
     """Print how the plan's pick among each shape's timed candidates compares with the fastest timed."""
     judged = []
-    for (shape, config, programs), timed in sorted(times.items()):
-        H, n, B, prefix, _ = (int(x) for x in shape.split("x"))
-        bm, bn = (int(x) for x in config.split("x")[:2])
-        R, T = np.full(B, -(-H * n // bm)), np.full(B, -(-(prefix + n) // bn))
+    for (shape, _, programs), (R, T, timed) in sorted(times.items(), key=lambda item: item[0]):
         cost = {c.name: c.cost for c in vplan.schedule_candidates(R, T, programs, costs=vplan.HOPPER_COSTS)}
         timed = {k: v for k, v in timed.items() if k in cost}
         if len(timed) < 2:
