@@ -107,7 +107,7 @@ def main() -> None:
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, B, prefix, ps)
+        c = make_inputs(H, n, [prefix + n] * B, ps)
         plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])

@@ -414,7 +414,7 @@ def main() -> None:
     results = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, B, prefix, ps)
+        c = make_inputs(H, n, [prefix + n] * B, ps)
         plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)

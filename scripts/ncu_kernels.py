@@ -80,7 +80,7 @@ def main() -> None:
         p.error(str(e))
     for text in a.shapes.split(","):
         H, n, B, prefix = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, B, prefix, 64)
+        c = make_inputs(H, n, [prefix + n] * B, 64)
         meta, num_splits = fm.get_mla_metadata(c["kv_lens"], n, H, 1)
         num_pages = c["kv_cache"].shape[0]
         plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
