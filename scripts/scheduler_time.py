@@ -63,6 +63,9 @@ def main() -> None:
 
     modules = a.modules.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    for B, _, n, _ in shapes:  # the scheduler clamps to the plan's sizes: a larger shape would read as DIFF
+        if B > a.max_batch or n > a.max_tree_nodes:
+            ap.error(f"shape with B={B}, {n} nodes: past --max-batch {a.max_batch} / --max-tree-nodes {a.max_tree_nodes}")
     plans = {}
     print(f"{torch.cuda.get_device_name() if not cpu else 'cpu (interpreter)'}; us per plan_on_device "
           f"(CUDA-graph replay, fastest of {a.replays} x {a.calls} calls); tables vs the host's {a.schedule} schedule")
