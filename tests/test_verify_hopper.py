@@ -232,6 +232,25 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
     assert copy.HAVE_GLUON == hopper.HAVE_GLUON
 
 
+def test_scripts_call_make_inputs_as_it_is_defined():
+    """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` passes the
+    arguments it takes (its signature changed once, and four GPU-only scripts then stopped at their
+    first shape)."""
+    import ast
+    import inspect
+
+    signature = inspect.signature(load_script("tune_flash").make_inputs)
+    calls = 0
+    for path in sorted((Path(__file__).parent.parent / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "make_inputs":
+                calls += 1
+                # a list display or a name where the lengths go, never a bare count
+                assert not isinstance(node.args[2], ast.Name) or node.args[2].id == "lens", (path.name, ast.unparse(node))
+                signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
+    assert calls >= 5
+
+
 def test_ab_script_applies_a_variant_diff(tmp_path):
     """scripts/ab_hopper.py and hopper_timeline.py take FILE.diff:NAME, that section's unified diff
     applied to this kernel (context and removed lines checked: a diff made against another kernel
