@@ -495,6 +495,9 @@ def test_check_tree_rejects():
             tree_from_parents(make([[-1, 2, 1]]), make([[1, 2, 3]]), max_depth=2)
         with pytest.raises(ValueError, match=r"deeper \(3\) than max_depth=2"):
             tree_from_parents(make([[-1, 0, 1, 2]]), make([[1, 2, 3, 4]]), max_depth=2)
+        with pytest.raises(ValueError, match="tree 1: node 1 has two children with token 7"):  # (check_tree did)
+            tree_from_parents(make([[-1, 0, 1, 1], [-1, 0, 1, 1]]), make([[1, 2, 7, 8], [1, 2, 7, 7]]), max_depth=2)
+        tree_from_parents(make([[-1, 0, 1, 2]]), make([[1, 7, 7, 7]]), max_depth=3)  # a token again, not as siblings
         for parents in ([[-1, -1, 1]], [[-1, 0, -1]], [[1, 0, 0]]):  # (check_tree refused them)
             with pytest.raises(ValueError, match=r"parents\[0\]: node 0 must be the only root"):
                 tree_from_parents(make(parents), make([[1, 2, 3]]), max_depth=2)

@@ -580,11 +580,10 @@ def tree_from_parents(
             the tensors are on a GPU).
 
     Depths are computed on the device by pointer jumping. Lists and CPU tensors are checked here
-    (parents in range, node 0 the only root, no cycle, depth <= ``max_depth``), GPU tensors too
-    where ``max_depth`` is omitted (their copy to the host is made anyway); GPU tensors with a
-    ``max_depth`` are not read (a sync): validate them with :func:`check_tree` (out-of-range
-    parents make the gathers fault on a GPU). Sibling tokens are not checked here (see
-    :func:`check_tree`).
+    (parents in range, node 0 the only root, no cycle, depth <= ``max_depth``, a node's children
+    carrying distinct tokens), GPU tensors too where ``max_depth`` is omitted (their copy to the
+    host is made anyway); GPU tensors with a ``max_depth`` are not read (a sync): validate them
+    with :func:`check_tree` (out-of-range parents make the gathers fault on a GPU).
     """
     if isinstance(parents, torch.Tensor) != isinstance(tokens, torch.Tensor):
         raise TypeError("parents and tokens must both be tensors or both be lists")
@@ -632,6 +631,7 @@ def tree_from_parents(
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     if max_depth is None or dev.type == "cpu":  # on the host (or copied there anyway): checked in full
         deepest = _host_max_depth(par.cpu(), sizes)
+        _host_check_siblings(par.cpu(), tok.cpu())
         if max_depth is not None and max_depth < deepest:
             raise ValueError(f"the trees are deeper ({deepest}) than max_depth={max_depth}")
         max_depth = deepest if max_depth is None else max_depth
@@ -671,6 +671,17 @@ def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
                 raise ValueError(f"parents[{b}] contains a cycle")
             best = max(best, steps)
     return best
+
+
+def _host_check_siblings(par_cpu: torch.Tensor, tok_cpu: torch.Tensor) -> None:
+    """A ``ValueError`` where two children of one node carry the same token (``[B, n]`` each, padding
+    -1): acceptance follows the child whose token the target sampled, so it must be one."""
+    b, i = torch.nonzero(par_cpu >= 0, as_tuple=True)
+    keys = torch.stack((b, par_cpu[b, i], tok_cpu[b, i]), 1)
+    uniq, counts = torch.unique(keys, dim=0, return_counts=True)
+    if bool((counts > 1).any()):
+        tb, node, token = uniq[counts > 1][0].tolist()
+        raise ValueError(f"tree {tb}: node {node} has two children with token {token}")
 
 
 def _depths(par: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
