@@ -72,7 +72,7 @@ def kv_lengths(n: int, B: int, prefix: int, spread: float, seed: int) -> list[in
     return [p + n for p in prefixes]
 
 
-def make_inputs(H: int, n: int, lens: list[int], page_size: int, seed: int = 0):
+def make_inputs(H: int, n: int, lens: list[int], page_size: int, *, seed: int = 0):
     """Random inputs built on the GPU for sequences of KV lengths ``lens`` (``n`` tree nodes each);
     page_size-1 slots (or pages) shuffled over the pool."""
     gen = torch.Generator().manual_seed(seed)

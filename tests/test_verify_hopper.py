@@ -234,8 +234,9 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 def test_scripts_call_make_inputs_as_it_is_defined():
     """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` passes the
-    arguments it takes (its signature changed once, and four GPU-only scripts then stopped at their
-    first shape)."""
+    arguments it takes (its signature changed once, from ``(H, n, B, prefix, page_size)`` to the KV
+    lengths, and four GPU-only scripts then stopped at their first shape; the seed is keyword-only,
+    so such a call no longer binds)."""
     import ast
     import inspect
 
@@ -245,8 +246,6 @@ def test_scripts_call_make_inputs_as_it_is_defined():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "make_inputs":
                 calls += 1
-                # a list display or a name where the lengths go, never a bare count
-                assert not isinstance(node.args[2], ast.Name) or node.args[2].id == "lens", (path.name, ast.unparse(node))
                 signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
     assert calls >= 5
 
