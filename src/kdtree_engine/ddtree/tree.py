@@ -630,8 +630,9 @@ def tree_from_parents(
     if max_depth is not None and (not is_int(max_depth) or max_depth < 0):
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     if max_depth is None or dev.type == "cpu":  # on the host (or copied there anyway): checked in full
-        deepest = _host_max_depth(par.cpu(), sizes)
-        _host_check_siblings(par.cpu(), tok.cpu())
+        par_cpu = par.cpu()
+        deepest = _host_max_depth(par_cpu, sizes)
+        _host_check_siblings(par_cpu, tok.cpu())
         if max_depth is not None and max_depth < deepest:
             raise ValueError(f"the trees are deeper ({deepest}) than max_depth={max_depth}")
         max_depth = deepest if max_depth is None else max_depth
