@@ -484,9 +484,9 @@ def test_tree_from_parents_depths_and_links(device):
 
 
 def test_check_tree_rejects():
-    with pytest.raises(ValueError, match="two children with token"):
-        check_tree(tree_from_parents([[-1, 0, 0]], [[1, 5, 5]]))
     good = tree_from_parents([[-1, 0, 0]], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="tree 0: node 0 has two children with token 5"):
+        check_tree(dataclasses.replace(good, tokens=torch.tensor([[1, 5, 5]])))
     with pytest.raises(ValueError, match="only root"):
         check_tree(dataclasses.replace(good, parents=torch.tensor([[-1, -1, 0]])))
     # lists and CPU tensors are refused when built (with a max_depth, tensors were not checked)

@@ -632,7 +632,7 @@ def tree_from_parents(
     if max_depth is None or dev.type == "cpu":  # on the host (or copied there anyway): checked in full
         par_cpu = par.cpu()
         deepest = _host_max_depth(par_cpu, sizes)
-        _host_check_siblings(par_cpu, tok.cpu())
+        _host_check_siblings(par_cpu, tok.cpu(), sizes)
         if max_depth is not None and max_depth < deepest:
             raise ValueError(f"the trees are deeper ({deepest}) than max_depth={max_depth}")
         max_depth = deepest if max_depth is None else max_depth
@@ -674,10 +674,12 @@ def _host_max_depth(par_cpu: torch.Tensor, sizes: list[int]) -> int:
     return best
 
 
-def _host_check_siblings(par_cpu: torch.Tensor, tok_cpu: torch.Tensor) -> None:
-    """A ``ValueError`` where two children of one node carry the same token (``[B, n]`` each, padding
-    -1): acceptance follows the child whose token the target sampled, so it must be one."""
-    b, i = torch.nonzero(par_cpu >= 0, as_tuple=True)
+def _host_check_siblings(par_cpu: torch.Tensor, tok_cpu: torch.Tensor, sizes: list[int]) -> None:
+    """A ``ValueError`` where two children of one node carry the same token (``[B, n]`` each, tree b
+    of ``sizes[b]`` nodes): acceptance follows the child whose token the target sampled, so it must
+    be one."""
+    valid = torch.arange(par_cpu.shape[1]) < torch.tensor(sizes)[:, None]
+    b, i = torch.nonzero(valid & (par_cpu >= 0), as_tuple=True)
     keys = torch.stack((b, par_cpu[b, i], tok_cpu[b, i]), 1)
     uniq, counts = torch.unique(keys, dim=0, return_counts=True)
     if bool((counts > 1).any()):
@@ -862,11 +864,6 @@ def check_tree(tree: DraftTree) -> None:
                 raise ValueError(f"tree {b}: node {i} is deeper ({steps}) than max_depth={tree.max_depth}")
             if d[i] != steps:
                 raise ValueError(f"tree {b}: node {i} has depth {d[i]}, its parents give {steps}")
-        seen = set()
-        t = tok[b, :size].tolist()
-        for i in range(1, size):
-            if (p[i], t[i]) in seen:
-                raise ValueError(f"tree {b}: node {p[i]} has two children with token {t[i]}")
-            seen.add((p[i], t[i]))
         if size < tree.width and (bool((par[b, size:] != -1).any()) or bool((dep[b, size:] != -1).any())):
             raise ValueError(f"tree {b}: padding past num_nodes must be -1")
+    _host_check_siblings(par, tok, list(tree.num_nodes_host))
