@@ -19,6 +19,7 @@ from kdtree_engine.bench.timing import capture_graph
 from kdtree_engine.testing import (TOLERANCES, CaseSpec, build_case, chain_tree, compare, device_tables,
                                    random_tree)
 from kdtree_engine.verify import api
+from kdtree_engine.verify import plan as plan_mod
 from kdtree_engine.verify.plan import (HOPPER_COSTS, LINE_OVER_LOCKSTEP, MIN_SPLIT_TILES, TRITON_COSTS, FlashConfig,
                                        VerifyPlan, cuts_row_blocks, device_parts, rounds_apply, schedule,
                                        schedule_candidates, schedule_cost, whole_segments_apply)
@@ -335,6 +336,22 @@ def test_device_schedule_for_prefers_parts_where_the_line_is_hbm_bound():
     wide = VerifyPlan(6, 16, 128, DEVICE, config=CONFIGS[1], num_programs=132, costs=HOPPER_COSTS)
     assert wide.device_schedule_for(np.full(6, 131072 + 16), np.arange(7) * 16) == "parts"
     assert p.device_schedule_for(np.array([131072 + 9, 40, 4000, 9]), np.array([0, 9, 10, 19, 20])) == "line"
+
+
+def test_device_schedule_for_prices_the_parts_tail_it_writes():
+    """Where the device writes the KV parts with their tail, the host's pick prices them as a tail
+    (:func:`~kdtree_engine.verify.plan.candidate_cost`: the tail's segment margin), as the host's
+    plan does: here (128 heads x 20 nodes, 4 ragged sequences, 114 programs) the tail costs 270
+    tile times, the line 280.8 and the tail with its margin 284.6, so the pick is the line; priced
+    without the margin it was the parts. (At 16 heads x 75 nodes x 8 x 4096, where the line ties
+    with the tail unmargined, the H100 ran the line in 0.67x the tail's time: perf log run 56.)"""
+    p = VerifyPlan(4, 20, 128, DEVICE, config=CONFIGS[1], num_programs=114, costs=HOPPER_COSTS)
+    kv, qo = np.array([777, 11531, 12439, 9704]), np.arange(5) * 20
+    R, T = p.blocks_and_tiles(kv, np.full(4, 20))
+    tail = plan_mod._device_parts_candidate(R, T, 114, HOPPER_COSTS)
+    line = plan_mod.candidate_cost("line", schedule(R, T, 114, only="line"), T, HOPPER_COSTS)
+    assert tail.name == "parts_tail" and schedule_cost(tail.pieces, HOPPER_COSTS) < line < tail.cost
+    assert p.device_schedule_for(kv, qo) == "line"
 
 
 def test_device_schedule_for_takes_rounds_where_a_sequence_outgrows_half_the_programs():

@@ -453,10 +453,17 @@ def device_parts(row_blocks, tiles, num_programs: int, costs: ScheduleCosts = TR
     tree size, ``2 L`` at most the programs with work): with the programs the parts leave idle on
     the KV's last tiles (``schedule(..., only="parts_tail")``) where ``L`` does not divide those
     programs and a tail of a tile or more exists, else the parts alone (``only="parts"``)."""
+    return _device_parts_candidate(row_blocks, tiles, num_programs, costs).pieces
+
+
+def _device_parts_candidate(row_blocks, tiles, num_programs: int, costs: ScheduleCosts = TRITON_COSTS) -> Candidate:
+    """:func:`device_parts` as a :class:`Candidate`: named ``"parts_tail"`` where it has the tail and
+    priced as one (:func:`candidate_cost`: the tail's segment margin), else ``"parts"``."""
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
     tail = _first_tail(R, T, programs_with_work(R, T, num_programs), costs)
-    return tail if tail is not None else schedule(R, T, num_programs, only="parts")
+    name, pieces = ("parts_tail", tail) if tail is not None else ("parts", schedule(R, T, num_programs, only="parts"))
+    return Candidate(name, pieces, candidate_cost(name, pieces, T, costs))
 
 
 def _first_tail(R: np.ndarray, T: np.ndarray, P: int, costs: ScheduleCosts) -> Pieces | None:
@@ -970,7 +977,8 @@ class VerifyPlan:
         writes the same tables, and past them its own rules as the lengths grow), else the
         cheapest of ``"line"``, ``"parts"`` and ``"rounds"`` where they apply by the plan's cost
         model (:func:`schedule_cost` under :attr:`costs`; a line that cuts row blocks at
-        :data:`LINE_OVER_LOCKSTEP` times its cost where ``costs.lockstep`` is set, as on the host)."""
+        :data:`LINE_OVER_LOCKSTEP` times its cost where ``costs.lockstep`` is set, and the parts with
+        the tail the device writes at the tail's margin, as on the host: :func:`candidate_cost`)."""
         kv, qo = check_lengths(kv_lens, qo_indptr)
         R, T = self.blocks_and_tiles(kv, np.minimum(qo[1:] - qo[:-1], self.max_tree_nodes))
         if whole_segments_apply(R, T, self.num_programs):
@@ -981,9 +989,8 @@ class VerifyPlan:
             kinds = ("line", "parts")
         else:
             return "line"
-        pieces = [device_parts(R, T, self.num_programs, self.costs) if k == "parts"
-                  else schedule(R, T, self.num_programs, only=k) for k in kinds]
-        costs = [candidate_cost(k, p, T, self.costs) for k, p in zip(kinds, pieces)]
+        costs = [_device_parts_candidate(R, T, self.num_programs, self.costs).cost if k == "parts"
+                 else candidate_cost(k, schedule(R, T, self.num_programs, only=k), T, self.costs) for k in kinds]
         return kinds[costs.index(min(costs))]
 
     @staticmethod
