@@ -81,8 +81,10 @@ def combine_items(
     at once, folded in slot order into a running max, sum and output (the rescale of online
     softmax). Latency, not bandwidth, bounds a merge on few programs (a fused kernel's: one per SM),
     so an item waits for one round trip to L2 per ``BLOCK_S`` splits and no more: its group's table
-    entries were loaded by the item before, and rows past the sequence's last are read (their slots
-    exist: zeroed when the plan made them, or left by earlier calls) and only their stores masked.
+    entries were loaded by the item before. An item whose rows are all past the sequence's last
+    (a row block's padding: H x nodes not a multiple of ``BLOCK_M``) reads nothing; in an item that
+    holds the last row, the rows past it are read (their slots exist: zeroed when the plan made
+    them, or left by earlier calls) and only their stores masked.
     The partials are read past L1 (``.cg``): in a fused kernel other programs wrote them."""
     o_d = tl.arange(0, D_LATENT)
     o_s = tl.arange(0, BLOCK_S)
@@ -103,7 +105,9 @@ def combine_items(
         b_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_R], tl.float32)
         b_acc = tl.zeros([BLOCK_R, D_LATENT], tl.float32)
-        for s0 in range(0, count, BLOCK_S):
+        # an item wholly past its sequence's rows (the padding of a block that is not full) reads nothing
+        n_splits = tl.where(row0 + (item % chunks) * BLOCK_R < n_rows, count, 0)
+        for s0 in range(0, n_splits, BLOCK_S):
             m_s = s0 + o_s < count
             o_p = (first + s0 + o_s).to(tl.int64)[:, None] * BLOCK_M + o_r[None, :]  # [S, R]
             b_lse2 = tl.load(partial_lse + o_p, mask=m_s[:, None], other=float("-inf"), cache_modifier=".cg")

@@ -678,7 +678,9 @@ if HAVE_GLUON:
             b_m = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=ROW_SR)
             b_l = gl.zeros([BLOCK_R], gl.float32, layout=ROW_SR)
             b_acc = gl.zeros([BLOCK_R, D_LAT], gl.float32, layout=RD)
-            for s0 in range(0, count, BLOCK_S):
+            # an item wholly past its sequence's rows (the padding of a block that is not full) reads nothing
+            n_splits = gl.where(row0 + (item % chunks) * BLOCK_R < n_rows, count, 0)
+            for s0 in range(0, n_splits, BLOCK_S):
                 m_s = gl.expand_dims(s0 + o_s < count, 1)  # [S, 1]
                 o_p = gl.expand_dims((first + s0 + o_s).to(gl.int64), 1) * BLOCK_M + gl.expand_dims(o_r, 0)  # [S, R]
                 b_lse2 = gl.load(partial_lse + o_p, mask=m_s, other=float("-inf"), cache_modifier=".cg")
