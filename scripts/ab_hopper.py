@@ -41,13 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hopper_timeline import module_from_source, variant_source  # noqa: E402
-from tune_flash import make_inputs, time_graph  # noqa: E402
+from tune_flash import equal_step, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
 from kdtree_engine.verify import combine, hopper  # noqa: E402
-from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
@@ -107,8 +106,7 @@ def main() -> None:
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, [prefix + n] * B, ps)
-        plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
+        c, plan = equal_step(H, n, B, prefix, ps)
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}

@@ -68,11 +68,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_flash import make_inputs, time_graph  # noqa: E402
+from tune_flash import equal_step, time_graph  # noqa: E402
 
 from kdtree_engine.verify import combine, hopper  # noqa: E402
 from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
-from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 NPOINTS = 12
 # per program, by the kernel's default warps (consumer 0's, which also merge): entry, partitions joined,
@@ -414,8 +413,7 @@ def main() -> None:
     results = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, [prefix + n] * B, ps)
-        plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
+        c, plan = equal_step(H, n, B, prefix, ps)
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         P = plan.num_programs

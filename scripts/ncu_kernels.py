@@ -6,7 +6,7 @@ and fused: one kernel that merges its splits itself), timed apart by Nsight Comp
 
 (``PYTHONPATH=src``; ``--flashmla``: the folder of FlashMLA's loader, as ``kdtree bench --flashmla``
 takes it, default ``.peers/flashmla``.)
-Shapes ``H x nodes x B x prefix``, page 64, random inputs (``scripts/tune_flash.make_inputs``);
+Shapes ``H x nodes x B x prefix``, page 64, random inputs (``scripts/tune_flash.equal_step``);
 FlashMLA runs its causal mask (a chain tree) on the same KV, ours the inputs' random trees (the same
 work, perf log run 31). Per shape, twice: FlashMLA (metadata once, then its main and combine
 kernels), ours unfused, ours fused. The bench's graph replay cannot split a call into its
@@ -33,12 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ab_hopper import planned_call  # noqa: E402
 from hopper_cuda_verify import CudaKernel  # noqa: E402
-from tune_flash import make_inputs  # noqa: E402
+from tune_flash import equal_step  # noqa: E402
 
 from kdtree_engine.bench.flashmla import load_flashmla_module  # noqa: E402
 from kdtree_engine.bench.peers import Unavailable  # noqa: E402
 from kdtree_engine.verify import hopper  # noqa: E402
-from kdtree_engine.verify.plan import plan_verify  # noqa: E402
 
 
 STALLS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "gmma", "imc_miss", "lg_throttle",
@@ -80,10 +79,9 @@ def main() -> None:
         p.error(str(e))
     for text in a.shapes.split(","):
         H, n, B, prefix = (int(x) for x in text.split("x"))
-        c = make_inputs(H, n, [prefix + n] * B, 64)
+        c, plan = equal_step(H, n, B, prefix, 64)
         meta, num_splits = fm.get_mla_metadata(c["kv_lens"], n, H, 1)
         num_pages = c["kv_cache"].shape[0]
-        plan = plan_verify([prefix + n] * B, list(range(0, B * n + 1, n)), H, "cuda")
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
         unfused = planned_call(hopper, c, plan, out, lse, fused=False)

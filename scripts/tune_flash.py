@@ -91,6 +91,13 @@ def make_inputs(H: int, n: int, lens: list[int], page_size: int, *, seed: int = 
                 tree_mask=tree_mask)
 
 
+def equal_step(H: int, n: int, B: int, prefix: int, page_size: int):
+    """:func:`make_inputs` for ``B`` sequences of ``prefix + n`` tokens (``n`` tree nodes each) and
+    the host plan of those lengths: ``(inputs, plan)``."""
+    lens = [prefix + n] * B
+    return make_inputs(H, n, lens, page_size), plan_verify(lens, list(range(0, B * n + 1, n)), H, "cuda")
+
+
 def compiled_report(kernel_fn) -> dict:
     """Registers, spills, shared memory and wgmma use of the most recently compiled variant."""
     try:

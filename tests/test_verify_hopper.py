@@ -233,21 +233,23 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 
 def test_scripts_call_make_inputs_as_it_is_defined():
-    """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` passes the
-    arguments it takes (its signature changed once, from ``(H, n, B, prefix, page_size)`` to the KV
-    lengths, and four GPU-only scripts then stopped at their first shape; the seed is keyword-only,
-    so such a call no longer binds)."""
+    """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` or
+    ``equal_step`` passes the arguments it takes (``make_inputs``'s signature changed once, from
+    ``(H, n, B, prefix, page_size)`` to the KV lengths, and four GPU-only scripts then stopped at
+    their first shape; the seed is keyword-only, so such a call no longer binds)."""
     import ast
     import inspect
 
-    signature = inspect.signature(load_script("tune_flash").make_inputs)
-    calls = 0
+    tune = load_script("tune_flash")
+    signatures = {name: inspect.signature(getattr(tune, name)) for name in ("make_inputs", "equal_step")}
+    calls = dict.fromkeys(signatures, 0)
     for path in sorted((Path(__file__).parent.parent / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "make_inputs":
-                calls += 1
-                signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})
-    assert calls >= 5
+            name = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+            if name in signatures:
+                calls[name] += 1
+                signatures[name].bind(*node.args, **{k.arg: k.value for k in node.keywords})
+    assert calls["make_inputs"] >= 3 and calls["equal_step"] >= 3, calls
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):
