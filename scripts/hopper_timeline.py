@@ -14,7 +14,8 @@ plan's grid fits the GPU: one cooperative launch that merges its splits after a 
 Every anchor must be found as often as ``EDITS`` says, else the script stops: the kernel changed
 (tests/test_verify_hopper.py checks the anchors on the CPU).
 
-Per program (``PHASES``, stamped by the kernel's default warps): its entry, the partitions' join,
+Per program (``PHASES``, stamped by the kernel's default warps): its entry (once the call before it
+has ended: the stamps, as every global access, follow the grid wait), the partitions' join,
 the grid barrier passed and its share of the merge done; with consumer 0's first step start and
 last step end, printed as the phases ``start`` (Q and the first tiles), ``loop``, ``end`` (row sums,
 stores, the other partitions finishing; split by three more stamps of consumer 0 in its last
@@ -43,6 +44,9 @@ s of both consumers is the same tile pair):
   writes fall, run 29 having found the kernel bound by shared memory. Printed as a joint line,
   cycles after consumer 0's start of the step the copies feed (negative: issued during the step
   before).
+
+The JSON also keeps each program's phases, its SM (``%smid``) and its segments (``programs``), to
+relate a program's time to its work and place.
 
 Printed per shape and consumer: the median over programs and steps of each interval (cycles),
 the step's median, and the stamped kernel's time against the unstamped kernel's (CUDA-graph
@@ -79,7 +83,7 @@ NPOINTS = 12
 # and in its last segment's epilogue: its last PV retired, the row sums swapped with consumer 1, its
 # output (or partial) stores issued; and in the merge, its first item's first round of splits
 # accumulated (their loads returned) and that item's stores issued
-PHASES = ("entry", "joined", "barrier", "merged", "last_pv", "swapped", "stored", "item_round", "item_stored")
+PHASES = ("entry", "joined", "barrier", "merged", "last_pv", "swapped", "stored", "item_round", "item_stored", "sm")
 # the loader's points (trace index 2): the copy of each chunk of a step's two tiles issued (its last reader done)
 LOADER_POINTS = ("rope0", "left0", "right0", "rope1", "left1", "right1")
 CHAIN = 10  # points 0..9 follow each other in a step; 10 and 11 lie between 1 and 2 (the QK's chunks)
@@ -98,6 +102,13 @@ STAMP_FN = '''
         """%clock64 into the program's phase POINT, after the steps' region of trace."""
         t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         gl.store(trace + gl.num_programs(0) * 3 * MAX_STEPS * NPOINTS + gl.program_id(0) * NPHASES + POINT, t)
+
+    @gluon.jit
+    def _phase_sm(trace, POINT: gl.constexpr):
+        """The SM the program runs on (%smid) into its phase POINT."""
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+        gl.store(trace + gl.num_programs(0) * 3 * MAX_STEPS * NPOINTS + gl.program_id(0) * NPHASES + POINT,
+                 sm.to(gl.int64))
 
     @gluon.jit
     def _copy_rows('''
@@ -197,7 +208,10 @@ EDITS = [
      "                acc = warpgroup_mma_wait(1, deps=[acc])\n                _stamp(trace, steps, 8, WG)\n", 1),
     ("        steps += 1\n", "        _stamp(trace, steps, 9, WG)\n        steps += 1\n", 1),
     # the program's phases (PHASES)
-    ("        gl.static_assert(num_warps == 4)\n", "        gl.static_assert(num_warps == 4)\n        _phase(trace, 0)\n", 1),
+    # (after the grid wait, as every global access of the kernel: the entry is when the call before ended)
+    ("        gl.static_assert(num_warps == 4)\n",
+     "        gl.static_assert(num_warps == 4)\n        _wait_prior_grid()\n        _phase(trace, 0)\n"
+     "        _phase_sm(trace, 9)\n", 1),
     ("        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n",
      "        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n        _phase(trace, 1)\n", 1),
     ("        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
@@ -359,43 +373,54 @@ def intervals(trace: torch.Tensor) -> dict:
     return res
 
 
-def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
-    """Per program (``stamps [P, len(PHASES)]``, -1: not reached; ``trace`` the steps' stamps):
-    cycles from entry to consumer 0's first step (``start``: Q and the first tiles), over its steps
-    (``loop``, whole only where no step went unstamped), from its last step's end to the partitions'
-    join (``end``: row sums, output or partial stores, the other partitions finishing; split into
-    ``end_pv``, its last PV, ``end_swap``, the wait for consumer 1's row sums, ``end_store``, its
-    stores issued, and ``end_join``, the other partitions finishing), then the grid barrier's wait
-    (``barrier``) and the merge (``merge``; of it, from the barrier to the first item's first round
-    of splits accumulated, ``merge_round1``, and to that item's stores issued, ``merge_item1``).
-    Smallest, median and largest over programs."""
+def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
+    """Per program (``stamps [P, len(PHASES)]``, -1: not reached; ``trace`` the steps' stamps), a
+    list over the programs of each phase (None where the program has no such figure): cycles from
+    entry to consumer 0's first step (``start``: Q and the first tiles), over its steps (``loop``,
+    whole only where no step went unstamped; ``steps``, how many), from its last step's end to the
+    partitions' join (``end``: row sums, output or partial stores, the other partitions finishing;
+    split into ``end_pv``, its last PV, ``end_swap``, the wait for consumer 1's row sums,
+    ``end_store``, its stores issued, and ``end_join``, the other partitions finishing), then the
+    grid barrier's wait (``barrier``) and the merge (``merge``; of it, from the barrier to the first
+    item's first round of splits accumulated, ``merge_round1``, and to that item's stores issued,
+    ``merge_item1``); ``total``, and the SM the program ran on (``sm``). Programs without a step
+    (no work, or the kernel changed) have None throughout."""
     c0 = trace[:, 0]  # [P, S, N]
-    rows = {k: [] for k in ("start", "loop", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier",
-                            "merge", "merge_round1", "merge_item1", "total")}
+    keys = ("start", "loop", "steps", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier", "merge",
+            "merge_round1", "merge_item1", "total", "sm")
+    rows = {k: [None] * stamps.shape[0] for k in keys}
     for prog in range(stamps.shape[0]):
-        entry, joined, barrier, merged, last_pv, swapped, stored, item_round, item_stored = stamps[prog].tolist()
+        entry, joined, barrier, merged, last_pv, swapped, stored, item_round, item_stored, sm = stamps[prog].tolist()
         starts, ends = c0[prog, :, 0], c0[prog, :, CHAIN - 1]
         if entry < 0 or joined < 0 or not bool((starts >= 0).any()) or not bool((ends >= 0).any()):
             continue  # no step (a program without work), or the kernel changed
         first, last = int(starts[starts >= 0][0]), int(ends[ends >= 0][-1])
-        rows["start"].append(first - entry)
+        row = {"start": first - entry, "sm": sm}
         if int((starts >= 0).sum()) < c0.shape[1]:  # a slot left: every step was stamped
-            rows["loop"].append(last - first)
-            rows["end"].append(joined - last)
+            row.update(loop=last - first, steps=int((starts >= 0).sum()), end=joined - last)
             if min(last_pv, swapped, stored) >= 0:
-                for k, (a, b) in {"end_pv": (last, last_pv), "end_swap": (last_pv, swapped),
-                                  "end_store": (swapped, stored), "end_join": (stored, joined)}.items():
-                    rows[k].append(b - a)
+                row.update(end_pv=last_pv - last, end_swap=swapped - last_pv, end_store=stored - swapped,
+                           end_join=joined - stored)
         if barrier >= 0:
-            rows["barrier"].append(barrier - joined)
+            row["barrier"] = barrier - joined
         if merged >= 0:
-            rows["merge"].append(merged - barrier)
+            row["merge"] = merged - barrier
             if min(item_round, item_stored) >= 0:
-                rows["merge_round1"].append(item_round - barrier)
-                rows["merge_item1"].append(item_stored - barrier)
-        rows["total"].append(max(joined, barrier, merged) - entry)
-    return {k: ({"min": min(v), "median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None)
-            for k, v in rows.items()}
+                row.update(merge_round1=item_round - barrier, merge_item1=item_stored - barrier)
+        row["total"] = max(joined, barrier, merged) - entry
+        for k, v in row.items():
+            rows[k][prog] = v
+    return rows
+
+
+def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
+    """:func:`program_phases`' cycles, smallest, median and largest over the programs that have them."""
+    out = {}
+    for k, values in program_phases(trace, stamps).items():
+        v = [x for x in values if x is not None]
+        if k not in ("steps", "sm"):
+            out[k] = {"min": min(v), "median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None
+    return out
 
 
 def main() -> None:
@@ -425,9 +450,13 @@ def main() -> None:
         buf.fill_(-1)
         stamped()
         torch.cuda.synchronize()
+        stamps = buf[P * 3 * a.steps * NPOINTS:].view(P, len(PHASES)).cpu()
+        first, seg = plan.tables.prog_first_seg.tolist(), [r.tolist() for r in plan.tables.segment_rows[:4]]
         row = dict(shape=text, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
-                   groups=plan.num_groups, **intervals(trace.cpu()),
-                   phases=phases(trace.cpu(), buf[P * 3 * a.steps * NPOINTS:].view(P, len(PHASES)).cpu()))
+                   groups=plan.num_groups, **intervals(trace.cpu()), phases=phases(trace.cpu(), stamps),
+                   programs=dict(program_phases(trace.cpu(), stamps),  # and each program's (seq, row0, kv_start, kv_end)
+                                 pieces=None if plan.tables.in_kernel else  # (the kernel schedules one sequence itself)
+                                 [[[r[i] for r in seg] for i in range(first[q], first[q + 1])] for q in range(P)]))
         results.append(row)
         print(f"{text}: main kernel {plain_us:.1f} us, stamped {stamped_us:.1f} us, {plan.num_segments} segments, "
               f"{plan.num_groups} split groups")

@@ -292,7 +292,7 @@ def test_timeline_phases_of_a_program():
     """scripts/hopper_timeline.py's program phases: entry -> consumer 0's first step (start), its
     steps (loop, only where every step was stamped), its last step's end -> the join (end, and its
     four parts), the grid barrier's wait and the merge (and its first item's two stamps); a program
-    that never reached its join is left out."""
+    that never reached its join is left out; and per program, with its SM."""
     timeline = load_script("hopper_timeline")
     n, steps = timeline.NPOINTS, 4
     trace = torch.full((3, 3, steps, n), -1, dtype=torch.int64)
@@ -302,8 +302,9 @@ def test_timeline_phases_of_a_program():
     trace[1, 0, :, timeline.CHAIN - 1] = torch.tensor([59, 69, 79, 89])
     # entry, joined, barrier, merged, consumer 0's epilogue (last PV, row sums swapped, stores issued),
     # the merge's first item (first round accumulated, stores issued)
-    stamps = torch.tensor([[10, 600, 900, 1000, 500, 540, 580, 930, 950], [0, 200, 250, -1, -1, -1, -1, -1, -1],
-                           [5, -1, -1, -1, -1, -1, -1, -1, -1]])
+    # and the SM
+    stamps = torch.tensor([[10, 600, 900, 1000, 500, 540, 580, 930, 950, 7], [0, 200, 250, -1, -1, -1, -1, -1, -1, 3],
+                           [5, -1, -1, -1, -1, -1, -1, -1, -1, 0]])
     ph = timeline.phases(trace, stamps)
     assert ph["start"] == {"min": 50, "median": 70, "max": 90, "programs": 2}
     assert ph["loop"] == {"min": 380, "median": 380, "max": 380, "programs": 1}  # program 1's steps may run past the slots
@@ -312,3 +313,6 @@ def test_timeline_phases_of_a_program():
     assert [ph[k]["median"] for k in ("end_pv", "end_swap", "end_store", "end_join")] == [20, 40, 40, 20]
     assert ph["merge_round1"]["median"] == 30 and ph["merge_item1"] == {"min": 50, "median": 50, "max": 50, "programs": 1}
     assert ph["merge"] == {"min": 100, "median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990
+    per = timeline.program_phases(trace, stamps)  # the same figures per program, None where it has none
+    assert per["sm"] == [7, 3, None] and per["steps"] == [2, None, None] and per["loop"] == [380, None, None]
+    assert per["barrier"] == [300, 50, None] and per["total"] == [990, 250, None] and "sm" not in ph
