@@ -423,6 +423,28 @@ def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     return out
 
 
+def loop_spread(programs: dict, block_m: int) -> list[str]:
+    """What the programs' loops follow (``programs``: :func:`program_phases`' lists and ``pieces``,
+    each program's segments ``[seq, row0, kv_start, kv_end]``, or None): cycles a step, their
+    median by the row block of each program's first segment, and the three fastest and slowest
+    programs with their SM and segments."""
+    per = sorted(((q, loop / steps) for q, (loop, steps) in enumerate(zip(programs["loop"], programs["steps"]))
+                  if loop is not None and steps), key=lambda x: x[1])
+    pieces = programs.get("pieces")
+    lines = []
+    if pieces:
+        by = {}
+        for q, c in per:
+            by.setdefault(pieces[q][0][1] // block_m, []).append(c)
+        lines.append("loop, cycles a step, median by row block (programs): " + "  ".join(
+            f"{r}: {statistics.median(v):.0f} ({len(v)})" for r, v in sorted(by.items())))
+    for name, picked in (("fastest", per[:3]), ("slowest", per[::-1][:3])):
+        lines.append(f"{name}: " + "; ".join(
+            f"program {q} on SM {programs['sm'][q]}, {c:.0f} a step x {programs['steps'][q]}"
+            + (f", segments {pieces[q]}" if pieces else "") for q, c in picked))
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x33x4x16384x64,64x9x1x131072x64,128x33x1x16384x64,16x9x4x16384x64,"
@@ -462,6 +484,8 @@ def main() -> None:
               f"{plan.num_groups} split groups")
         print("  program phases, cycles (smallest / median / largest over programs): " + "  ".join(
             f"{k} {v['min']:.0f} / {v['median']:.0f} / {v['max']:.0f}" for k, v in row["phases"].items() if v is not None))
+        for line in loop_spread(row["programs"], plan.config.block_m):
+            print("  " + line)
         for wg in range(2):
             r = row[f"consumer{wg}"]
             print(f"  consumer {wg} ({r['steps']} steps): " + "  ".join(

@@ -316,3 +316,17 @@ def test_timeline_phases_of_a_program():
     per = timeline.program_phases(trace, stamps)  # the same figures per program, None where it has none
     assert per["sm"] == [7, 3, None] and per["steps"] == [2, None, None] and per["loop"] == [380, None, None]
     assert per["barrier"] == [300, 50, None] and per["total"] == [990, 250, None] and "sm" not in ph
+
+
+def test_timeline_loop_spread_by_row_block():
+    """scripts/hopper_timeline.py's reading of the programs' loops: cycles a step, by the row block of
+    each program's first segment, and the fastest and slowest programs with their SM and segments
+    (programs without a whole loop left out)."""
+    timeline = load_script("hopper_timeline")
+    programs = {"loop": [1000, 1200, 900, None, 3000], "steps": [10, 10, 9, None, 20], "sm": [0, 1, 2, 3, 4],
+                "pieces": [[[0, 0, 0, 64]], [[0, 64, 0, 64]], [[0, 128, 0, 64]], [[1, 0, 0, 64]], [[1, 128, 64, 128]]]}
+    lines = timeline.loop_spread(programs, 64)
+    assert lines[0] == "loop, cycles a step, median by row block (programs): 0: 100 (1)  1: 120 (1)  2: 125 (2)"
+    assert lines[1].startswith("fastest: program 0 on SM 0, 100 a step x 10, segments [[0, 0, 0, 64]]; program 2 on")
+    assert lines[2].startswith("slowest: program 4 on SM 4, 150 a step x 20") and "program 3" not in lines[2]
+    assert timeline.loop_spread(dict(programs, pieces=None), 64)[0].startswith("fastest: program 0 on SM 0, 100")
