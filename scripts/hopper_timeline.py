@@ -413,10 +413,11 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     return rows
 
 
-def phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
-    """:func:`program_phases`' cycles, smallest, median and largest over the programs that have them."""
+def phases(programs: dict) -> dict:
+    """:func:`program_phases`' cycles (``programs``), smallest, median and largest over the programs
+    that have them."""
     out = {}
-    for k, values in program_phases(trace, stamps).items():
+    for k, values in programs.items():
         v = [x for x in values if x is not None]
         if k not in ("steps", "sm"):
             out[k] = {"min": min(v), "median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None
@@ -474,9 +475,10 @@ def main() -> None:
         torch.cuda.synchronize()
         stamps = buf[P * 3 * a.steps * NPOINTS:].view(P, len(PHASES)).cpu()
         first, seg = plan.tables.prog_first_seg.tolist(), [r.tolist() for r in plan.tables.segment_rows[:4]]
+        per = program_phases(trace.cpu(), stamps)
         row = dict(shape=text, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
-                   groups=plan.num_groups, **intervals(trace.cpu()), phases=phases(trace.cpu(), stamps),
-                   programs=dict(program_phases(trace.cpu(), stamps),  # and each program's (seq, row0, kv_start, kv_end)
+                   groups=plan.num_groups, **intervals(trace.cpu()), phases=phases(per),
+                   programs=dict(per,  # and each program's (seq, row0, kv_start, kv_end)
                                  pieces=None if plan.tables.in_kernel else  # (the kernel schedules one sequence itself)
                                  [[[r[i] for r in seg] for i in range(first[q], first[q + 1])] for q in range(P)]))
         results.append(row)

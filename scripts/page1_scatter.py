@@ -89,7 +89,7 @@ def main() -> None:
     for shape in a.shapes.split(","):
         H, n, B, prefix = (int(x) for x in shape.split("x"))
         L = prefix + n
-        c = make_inputs(H, n, [prefix + n] * B, 64)
+        c = make_inputs(H, n, [L] * B, 64)
         attn = VerifyAttention(B, n, H, "cuda", kernel="hopper")
         attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
         outs, calls, floors = {}, {}, {}
