@@ -7,8 +7,9 @@
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
 file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### ablation NAME``) of a
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
-applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``unfused``,
-this tree's kernel with the separate combine kernel (``combine.FUSED_COMBINE = False``); or ``cuda`` /
+applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``fused`` /
+``unfused``, this tree's kernel merging the splits of every group count itself / none (the combine
+kernel after it; ``hopper.FUSED_MERGE_MAX_GROUPS`` decides between the two for the base); or ``cuda`` /
 ``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
 (e.g. ``cuda:-DKD_TMA=0``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
@@ -46,21 +47,26 @@ from tune_flash import equal_step, time_graph  # noqa: E402
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
-from kdtree_engine.verify import combine, hopper  # noqa: E402
+from kdtree_engine.verify import hopper  # noqa: E402
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
-def planned_call(module, c, plan, out, lse, fused: bool = True, sm_scale: float = 1.0 / math.sqrt(576)):
-    """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``fused``: the
-    kernel merges its splits itself where it can, see :mod:`kdtree_engine.verify.combine`)."""
+def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None,
+                 sm_scale: float = 1.0 / math.sqrt(576)):
+    """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``max_fused_groups``:
+    in place of the module's ``FUSED_MERGE_MAX_GROUPS``, where it has one: the most split groups the
+    kernel merges itself, see :mod:`kdtree_engine.verify.combine`)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
-    combine.FUSED_COMBINE = fused
+    kept = getattr(module, "FUSED_MERGE_MAX_GROUPS", None)
+    if max_fused_groups is not None and kept is not None:
+        module.FUSED_MERGE_MAX_GROUPS = max_fused_groups
     try:
         launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
     finally:
-        combine.FUSED_COMBINE = True
+        if kept is not None:
+            module.FUSED_MERGE_MAX_GROUPS = kept
     ptrs = tuple(t.data_ptr() for t in tensors)
     return lambda: launch(tensors, ptrs, plan.num_groups)
 
@@ -91,18 +97,18 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
-    kernels = {"base": (hopper, True)}
+    kernels = {"base": (hopper, None)}
     for spec in a.variants:
-        if spec == "unfused":
-            kernels[spec] = (hopper, False)
+        if spec in ("fused", "unfused"):  # this tree's kernel merging any group count itself, or none
+            kernels[spec] = (hopper, 1 << 30 if spec == "fused" else -1)
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
-            kernels[spec] = (CudaKernel(spec[5:]), True)
+            kernels[spec] = (CudaKernel(spec[5:]), None)
             continue
         name, source = variant_source(spec)
-        kernels[name] = (module_from_source(source, f"variant_{name}"), True)
+        kernels[name] = (module_from_source(source, f"variant_{name}"), None)
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
@@ -110,10 +116,10 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}
-        for name, (module, fused) in kernels.items():
+        for name, (module, max_fused_groups) in kernels.items():
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-            call = planned_call(module, c, plan, out, lse, fused)
+            call = planned_call(module, c, plan, out, lse, max_fused_groups)
             plan.tables.partial_out.fill_(float("nan"))
             plan.tables.partial_lse.fill_(float("nan"))
             call()

@@ -41,7 +41,7 @@ def compile_config(cfg: plan.FlashConfig, cc: int, heads: int, page_size: int):
             sig[name] = POINTERS[name]
         elif name == "scale_log2":
             sig[name] = "fp32"
-        elif name.startswith("stride") or name == "mask_words":
+        elif name.startswith("stride") or name in ("mask_words", "merge_splits"):
             sig[name] = "i32"
         else:
             sig[name] = "*i32"  # page table, lengths, mask, plan tables

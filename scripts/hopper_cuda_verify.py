@@ -29,7 +29,7 @@ import torch
 from ab_hopper import planned_call  # (scripts/: this script's directory, first on sys.path when it runs)
 from kdtree_engine import reference
 from kdtree_engine.testing import TOLERANCES, CaseSpec, build_case, chain_tree, compare, random_tree
-from kdtree_engine.verify import hopper_cuda
+from kdtree_engine.verify import combine, hopper_cuda
 from kdtree_engine.verify.plan import plan_verify
 
 
@@ -129,7 +129,11 @@ def check(kernel: CudaKernel, spec: CaseSpec, num_programs: int | None, fused: b
     plan.tables.partial_lse.fill_(float("nan"))
     out = torch.full((T, H, 512), float("nan"), device="cuda", dtype=c["q"].dtype)
     lse = torch.full((T, H), float("nan"), device="cuda", dtype=torch.float32)
-    call = planned_call(kernel, c, plan, out, lse, fused, spec.sm_scale)
+    combine.FUSED_COMBINE = fused
+    try:
+        call = planned_call(kernel, c, plan, out, lse, sm_scale=spec.sm_scale)
+    finally:
+        combine.FUSED_COMBINE = True
     call()
     first = (out.clone(), lse.clone())
     call()

@@ -56,7 +56,7 @@ def main() -> int:
             src = stamped_source(96, src)
         mod = module_from_source(src, f"compiled_{Path(path).stem}{'_stamped' if a.stamped else ''}")
         fn = mod._hopper_verify_kernel
-        types = {n: POINTERS.get(n, "*i32" if not n.startswith(("stride_", "mask_words")) else "i32")
+        types = {n: POINTERS.get(n, "*i32" if not n.startswith(("stride_", "mask_words", "merge_splits")) else "i32")
                  for n in fn.arg_names}
         types["scale_log2"] = "fp32"
         for page_size in (int(v) for v in a.page_size.split(",")):

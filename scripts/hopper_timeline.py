@@ -116,7 +116,8 @@ STAMP_FN = '''
 # (anchor, replacement): each anchor occurs exactly once (count given where more)
 EDITS = [
     ("    @gluon.jit\n    def _copy_rows(", STAMP_FN, 1),
-    ("        scale_log2,\n        H: gl.constexpr, PAGE_SIZE", "        scale_log2, trace,\n        H: gl.constexpr, PAGE_SIZE", 1),
+    ("        scale_log2, merge_splits,\n        H: gl.constexpr, PAGE_SIZE",
+     "        scale_log2, merge_splits, trace,\n        H: gl.constexpr, PAGE_SIZE", 1),
     ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                     WG: gl.constexpr",
      "stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, trace,\n                     WG: gl.constexpr", 1),
     ("stride_ot, stride_oh, stride_lt, stride_lh, scale_log2,\n                            0, H,",
@@ -321,9 +322,9 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     t = plan.tables
     args = (*tensors, t.prog_first_seg, *t.segment_rows, t.partial_out, t.partial_lse, *t.group_rows, t.group_count,
-            t.grid_barrier, *kernel_ints(*tensors), LOG2E / math.sqrt(576))
+            t.grid_barrier, *kernel_ints(*tensors), LOG2E / math.sqrt(576), 1)
     extra = () if trace is None else (trace,)
-    fused = combine.fuses(plan.tables, c["q"].device)  # as a real call: the merge in the kernel, one launch
+    fused = combine.fuses(plan.tables, c["q"].device)  # the merge in the kernel, one launch, at any group count
     consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=fused, BLOCK_S=combine.SPLITS_PER_ROUND,
                   BLOCK_R=combine.ROWS_PER_ITEM, IN_KERNEL=plan.tables.in_kernel,
                   **({"launch_cooperative_grid": True} if fused else {}))

@@ -27,7 +27,7 @@ class FakeJit:
     arg_names = ["x", "n", "scale", "C", "D"]
 
     def __init__(self):
-        self.launches = []
+        self.launches, self.warmups = [], []
         self.compiled = FakeCompiled()
 
     def __getitem__(self, grid):
@@ -35,6 +35,10 @@ class FakeJit:
             self.launches.append((grid, args, kw))
             return self.compiled
         return run
+
+    def warmup(self, *args, grid, **kw):
+        self.warmups.append((grid, args, kw))
+        return self.compiled
 
 
 @pytest.fixture
@@ -117,7 +121,7 @@ def test_planned_launch_reads_its_site_once(fake_cuda, monkeypatch):
     for fn in fns:
         fn.arg_names = ["a", "n", "C", "D"]
     main, merge = (Launch(Launcher(fn), k, (1,), (), (0,), (3,), dict(C=7, D=1)) for fn, k in zip(fns, "mc"))
-    planned = PlannedLaunch(main, merge, cuda=False)
+    planned = PlannedLaunch(None, main, merge, cuda=False)
     x = torch.zeros(8)
     planned((x,), (11,), 1)  # through Triton: each compiles and keeps its kernel
     reads.clear()
@@ -126,6 +130,62 @@ def test_planned_launch_reads_its_site_once(fake_cuda, monkeypatch):
     planned((x,), (11,), 1, (0, 55))
     assert reads == [0]
     assert [fn.compiled.calls[-1][3] for fn in fns] == [55, 55]
+
+
+def test_warmup_compiles_and_keeps_without_launching(fake_cuda, monkeypatch):
+    """A warmed-up Launch's first call runs the kept kernel: no launch through Triton, no compile."""
+    from kdtree_engine.verify import launch as launch_module
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    monkeypatch.setattr(launch_module, "interpreting", lambda: False)
+    fn = FakeJit()
+    fn.arg_names = ["a", "n", "C", "D"]
+    launch = Launch(Launcher(fn), "k", (2,), (), (0,), (3,), dict(C=7, D=1))
+    x = torch.zeros(8)
+    launch.warmup((x,))
+    assert fn.warmups == [((2,), (x, 3), dict(C=7, D=1))] and not fn.launches and not fn.compiled.calls
+    launch((x,), (11,))
+    assert not fn.launches and fn.compiled.calls == [(2, 1, 1, 1234, "fn", "meta", None, None, None, x, 3, 7, 1)]
+
+
+def test_warmup_under_the_interpreter_does_nothing(fake_cuda, monkeypatch):
+    from kdtree_engine.verify import launch as launch_module
+    from kdtree_engine.verify.launch import Launcher
+
+    monkeypatch.setattr(launch_module, "interpreting", lambda: True)
+    fn = FakeJit()
+    launcher = Launcher(fn)
+    launcher.warmup("k", (1,), (torch.zeros(4), 1, 1.0), dict(C=1, D=2))
+    assert not fn.warmups and launcher.kept("k") is None
+
+
+@pytest.mark.parametrize("num_groups, form", [(None, "fused"), (0, "fused"), (2, "fused"), (3, "split+merge")])
+def test_planned_launch_merges_in_the_kernel_up_to_its_limit(fake_cuda, num_groups, form):
+    """With both forms prepared, a call whose host plan split at most ``max_fused_groups`` row
+    blocks (or a device plan: the count unknown) runs the fused kernel alone, a call that split more
+    the split kernel then the combine; with the fused form alone, every call runs it; without it,
+    the combine follows unless the host knows nothing was split."""
+    from kdtree_engine.verify.combine import PlannedLaunch
+    from kdtree_engine.verify.launch import Launch, Launcher
+
+    fns = {name: FakeJit() for name in ("fused", "split", "merge")}
+    launches = {}
+    for name, fn in fns.items():
+        fn.arg_names = ["a", "n", "C", "D"]
+        launches[name] = Launch(Launcher(fn), name, (1,), (), (0,), (3,), dict(C=7, D=1))
+    x = torch.zeros(8)
+
+    def ran(planned) -> str:
+        for fn in fns.values():
+            fn.launches.clear()
+            fn.compiled.calls.clear()
+        planned((x,), (11,), num_groups)
+        return "+".join(name for name, fn in fns.items() if fn.launches or fn.compiled.calls)
+
+    assert ran(PlannedLaunch(launches["fused"], launches["split"], launches["merge"], False, 2)) == form
+    assert ran(PlannedLaunch(launches["fused"], None, None, True)) == "fused"
+    assert ran(PlannedLaunch(None, launches["split"], launches["merge"], False)) == (
+        "split" if num_groups == 0 else "split+merge")
 
 
 def test_key_tells_alignment_and_dtype():

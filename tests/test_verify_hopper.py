@@ -138,11 +138,12 @@ def test_hopper_schedules_one_sequence_itself(heads, nodes, prefix, page_size, f
 
 @requires_hopper
 @pytest.mark.parametrize("heads, prefix, few", [(16, 40000, True), (128, 4000, False)], ids=["few-groups", "many"])
-def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few):
+def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few, monkeypatch):
     """The fused merge's two tiles: ``(FEW_S, FEW_R)`` where the plan's split groups would give no
     program more than 2 items of the default tile (one sequence of 16 heads x 9 nodes: 3 row blocks
     split many ways), the default otherwise (128 heads: 18 row blocks). Both against the reference
-    and bitwise equal over two calls."""
+    and bitwise equal over two calls (the kernel merging any group count itself)."""
+    monkeypatch.setattr(hopper, "FUSED_MERGE_MAX_GROUPS", 1 << 30)
     spec = CaseSpec("merge", heads, [prefix], [chain_tree(9)], page_size=64)
     c = build_case(spec, "cuda")
     plan = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), heads, "cuda")
@@ -151,6 +152,61 @@ def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few):
     out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
     out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@requires_hopper
+def test_hopper_merge_form_follows_the_group_count_and_graphs_keep_theirs(monkeypatch):
+    """A planned call that split at most ``FUSED_MERGE_MAX_GROUPS`` row blocks merges them in the
+    kernel, one that split more in the combine kernel after it (the same compiled kernel, told at
+    run time): both against the reference, eagerly; and a CUDA graph captured in either form,
+    replayed after a re-plan to the other group count (4 sequences of 16 heads x 9 nodes, 3 row
+    blocks each: all split at 16k, only the first sequence's with the others at 200), stays right."""
+    monkeypatch.setattr(hopper, "FUSED_MERGE_MAX_GROUPS", 8)
+    c = build_case(CaseSpec("forms", 16, [16384] * 4, [chain_tree(9)] * 4, page_size=64), "cuda")
+    many = c["kv_lens"].clone()
+    few = many.clone()
+    few[1:] = 209
+    qo = c["qo_indptr"].cpu()
+    plan = plan_verify(many.cpu(), qo, 16, "cuda")
+    out = torch.empty(36, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(36, 16, device="cuda")
+
+    def replan(lens) -> int:
+        c["kv_lens"].copy_(lens)
+        plan.plan(lens.cpu(), qo)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        return plan.num_groups
+
+    def call():
+        verify_attention(**c, kernel="hopper", plan=plan, out=out, lse=lse)
+
+    def check(what: str):
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference(**c)
+        res = compare(out, ref_out, *TOLERANCES["bf16"]["out"])
+        assert res.ok, f"{what}: out {res} {res.detail}"
+        assert compare(lse, ref_lse, *TOLERANCES["bf16"]["lse"]).ok, what
+
+    counts = []
+    for lens in (many, few):
+        counts.append(replan(lens))
+        call()
+        check(f"eager, {counts[-1]} groups")
+    assert counts[0] > 8 >= counts[1] > 0, counts
+    for capture, replay in ((many, few), (few, many)):
+        replan(capture)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        groups = replan(replay)
+        g.replay()
+        check(f"captured at {counts[0] if capture is many else counts[1]} groups, replayed at {groups}")
 
 
 @pytest.mark.parametrize("kernel", HOPPER_KERNELS)

@@ -8,8 +8,10 @@ row, each row's splits in slot order (bitwise deterministic), in one of two ways
 - fused (on a GPU, when the plan's grid is at most one program per SM): the kernel itself, launched
   cooperatively (every program resident at once), meets at a grid barrier (:func:`grid_barrier`)
   after its segments and merges with its own programs (:func:`combine_items`): ONE launch per call;
-- otherwise (Triton's interpreter, which runs programs one after another; larger grids): the
-  combine kernel (:func:`_combine_kernel`) after the kernel, on a fixed grid.
+- otherwise (Triton's interpreter, which runs programs one after another; larger grids; and, for
+  a kernel that sets a limit, calls that split more row blocks than it: the combine kernel's
+  programs, more of them and on every warp of an SM, beat the fused kernel's 4 merging warps a
+  program there): the combine kernel (:func:`_combine_kernel`) after the kernel, on a fixed grid.
 
 :func:`prepare_planned` lays out the launches of such a kernel once per signature of the caller's
 tensors (:class:`~kdtree_engine.verify.launch.Launch`).
@@ -162,56 +164,79 @@ def _sm_count(index: int) -> int:
 
 
 class PlannedLaunch:
-    """The launches of one call signature of a kernel that reads a plan: the kernel, then (unless
-    it merges its splits itself) the combine kernel (:func:`prepare_planned`)."""
+    """The launches of one call signature of a kernel that reads a plan (:func:`prepare_planned`):
+    the kernel that merges its splits itself (``fused``, a cooperative launch; None where it cannot),
+    or the kernel that leaves them (``split``; None where the fused one merges every group count)
+    followed by the combine kernel (``merge``). A call whose host plan split more than
+    ``max_fused_groups`` row blocks takes the second form."""
 
-    __slots__ = ("_main", "_merge", "_cuda")
+    __slots__ = ("_fused", "_split", "_merge", "_cuda", "_max_fused")
 
-    def __init__(self, main: Launch, merge: Launch | None, cuda: bool):
-        self._main, self._merge, self._cuda = main, merge, cuda
+    def __init__(self, fused: Launch | None, split: Launch | None, merge: Launch | None, cuda: bool,
+                 max_fused_groups: int = 0):
+        self._fused, self._split, self._merge, self._cuda = fused, split, merge, cuda
+        self._max_fused = max_fused_groups
 
     def __call__(self, tensors: tuple, ptrs: tuple, num_groups: int | None,
                  site: tuple[int, int] | None = None) -> None:
         """Launch on ``tensors`` = ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out,
-        lse)`` of the prepared signature, ``ptrs`` their data pointers. A separate combine is skipped
-        when the host knows the plan split no row block (``num_groups == 0``) and no CUDA graph is
-        being captured (a captured graph must merge whatever a later plan splits); a fused kernel
-        reads the count itself. ``site``: where the launch before them went (see
+        lse)`` of the prepared signature, ``ptrs`` their data pointers. ``num_groups``: the plan's
+        split groups when the host knows them (None: a device plan; the fused form where there is
+        one). The form is chosen per call; a CUDA graph keeps the form of its capture, and either
+        form merges whatever a later plan splits. A separate combine is skipped when the host knows
+        the plan split no row block (``num_groups == 0``) and no CUDA graph is being captured; a
+        fused kernel reads the count itself. ``site``: where the launch before them went (see
         :class:`~kdtree_engine.verify.launch.Launch`; None: read here); the combine launches where
         the kernel did."""
-        site = self._main(tensors, ptrs, site)
-        if self._merge is not None and (num_groups != 0 or (self._cuda and torch.cuda.is_current_stream_capturing())):
+        if self._fused is not None and (self._split is None or num_groups is None or num_groups <= self._max_fused):
+            self._fused(tensors, ptrs, site)
+            return
+        site = self._split(tensors, ptrs, site)
+        if num_groups != 0 or (self._cuda and torch.cuda.is_current_stream_capturing()):
             self._merge(tensors, ptrs, site)
 
 
 def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale: float,
-                    out, lse, plan: FlashTables, constexprs: dict) -> PlannedLaunch:
+                    out, lse, plan: FlashTables, constexprs: dict, max_fused_groups: int | None = None) -> PlannedLaunch:
     """The launches of a kernel that reads the plan's tables (the Triton flash kernel, the Hopper
     kernel: both take ``(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
     prog_first_seg, 5 segment rows, partial_out, partial_lse, 4 group rows, group_count,
     grid_barrier, the contract's ints (:func:`~kdtree_engine.verify.contract.kernel_ints`),
-    sm_scale * log2(e))`` then ``constexprs`` and ``FUSE_COMBINE``, ``BLOCK_S``, ``BLOCK_R`` (the
-    merge's tile, which ``constexprs`` may set), ``IN_KERNEL`` (``plan.in_kernel``: the kernel
-    schedules a one-sequence step itself, :func:`~kdtree_engine.verify.scheduler.work_range`)) on
-    ``plan.num_programs`` programs, then the combine kernel unless the kernel merges the splits itself
-    (:func:`fuses`: a cooperative launch), for every call with the signature of these tensors
-    (dtypes, 16-byte alignment, shapes and strides; inputs already checked). ``key``: what else
-    determines the kernel's compilation. The plan's tables are int32 / float32 and 16-byte aligned
-    (VerifyPlan allocates them so): not in the key."""
+    sm_scale * log2(e), merge_splits)`` then ``constexprs`` and ``FUSE_COMBINE``, ``BLOCK_S``,
+    ``BLOCK_R`` (the merge's tile, which ``constexprs`` may set), ``IN_KERNEL`` (``plan.in_kernel``:
+    the kernel schedules a one-sequence step itself,
+    :func:`~kdtree_engine.verify.scheduler.work_range`)) on ``plan.num_programs`` programs, for
+    every call with the signature of these tensors (dtypes, 16-byte alignment, shapes and strides;
+    inputs already checked). ``key``: what else determines the kernel's compilation. The plan's
+    tables are int32 / float32 and 16-byte aligned (VerifyPlan allocates them so): not in the key.
+
+    ``FUSE_COMBINE`` (:func:`fuses`: a cooperative launch) lets the kernel merge its splits after a
+    grid barrier; ``merge_splits`` (a run-time 0 / 1: one compiled kernel either way) says whether
+    this launch does. Without ``FUSE_COMBINE``, the combine kernel always follows. With it, the
+    kernel merges every call's splits (``max_fused_groups`` None), or those of calls of at most
+    ``max_fused_groups`` split groups, the combine kernel (compiled here, so that no call compiles
+    it mid-decode) following the others (:class:`PlannedLaunch`).
+    """
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     ints = kernel_ints(*tensors)
     fused = fuses(plan, q.device)
     g = plan.group_rows
-    main = Launch(launcher, (spec_key(tensors, ints), *key, fused, plan.in_kernel), (plan.num_programs,), (),
-                  tuple(range(8)),
-                  (plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *g, plan.group_count,
-                   plan.grid_barrier, *ints, sm_scale * LOG2E),
-                  {"FUSE_COMBINE": fused, "BLOCK_S": SPLITS_PER_ROUND, "BLOCK_R": ROWS_PER_ITEM,
-                   "IN_KERNEL": plan.in_kernel, **constexprs,
-                   **({"launch_cooperative_grid": True} if fused else {})})
+
+    def main(merge_splits: int) -> Launch:
+        return Launch(launcher, (spec_key(tensors, ints), *key, fused, plan.in_kernel), (plan.num_programs,), (),
+                      tuple(range(8)),
+                      (plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *g,
+                       plan.group_count, plan.grid_barrier, *ints, sm_scale * LOG2E, merge_splits),
+                      {"FUSE_COMBINE": fused, "BLOCK_S": SPLITS_PER_ROUND, "BLOCK_R": ROWS_PER_ITEM,
+                       "IN_KERNEL": plan.in_kernel, **constexprs,
+                       **({"launch_cooperative_grid": True} if fused else {})})
+
+    if fused and max_fused_groups is None:
+        return PlannedLaunch(main(1), None, None, True)
+    merge = combine_launch(q, out, lse, qo_indptr, plan)
     if fused:
-        return PlannedLaunch(main, None, True)
-    return PlannedLaunch(main, combine_launch(q, out, lse, qo_indptr, plan), q.is_cuda)
+        merge.warmup(tensors)
+    return PlannedLaunch(main(1) if fused else None, main(0), merge, q.is_cuda, max_fused_groups or 0)
 
 
 def combine_launch(q, out, lse, qo_indptr, plan: FlashTables) -> Launch:

@@ -62,6 +62,9 @@ LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
 # Run 36 (H200, graph replay, 16 x 2 against 4 x 4): 0.90-0.96 of the call's time at 3 groups
 # (1 x 16 heads x 9 nodes, 16k-128k), 0.96-0.99 at 9, 0.99-1.00 at 12; 1.01-1.05 at 18-36 groups
 FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
+# a host-planned call that split more row blocks than this merges them in the combine kernel after
+# the kernel (a launch of its own) rather than in the kernel after its grid barrier: MEASURED_BELOW
+FUSED_MERGE_MAX_GROUPS = 8
 
 if HAVE_GLUON:
     # mbarriers: indices into the kernel's tuple of one-barrier allocations
@@ -538,7 +541,7 @@ if HAVE_GLUON:
                     o_ps = i_part.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
                     gl.store(partial_lse + o_ps, lse2, mask=m_rows_s)
 
-    @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
+    @gluon.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words", "merge_splits"])
     def _hopper_verify_kernel(
         q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
         prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
@@ -546,7 +549,7 @@ if HAVE_GLUON:
         group_seq, group_row0, group_first, group_splits, num_groups, barrier_word,
         stride_qt, stride_qh, stride_kvp, stride_kvs, stride_pt, stride_pp, stride_kl, stride_qo,
         stride_mt, stride_mw, mask_words, stride_ot, stride_oh, stride_lt, stride_lh,
-        scale_log2,
+        scale_log2, merge_splits,
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr, FUSE_COMBINE: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -559,11 +562,12 @@ if HAVE_GLUON:
 
         Warps: consumer 0 (the default partition, 4 warps), consumer 1 (4 warps), the loader
         (``LOADER_WARPS``). Shared memory (231,216 B of the 232,448 an H200 block may use; compiled
-        for sm_90a: 16 / 44 B of spill stores at page 64 / 1, scalars kept across the partitions):
+        for sm_90a: 32 / 68 B of spill stores at page 64 / 1, scalars kept across the partitions):
         Q ``[64, 512] + [64, 64]`` (its rope columns later hold consumer 1's P), two K stages
         ``[64, 512] + [64, 64]`` (stage w holds consumer w's tile), consumer 0's P ``[64, 64]``, the row
-        max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch), once the
-        partitions joined: the grid barrier and the program's share of the merge of the split row
+        max / row sum vectors, the mbarriers. With ``FUSE_COMBINE`` (a cooperative launch) and
+        ``merge_splits`` (run time: else the combine kernel follows), once the partitions joined: the
+        grid barrier and the program's share of the merge of the split row
         blocks (:func:`_combine_items`), when the plan split any: in ``(BLOCK_S, BLOCK_R)`` tiles
         (splits a round, rows an item), or ``(FEW_S, FEW_R)`` where those would give every program
         at most 2 items (few groups; decided on the group count the schedule wrote, so a device
@@ -626,7 +630,7 @@ if HAVE_GLUON:
         if FUSE_COMBINE:
             if not IN_KERNEL:
                 n_groups = gl.load(num_groups)
-            if n_groups > 0:
+            if (n_groups > 0) & (merge_splits != 0):
                 if n_groups * (BLOCK_M // BLOCK_R) <= 2 * gl.num_programs(0):
                     _combine_items(gl.program_id(0), gl.num_programs(0), n_groups, barrier_word, partial_out,
                                    partial_lse, out, lse, qo_indptr, group_seq, group_row0, group_first, group_splits,
@@ -745,7 +749,8 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
     """
     H, page_size = q.shape[1], kv_cache.shape[1]
     return prepare_planned(_HOPPER, (H, page_size), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale,
-                           out, lse, plan, dict(kernel_constexprs(H, page_size), launch_pdl=True))
+                           out, lse, plan, dict(kernel_constexprs(H, page_size), launch_pdl=True),
+                           FUSED_MERGE_MAX_GROUPS)
 
 
 def kernel_constexprs(H: int, page_size: int) -> dict:

@@ -17,7 +17,7 @@ arguments are laid out once, and a call passes the caller's tensors to the kept 
 data pointers (Triton's C launcher takes an int for a pointer argument and then skips its own
 ``data_ptr()`` call and ``cuPointerGetAttribute`` check, the caller having checked the devices).
 
-The layer beside :mod:`.plan` (imports torch and Triton only).
+The layer beside :mod:`.plan` (imports torch, Triton and :func:`~kdtree_engine.backend.interpreting` only).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from operator import itemgetter
 
 import torch
 from triton import knobs
+
+from ..backend import interpreting
 
 __all__ = ["Launcher", "Launch", "spec_key", "current_device", "current_stream"]
 
@@ -67,7 +69,16 @@ class Launcher:
                            current_stream(device), kernel.function, kernel.packed_metadata,
                            None, None, None, *args, *tail)
                 return
-        kernel = self.fn[grid](*args, **constexprs)
+        self._keep(key, args, constexprs, self.fn[grid](*args, **constexprs))
+
+    def warmup(self, key, grid, args, constexprs) -> None:
+        """Compile and keep the kernel of ``key`` without launching it (nothing under the
+        interpreter, or where it is kept already), so that its first launch costs no compile."""
+        if not interpreting() and self.kept(key) is None:
+            kernel = self.fn.warmup(*args, grid=grid, **constexprs)
+            self._keep(key, args, constexprs, kernel.result() if hasattr(kernel, "result") else kernel)
+
+    def _keep(self, key, args, constexprs, kernel) -> None:
         if kernel is None or not hasattr(kernel, "packed_metadata"):  # the interpreter: nothing compiled
             return
         names = self.fn.arg_names[len(args):]
@@ -127,6 +138,12 @@ class Launch:
             self._fast[current_device()] = (kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
                                             _pointers(self._head), (*_pointers(self._tail), *constexprs))
         return None
+
+    def warmup(self, tensors: tuple) -> None:
+        """Compile and keep the kernel for calls on ``tensors`` without launching it
+        (:meth:`Launcher.warmup`)."""
+        self._launcher.warmup(self._key, self._grid, (*self._head, *self._pick(tensors), *self._tail),
+                              self._constexprs)
 
 
 def _pointers(args: tuple) -> tuple:

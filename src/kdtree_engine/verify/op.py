@@ -156,9 +156,10 @@ def verify_attention_op(
     (:meth:`~kdtree_engine.verify.plan.VerifyPlan.check_fits`: the rows, the mask and the page
     table wide enough), not where it is traced. On the CPU it checks the contents too
     (:func:`~.contract.check_content`; the host's data: no sync).
-    A separate combine kernel always runs where the kernel does not merge its splits itself (the
-    host count of split groups does not cross the op); ``grid_barrier`` is the word of a fused
-    kernel's grid barrier (see :mod:`.combine`)."""
+    The plan's host count of split groups, read here too, picks the form of the merge (a fused
+    kernel, or the combine kernel after it: see :mod:`.combine`; without the plan, the combine
+    kernel always runs where the kernel does not merge its splits itself); ``grid_barrier`` is the
+    word of a fused kernel's grid barrier (see :mod:`.combine`)."""
     T, H, _ = q.shape
     plan = plan_of(plan_serial)
     if plan is not None:
@@ -169,7 +170,8 @@ def verify_attention_op(
     out = q.new_empty(T, H, D_V)
     lse = q.new_empty(T, H, dtype=torch.float32)
     tables = FlashTables(FlashConfig(block_m, block_n, num_warps, num_stages), prog_first_seg, segments, groups,
-                         group_count, grid_barrier, partial_out, partial_lse, num_groups=None,
+                         group_count, grid_barrier, partial_out, partial_lse,
+                         num_groups=None if plan is None else plan.num_groups,
                          segment_rows=segments.unbind(0), group_rows=groups.unbind(0))
     launch(resolve(kernel, q, kv_cache, tables.config), q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask,
            sm_scale, out, lse, tables)

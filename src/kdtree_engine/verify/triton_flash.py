@@ -164,9 +164,9 @@ def _attend_segment(
         tl.store(partial_lse + o_p, b_lse2, mask=m_rows)
 
 
-# Arguments that vary call to call (page-table width, mask words) are not specialised: a new
-# value must never trigger a multi-second recompile in the middle of a decode loop.
-@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words"])
+# Arguments that vary call to call (page-table width, mask words, whether this launch merges) are not
+# specialised: a new value must never trigger a multi-second recompile in the middle of a decode loop.
+@triton.jit(do_not_specialize=["stride_pt", "stride_mt", "mask_words", "merge_splits"])
 def _verify_flash_kernel(
     q, kv, page_table, kv_lens, qo_indptr, tree_mask, out, lse,
     prog_first_seg, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial,
@@ -180,6 +180,7 @@ def _verify_flash_kernel(
     stride_ot, stride_oh,
     stride_lt, stride_lh,
     scale_log2,
+    merge_splits,
     H: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -195,8 +196,9 @@ def _verify_flash_kernel(
     """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``
     (with ``IN_KERNEL``: a one-sequence step's, scheduled here from its device lengths, see
     :func:`~kdtree_engine.verify.scheduler.one_sequence_shape`; the program's split groups written
-    for the merge), then with ``FUSE_COMBINE`` (a cooperative launch) the grid barrier and its share
-    of the merge of the split row blocks (:mod:`.combine`), when the plan split any."""
+    for the merge), then with ``FUSE_COMBINE`` (a cooperative launch) and ``merge_splits`` the grid
+    barrier and its share of the merge of the split row blocks (:mod:`.combine`), when the plan
+    split any."""
     i_p = tl.program_id(0)
     first, end, step, kv_len, R, T, S = work_range(i_p, tl.num_programs(0), prog_first_seg, kv_lens, qo_indptr,
                                                    stride_qo, H, BLOCK_M, BLOCK_N, IN_KERNEL)
@@ -216,7 +218,7 @@ def _verify_flash_kernel(
     if FUSE_COMBINE:
         if not IN_KERNEL:
             n_groups = tl.load(num_groups)
-        if n_groups > 0:
+        if (n_groups > 0) & (merge_splits != 0):
             grid_barrier(barrier_word, i_p, tl.num_programs(0))
             combine_items(i_p, tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                           group_seq, group_row0, group_first, group_splits, num_groups,
