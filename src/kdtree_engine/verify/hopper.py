@@ -65,8 +65,7 @@ FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
 # a host-planned call that split more row blocks than this merges them in the combine kernel after
 # the kernel (a launch of its own) rather than in the kernel after its grid barrier. Run 57 (H100,
 # 16k prefix, split + combine against fused): 1.154 at 3 groups, 0.994 at 6, 1.005-1.012 at 9,
-# 0.982 at 12, 0.967-0.969 at 18, 0.985 at 36 (the split groups' items against the 132 programs:
-# the fused merge gives each program at most one item up to ~8 groups)
+# 0.982 at 12, 0.967-0.969 at 18, 0.985 at 36
 FUSED_MERGE_MAX_GROUPS = 9
 
 if HAVE_GLUON:
