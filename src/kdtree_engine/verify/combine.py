@@ -9,9 +9,9 @@ row, each row's splits in slot order (bitwise deterministic), in one of two ways
   cooperatively (every program resident at once), meets at a grid barrier (:func:`grid_barrier`)
   after its segments and merges with its own programs (:func:`combine_items`): ONE launch per call;
 - otherwise (Triton's interpreter, which runs programs one after another; larger grids; and, for
-  a kernel that sets a limit, calls that split more row blocks than it: the combine kernel's
-  programs, more of them and on every warp of an SM, beat the fused kernel's 4 merging warps a
-  program there): the combine kernel (:func:`_combine_kernel`) after the kernel, on a fixed grid.
+  a kernel that sets a limit, calls that split more row blocks than it, where the combine kernel
+  measured faster: ``hopper.FUSED_MERGE_MAX_GROUPS``): the combine kernel (:func:`_combine_kernel`)
+  after the kernel, on a fixed grid.
 
 :func:`prepare_planned` lays out the launches of such a kernel once per signature of the caller's
 tensors (:class:`~kdtree_engine.verify.launch.Launch`).
