@@ -209,15 +209,18 @@ def test_hopper_merge_form_follows_the_group_count_and_graphs_keep_theirs(monkey
         check(f"captured at {counts[0] if capture is many else counts[1]} groups, replayed at {groups}")
 
 
-@pytest.mark.parametrize("kernel", HOPPER_KERNELS)
+@pytest.mark.parametrize("kernel, merge", [("hopper", "fused"), ("hopper", "combine"), ("hopper_cuda", "fused")])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_a_call_reads_what_the_call_before_it_wrote(kernel, graph):
+def test_a_call_reads_what_the_call_before_it_wrote(kernel, merge, graph, monkeypatch):
     """Two planned calls back to back on one stream, the second's first KV rows (page size 1, its
     sequence 0's first 144 positions) being the first call's output (its latent columns, NaN
     before): the second reads them only once the first has written them, eagerly and replayed from
     a CUDA graph. A kernel launched as a programmatic dependent of the one before it (which may start
-    while that one runs) must wait for it before any read: this catches one that does not."""
+    while that one runs) must wait for it before any read: this catches one that does not. With
+    ``merge="combine"`` the first call's splits are merged by the combine kernel after it, which
+    writes the rows the second reads."""
     skip_unless_it_runs(kernel)
+    monkeypatch.setattr(hopper, "FUSED_MERGE_MAX_GROUPS", -1 if merge == "combine" else 1 << 30)
     a = build_case(CaseSpec("writer", 16, [3000], [random_tree(9, G)], page_size=64), "cuda")
     b = build_case(CaseSpec("reader", 8, [2000, 500], [random_tree(17, G), chain_tree(5)], seed=1), "cuda")
     rows = a["q"].shape[0] * a["q"].shape[1]  # a's output rows, one per (node, head)
