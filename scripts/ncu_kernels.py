@@ -1,5 +1,6 @@
-"""Each kernel of a FlashMLA call and of ours (the Hopper kernel unfused: kernel + combine kernel;
-and fused: one kernel that merges its splits itself), timed apart by Nsight Compute.
+"""Each kernel of a FlashMLA call and of ours (the Hopper kernel unfused: kernel + combine kernel,
+as a call of many split groups runs; and fused: one kernel that merges its splits itself), timed
+apart by Nsight Compute.
 
     ncu [--clock-control none --cache-control none] --metrics gpu__time_duration.sum --csv \
         -k regex:"mla|verify|combine" python3 scripts/ncu_kernels.py 16x9x4x16384,... [--flashmla DIR] > ncu.csv
@@ -84,8 +85,8 @@ def main() -> None:
         num_pages = c["kv_cache"].shape[0]
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-        unfused = planned_call(hopper, c, plan, out, lse, fused=False)
-        fused = planned_call(hopper, c, plan, out, lse, fused=True)
+        unfused = planned_call(hopper, c, plan, out, lse, max_fused_groups=-1)
+        fused = planned_call(hopper, c, plan, out, lse, max_fused_groups=1 << 30)
         cuda = [planned_call(CudaKernel(flags), c, plan, out, lse) for flags in a.cuda]
         for _ in range(2):
             fm.dense_decode_fwd(c["q"].view(B, n, H, -1), c["kv_cache"].view(num_pages, 64, 1, -1), 512,

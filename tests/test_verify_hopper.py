@@ -293,14 +293,17 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 def test_scripts_call_make_inputs_as_it_is_defined():
     """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` or
-    ``equal_step`` passes the arguments it takes (``make_inputs``'s signature changed once, from
-    ``(H, n, B, prefix, page_size)`` to the KV lengths, and four GPU-only scripts then stopped at
-    their first shape; the seed is keyword-only, so such a call no longer binds)."""
+    ``equal_step``, or its planned calls with scripts/ab_hopper.py's ``planned_call``, passes the
+    arguments it takes (``make_inputs``'s signature changed once, from ``(H, n, B, prefix,
+    page_size)`` to the KV lengths, and four GPU-only scripts then stopped at their first shape; the
+    seed is keyword-only, so such a call no longer binds; ``planned_call``'s ``fused`` became
+    ``max_fused_groups``, and ncu_kernels.py kept passing ``fused``)."""
     import ast
     import inspect
 
-    tune = load_script("tune_flash")
+    tune, ab = load_script("tune_flash"), load_script("ab_hopper")
     signatures = {name: inspect.signature(getattr(tune, name)) for name in ("make_inputs", "equal_step")}
+    signatures["planned_call"] = inspect.signature(ab.planned_call)
     calls = dict.fromkeys(signatures, 0)
     for path in sorted((Path(__file__).parent.parent / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -308,7 +311,7 @@ def test_scripts_call_make_inputs_as_it_is_defined():
             if name in signatures:
                 calls[name] += 1
                 signatures[name].bind(*node.args, **{k.arg: k.value for k in node.keywords})
-    assert calls["make_inputs"] >= 3 and calls["equal_step"] >= 3, calls
+    assert calls["make_inputs"] >= 3 and calls["equal_step"] >= 3 and calls["planned_call"] >= 4, calls
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):
