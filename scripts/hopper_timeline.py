@@ -378,7 +378,8 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     """Per program (``stamps [P, len(PHASES)]``, -1: not reached; ``trace`` the steps' stamps), a
     list over the programs of each phase (None where the program has no such figure): cycles from
     entry to consumer 0's first step (``start``: Q and the first tiles), over its steps (``loop``,
-    whole only where no step went unstamped; ``steps``, how many), from its last step's end to the
+    whole only where no step went unstamped; ``steps``, how many; ``step_cycles``, each step's, from its
+    start to the next one's or to the loop's end), from its last step's end to the
     partitions' join (``end``: row sums, output or partial stores, the other partitions finishing;
     split into ``end_pv``, its last PV, ``end_swap``, the wait for consumer 1's row sums,
     ``end_store``, its stores issued, and ``end_join``, the other partitions finishing), then the
@@ -387,7 +388,7 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     ``merge_item1``); ``total``, and the SM the program ran on (``sm``). Programs without a step
     (no work, or the kernel changed) have None throughout."""
     c0 = trace[:, 0]  # [P, S, N]
-    keys = ("start", "loop", "steps", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier", "merge",
+    keys = ("start", "loop", "steps", "step_cycles", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier", "merge",
             "merge_round1", "merge_item1", "total", "sm")
     rows = {k: [None] * stamps.shape[0] for k in keys}
     for prog in range(stamps.shape[0]):
@@ -398,7 +399,9 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
         first, last = int(starts[starts >= 0][0]), int(ends[ends >= 0][-1])
         row = {"start": first - entry, "sm": sm}
         if int((starts >= 0).sum()) < c0.shape[1]:  # a slot left: every step was stamped
-            row.update(loop=last - first, steps=int((starts >= 0).sum()), end=joined - last)
+            n = int((starts >= 0).sum())
+            row.update(loop=last - first, steps=n, end=joined - last,
+                       step_cycles=(starts[1:n] - starts[:n - 1]).tolist() + [last - int(starts[n - 1])])
             if min(last_pv, swapped, stored) >= 0:
                 row.update(end_pv=last_pv - last, end_swap=swapped - last_pv, end_store=stored - swapped,
                            end_join=joined - stored)
@@ -420,7 +423,7 @@ def phases(programs: dict) -> dict:
     out = {}
     for k, values in programs.items():
         v = [x for x in values if x is not None]
-        if k not in ("steps", "sm"):
+        if k not in ("steps", "sm", "step_cycles"):
             out[k] = {"min": min(v), "median": statistics.median(v), "max": max(v), "programs": len(v)} if v else None
     return out
 
@@ -428,8 +431,9 @@ def phases(programs: dict) -> dict:
 def loop_spread(programs: dict, block_m: int) -> list[str]:
     """What the programs' loops follow (``programs``: :func:`program_phases`' lists and ``pieces``,
     each program's segments ``[seq, row0, kv_start, kv_end]``, or None): cycles a step, their
-    median by the row block of each program's first segment, and the three fastest and slowest
-    programs with their SM and segments."""
+    median by the row block of each program's first segment, by a step's index in its program
+    (where ``step_cycles`` holds each program's steps: the cold first steps, the tree's tiles at a
+    segment's end), and the three fastest and slowest programs with their SM and segments."""
     per = sorted(((q, loop / steps) for q, (loop, steps) in enumerate(zip(programs["loop"], programs["steps"]))
                   if loop is not None and steps), key=lambda x: x[1])
     pieces = programs.get("pieces")
@@ -440,6 +444,13 @@ def loop_spread(programs: dict, block_m: int) -> list[str]:
             by.setdefault(pieces[q][0][1] // block_m, []).append(c)
         lines.append("loop, cycles a step, median by row block (programs): " + "  ".join(
             f"{r}: {statistics.median(v):.0f} ({len(v)})" for r, v in sorted(by.items())))
+    by_index = {}
+    for cycles in programs.get("step_cycles", ()):
+        for i, c in enumerate(cycles or ()):
+            by_index.setdefault(i, []).append(c)
+    if by_index:
+        lines.append("cycles a step by its index in the program, median (programs): " + "  ".join(
+            f"{i}: {statistics.median(v):.0f} ({len(v)})" for i, v in sorted(by_index.items())))
     for name, picked in (("fastest", per[:3]), ("slowest", per[::-1][:3])):
         lines.append(f"{name}: " + "; ".join(
             f"program {q} on SM {programs['sm'][q]}, {c:.0f} a step x {programs['steps'][q]}"

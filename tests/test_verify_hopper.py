@@ -377,6 +377,7 @@ def test_timeline_phases_of_a_program():
     assert ph["merge_round1"]["median"] == 30 and ph["merge_item1"] == {"min": 50, "median": 50, "max": 50, "programs": 1}
     assert ph["merge"] == {"min": 100, "median": 100, "max": 100, "programs": 1} and ph["total"]["max"] == 990
     assert per["sm"] == [7, 3, None] and per["steps"] == [2, None, None] and per["loop"] == [380, None, None]
+    assert per["step_cycles"] == [[200, 180], None, None] and "step_cycles" not in ph  # the last: to its end
     assert per["barrier"] == [300, 50, None] and per["total"] == [990, 250, None] and "sm" not in ph
 
 
@@ -392,3 +393,6 @@ def test_timeline_loop_spread_by_row_block():
     assert lines[1].startswith("fastest: program 0 on SM 0, 100 a step x 10, segments [[0, 0, 0, 64]]; program 2 on")
     assert lines[2].startswith("slowest: program 4 on SM 4, 150 a step x 20") and "program 3" not in lines[2]
     assert timeline.loop_spread(dict(programs, pieces=None), 64)[0].startswith("fastest: program 0 on SM 0, 100")
+    # each step by its index in the program (where the programs' steps were kept)
+    lines = timeline.loop_spread(dict(programs, step_cycles=[[300, 100], [500, 120, 90], None, None, None]), 64)
+    assert lines[1] == "cycles a step by its index in the program, median (programs): 0: 400 (2)  1: 110 (2)  2: 90 (1)"
