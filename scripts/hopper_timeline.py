@@ -388,8 +388,8 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
     ``merge_item1``); ``total``, and the SM the program ran on (``sm``). Programs without a step
     (no work, or the kernel changed) have None throughout."""
     c0 = trace[:, 0]  # [P, S, N]
-    keys = ("start", "loop", "steps", "step_cycles", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier", "merge",
-            "merge_round1", "merge_item1", "total", "sm")
+    keys = ("start", "loop", "steps", "step_cycles", "end", "end_pv", "end_swap", "end_store", "end_join", "barrier",
+            "merge", "merge_round1", "merge_item1", "total", "sm")
     rows = {k: [None] * stamps.shape[0] for k in keys}
     for prog in range(stamps.shape[0]):
         entry, joined, barrier, merged, last_pv, swapped, stored, item_round, item_stored, sm = stamps[prog].tolist()
