@@ -398,8 +398,8 @@ def program_phases(trace: torch.Tensor, stamps: torch.Tensor) -> dict:
             continue  # no step (a program without work), or the kernel changed
         first, last = int(starts[starts >= 0][0]), int(ends[ends >= 0][-1])
         row = {"start": first - entry, "sm": sm}
-        if int((starts >= 0).sum()) < c0.shape[1]:  # a slot left: every step was stamped
-            n = int((starts >= 0).sum())
+        n = int((starts >= 0).sum())
+        if n < c0.shape[1]:  # a slot left: every step was stamped
             row.update(loop=last - first, steps=n, end=joined - last,
                        step_cycles=(starts[1:n] - starts[:n - 1]).tolist() + [last - int(starts[n - 1])])
             if min(last_pv, swapped, stored) >= 0:
