@@ -49,6 +49,9 @@ from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noq
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
 from kdtree_engine.verify import hopper  # noqa: E402
 
+# max_fused_groups for this tree's kernel in one merge form at every group count: fused / split + combine
+MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
+
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
 
@@ -99,8 +102,8 @@ def main() -> None:
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
     kernels = {"base": (hopper, None)}
     for spec in a.variants:
-        if spec in ("fused", "unfused"):  # this tree's kernel merging any group count itself, or none
-            kernels[spec] = (hopper, 1 << 30 if spec == "fused" else -1)
+        if spec in MERGE_FORMS:  # this tree's kernel merging any group count itself, or none
+            kernels[spec] = (hopper, MERGE_FORMS[spec])
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ab_hopper import planned_call  # noqa: E402
+from ab_hopper import MERGE_FORMS, planned_call  # noqa: E402
 from hopper_cuda_verify import CudaKernel  # noqa: E402
 from tune_flash import equal_step  # noqa: E402
 
@@ -85,8 +85,8 @@ def main() -> None:
         num_pages = c["kv_cache"].shape[0]
         out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-        unfused = planned_call(hopper, c, plan, out, lse, max_fused_groups=-1)
-        fused = planned_call(hopper, c, plan, out, lse, max_fused_groups=1 << 30)
+        unfused = planned_call(hopper, c, plan, out, lse, max_fused_groups=MERGE_FORMS["unfused"])
+        fused = planned_call(hopper, c, plan, out, lse, max_fused_groups=MERGE_FORMS["fused"])
         cuda = [planned_call(CudaKernel(flags), c, plan, out, lse) for flags in a.cuda]
         for _ in range(2):
             fm.dense_decode_fwd(c["q"].view(B, n, H, -1), c["kv_cache"].view(num_pages, 64, 1, -1), 512,
