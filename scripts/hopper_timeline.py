@@ -45,6 +45,13 @@ s of both consumers is the same tile pair):
   cycles after consumer 0's start of the step the copies feed (negative: issued during the step
   before).
 
+What L2 holds when the stamped call starts (``--l2``): ``calls`` (default) what the timed calls left,
+as in the benchmark's replays (their last KV tiles, and the partials the merge read, still dirty);
+``clean`` twice L2's size read after them (the dirty lines written back before the call, L2 full of
+clean lines of another buffer); ``dirty`` twice L2's size written (every line dirty: each line the
+call brings in first writes one back). The first steps' cycles under the three tell a call's start
+paying for the call before it from one that pays for its own DRAM burst.
+
 The JSON also keeps each program's phases, its SM (``%smid``) and its segments (``programs``), to
 relate a program's time to its work and place.
 
@@ -458,12 +465,30 @@ def loop_spread(programs: dict, block_m: int) -> list[str]:
     return lines
 
 
+L2_STATES = ("calls", "clean", "dirty")
+
+
+def set_l2(state: str) -> None:
+    """Leave L2 as ``--l2`` names it (``L2_STATES``): untouched, or full of clean or dirty lines of a
+    scratch buffer twice its size; synchronised, so only the call that follows runs on it."""
+    if state == "calls":
+        return
+    scratch = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, device="cuda")
+    if state == "clean":
+        scratch.sum()  # its values are garbage; only its lines matter
+    else:
+        scratch.fill_(2.0)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x33x4x16384x64,64x9x1x131072x64,128x33x1x16384x64,16x9x4x16384x64,"
                    "64x33x4x16384x1", help="H x nodes x B x prefix x page size")
     p.add_argument("--steps", type=int, default=96, help="steps stamped per consumer and program")
     p.add_argument("--json")
+    p.add_argument("--l2", choices=L2_STATES, default="calls",
+                   help="what L2 holds when the stamped call starts (see above)")
     p.add_argument("--kernel", help="a variant hopper.py, or FILE.diff:NAME (see scripts/ab_hopper.py), to stamp "
                    "and time (default: this tree's)")
     a = p.parse_args()
@@ -483,12 +508,13 @@ def main() -> None:
         stamped = launcher(mod._hopper_verify_kernel, c, plan, out, lse, buf, H, ps)
         plain_us, stamped_us = time_graph(plain) * 1e6, time_graph(stamped) * 1e6
         buf.fill_(-1)
+        set_l2(a.l2)
         stamped()
         torch.cuda.synchronize()
         stamps = buf[P * 3 * a.steps * NPOINTS:].view(P, len(PHASES)).cpu()
         first, seg = plan.tables.prog_first_seg.tolist(), [r.tolist() for r in plan.tables.segment_rows[:4]]
         per = program_phases(trace.cpu(), stamps)
-        row = dict(shape=text, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
+        row = dict(shape=text, l2=a.l2, plain_us=plain_us, stamped_us=stamped_us, segments=plan.num_segments,
                    groups=plan.num_groups, **intervals(trace.cpu()), phases=phases(per),
                    programs=dict(per,  # and each program's (seq, row0, kv_start, kv_end)
                                  pieces=None if plan.tables.in_kernel else  # (the kernel schedules one sequence itself)
