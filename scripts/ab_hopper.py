@@ -9,7 +9,8 @@ file stem; or ``FILE.diff:NAME``, the section ``### variant NAME`` (or ``### abl
 file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_variants_run29.diff``)
 applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``fused`` /
 ``unfused``, this tree's kernel merging the splits of every group count itself / none (the combine
-kernel after it; ``hopper.FUSED_MERGE_MAX_GROUPS`` decides between the two for the base); or ``cuda`` /
+kernel after it; ``hopper.FUSED_MERGE_MAX_GROUPS`` decides between the two for the base); or ``kept``,
+this tree's kernel with its merges keeping the partials in L2 (``combine.DISCARD_PARTIALS`` off); or ``cuda`` /
 ``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
 (e.g. ``cuda:-DKD_TMA=0``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
@@ -47,27 +48,31 @@ from tune_flash import equal_step, time_graph  # noqa: E402
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
-from kdtree_engine.verify import hopper  # noqa: E402
+from kdtree_engine.verify import combine, hopper  # noqa: E402
 
 # max_fused_groups for this tree's kernel in one merge form at every group count: fused / split + combine
 MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
+KEPT = "kept"  # this tree's kernel, its merges keeping the partials they read in L2
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
-def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None,
+def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None, discard: bool = True,
                  sm_scale: float = 1.0 / math.sqrt(576)):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``max_fused_groups``:
     in place of the module's ``FUSED_MERGE_MAX_GROUPS``, where it has one: the most split groups the
-    kernel merges itself, see :mod:`kdtree_engine.verify.combine`)."""
+    kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard`` False: its merges keep
+    the partials in L2, ``combine.DISCARD_PARTIALS``)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     kept = getattr(module, "FUSED_MERGE_MAX_GROUPS", None)
     if max_fused_groups is not None and kept is not None:
         module.FUSED_MERGE_MAX_GROUPS = max_fused_groups
+    combine.DISCARD_PARTIALS = discard
     try:
         launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
     finally:
+        combine.DISCARD_PARTIALS = True
         if kept is not None:
             module.FUSED_MERGE_MAX_GROUPS = kept
     ptrs = tuple(t.data_ptr() for t in tensors)
@@ -88,7 +93,7 @@ def _spread(us: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem), "
-                   "FILE.diff:NAME sections of a variants file, unfused, cuda[:FLAGS]")
+                   "FILE.diff:NAME sections of a variants file, fused, unfused, kept, cuda[:FLAGS]")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=1, help="calls in each timed graph, back to back (per call: the "
@@ -100,18 +105,21 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
-    kernels = {"base": (hopper, None)}
+    kernels = {"base": (hopper, None, True)}  # (module, max_fused_groups, discard)
     for spec in a.variants:
         if spec in MERGE_FORMS:  # this tree's kernel merging any group count itself, or none
-            kernels[spec] = (hopper, MERGE_FORMS[spec])
+            kernels[spec] = (hopper, MERGE_FORMS[spec], True)
+            continue
+        if spec == KEPT:
+            kernels[spec] = (hopper, None, False)
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
-            kernels[spec] = (CudaKernel(spec[5:]), None)
+            kernels[spec] = (CudaKernel(spec[5:]), None, True)
             continue
         name, source = variant_source(spec)
-        kernels[name] = (module_from_source(source, f"variant_{name}"), None)
+        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True)
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
@@ -119,10 +127,10 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}
-        for name, (module, max_fused_groups) in kernels.items():
+        for name, (module, max_fused_groups, discard) in kernels.items():
             out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-            call = planned_call(module, c, plan, out, lse, max_fused_groups)
+            call = planned_call(module, c, plan, out, lse, max_fused_groups, discard)
             plan.tables.partial_out.fill_(float("nan"))
             plan.tables.partial_lse.fill_(float("nan"))
             call()

@@ -224,8 +224,8 @@ EDITS = [
      "        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])\n        _phase(trace, 1)\n", 1),
     ("        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n",
      "        grid_barrier(barrier_word, gl.program_id(0), gl.num_programs(0))\n        _phase(trace, 2)\n", 1),
-    ("                                   BLOCK_S, BLOCK_R)\n",
-     "                                   BLOCK_S, BLOCK_R)\n                _phase(trace, 3)\n", 1),
+    ("                                   BLOCK_S, BLOCK_R, DISCARD)\n",
+     "                                   BLOCK_S, BLOCK_R, DISCARD)\n                _phase(trace, 3)\n", 1),
     ("            mbarrier.arrive(bars[_Q_EMPTY])\n",
      "            mbarrier.arrive(bars[_Q_EMPTY])\n            if WG == 0:\n                _phase(trace, 4)\n", 1),
     ("l_i, WG, ROW_S)\n", "l_i, WG, ROW_S)\n            if WG == 0:\n                _phase(trace, 5)\n", 1),
@@ -334,6 +334,7 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     fused = combine.fuses(plan.tables, c["q"].device)  # the merge in the kernel, one launch, at any group count
     consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=fused, BLOCK_S=combine.SPLITS_PER_ROUND,
                   BLOCK_R=combine.ROWS_PER_ITEM, IN_KERNEL=plan.tables.in_kernel,
+                  **({"DISCARD": combine.discards(c["q"].device)} if "DISCARD" in kernel.arg_names else {}),
                   **({"launch_cooperative_grid": True} if fused else {}))
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)

@@ -47,7 +47,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import LN2, PlannedLaunch, grid_barrier, group_entries, prepare_planned
+from .combine import LN2, PlannedLaunch, discard_item_partials, grid_barrier, group_entries, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
 from .scheduler import one_sequence_groups, one_sequence_shape, work_range, work_segment
@@ -555,7 +555,8 @@ if HAVE_GLUON:
         H: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         D_LAT: gl.constexpr, D_ROPE: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr, FUSE_COMBINE: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr,
-        IN_KERNEL: gl.constexpr, FEW_S: gl.constexpr, FEW_R: gl.constexpr, num_warps: gl.constexpr,
+        IN_KERNEL: gl.constexpr, FEW_S: gl.constexpr, FEW_R: gl.constexpr, DISCARD: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """One persistent program: segments ``prog_first_seg[p] : prog_first_seg[p + 1]`` of the plan
         (with ``IN_KERNEL``: those of a one-sequence step, scheduled by each partition from the device
@@ -573,7 +574,8 @@ if HAVE_GLUON:
         blocks (:func:`_combine_items`), when the plan split any: in ``(BLOCK_S, BLOCK_R)`` tiles
         (splits a round, rows an item), or ``(FEW_S, FEW_R)`` where those would give every program
         at most 2 items (few groups; decided on the group count the schedule wrote, so a device
-        schedule and a graph replay take the same rule).
+        schedule and a graph replay take the same rule), with ``DISCARD`` dropping the partials from L2
+        as it goes (:func:`~.combine.discards`).
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
@@ -637,19 +639,19 @@ if HAVE_GLUON:
                     _combine_items(gl.program_id(0), gl.num_programs(0), n_groups, barrier_word, partial_out,
                                    partial_lse, out, lse, qo_indptr, group_seq, group_row0, group_first, group_splits,
                                    stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, IN_KERNEL,
-                                   FEW_S, FEW_R)
+                                   FEW_S, FEW_R, DISCARD)
                 else:
                     _combine_items(gl.program_id(0), gl.num_programs(0), n_groups, barrier_word, partial_out,
                                    partial_lse, out, lse, qo_indptr, group_seq, group_row0, group_first, group_splits,
                                    stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LAT, IN_KERNEL,
-                                   BLOCK_S, BLOCK_R)
+                                   BLOCK_S, BLOCK_R, DISCARD)
 
     @gluon.jit
     def _combine_items(first_item, item_step, n_groups, barrier_word, partial_out, partial_lse, out, lse, qo_indptr,
                        group_seq, group_row0, group_first, group_splits,
                        stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
                        H: gl.constexpr, BLOCK_M: gl.constexpr, D_LAT: gl.constexpr, IN_KERNEL: gl.constexpr,
-                       BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr):
+                       BLOCK_S: gl.constexpr, BLOCK_R: gl.constexpr, DISCARD: gl.constexpr):
         """The grid barrier, then :func:`kdtree_engine.verify.combine.combine_items` in Gluon on the
         ``n_groups`` split groups, for the kernel's 4 warps after the partitions joined (Triton's ops
         need layouts here; same loads, same order of the sums over the splits): a thread holds 4
@@ -665,6 +667,7 @@ if HAVE_GLUON:
         o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, RD))
         o_d3 = gl.expand_dims(gl.expand_dims(o_d, 0), 0)
         o_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, SR))
+        LINES: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # an item's 128-byte lines in one slot
         chunks: gl.constexpr = BLOCK_M // BLOCK_R
         n_items = n_groups * chunks
         i_g = first_item // chunks * (first_item < n_items)
@@ -700,6 +703,9 @@ if HAVE_GLUON:
                          + gl.sum(gl.expand_dims(b_w, 2) * b_part, axis=0))
                 b_l = b_l * b_alpha + gl.sum(b_w, axis=0)
                 b_m = b_m_new
+            if DISCARD:
+                discard_item_partials(partial_out, first, n_splits, (item % chunks) * BLOCK_R,
+                                      gl.arange(0, BLOCK_R * D_LAT // 32, layout=LINES) * 32, BLOCK_M, D_LAT)
             has_key = b_l != 0  # a NaN part propagates
             b_l_safe = gl.where(has_key, b_l, 1.0)
             o_t = (qo_start + row // H).to(gl.int64)
