@@ -10,7 +10,7 @@ file of unified diffs against ``verify/hopper.py`` (``docs/results/hopper_varian
 applied to this tree's kernel (stops if a hunk does not fit: the kernel changed); or ``fused`` /
 ``unfused``, this tree's kernel merging the splits of every group count itself / none (the combine
 kernel after it; ``hopper.FUSED_MERGE_MAX_GROUPS`` decides between the two for the base); or ``kept``,
-this tree's kernel with its merges keeping the partials in L2 (``combine.DISCARD_PARTIALS`` off); or ``cuda`` /
+this tree's kernel with its fused merge keeping the partials in L2 (``hopper.DISCARD_PARTIALS`` off); or ``cuda`` /
 ``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
 (e.g. ``cuda:-DKD_TMA=0``). Per shape, this
 tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
@@ -48,11 +48,11 @@ from tune_flash import equal_step, time_graph  # noqa: E402
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
 from kdtree_engine.testing import TOLERANCES, compare  # noqa: E402
-from kdtree_engine.verify import combine, hopper  # noqa: E402
+from kdtree_engine.verify import hopper  # noqa: E402
 
 # max_fused_groups for this tree's kernel in one merge form at every group count: fused / split + combine
 MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
-KEPT = "kept"  # this tree's kernel, its merges keeping the partials they read in L2
+KEPT = "kept"  # this tree's kernel, its fused merge keeping the partials it read in L2
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
@@ -62,17 +62,20 @@ def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None,
                  sm_scale: float = 1.0 / math.sqrt(576)):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``max_fused_groups``:
     in place of the module's ``FUSED_MERGE_MAX_GROUPS``, where it has one: the most split groups the
-    kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard`` False: its merges keep
-    the partials in L2, ``combine.DISCARD_PARTIALS``)."""
+    kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard`` False: in place of the
+    module's ``DISCARD_PARTIALS``, where it has one)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     kept = getattr(module, "FUSED_MERGE_MAX_GROUPS", None)
     if max_fused_groups is not None and kept is not None:
         module.FUSED_MERGE_MAX_GROUPS = max_fused_groups
-    combine.DISCARD_PARTIALS = discard
+    discards = getattr(module, "DISCARD_PARTIALS", None)
+    if discards is not None:
+        module.DISCARD_PARTIALS = discard
     try:
         launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
     finally:
-        combine.DISCARD_PARTIALS = True
+        if discards is not None:
+            module.DISCARD_PARTIALS = discards
         if kept is not None:
             module.FUSED_MERGE_MAX_GROUPS = kept
     ptrs = tuple(t.data_ptr() for t in tensors)

@@ -32,7 +32,7 @@ def compile_config(cfg: plan.FlashConfig, cc: int, heads: int, page_size: int):
     kern = triton_flash._verify_flash_kernel
     constexprs = dict(H=heads, PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       D_LATENT=512, D_ROPE=64, DOT_FP32=False, FUSE_COMBINE=True, BLOCK_S=4, BLOCK_R=4,
-                      IN_KERNEL=False, DISCARD=cc >= 80)
+                      IN_KERNEL=False)
     sig = {}
     for name in kern.arg_names:
         if name in constexprs:

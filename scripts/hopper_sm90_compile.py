@@ -64,8 +64,6 @@ def main() -> int:
                           BLOCK_S=combine.SPLITS_PER_ROUND, BLOCK_R=combine.ROWS_PER_ITEM)
             if "IN_KERNEL" in fn.arg_names:
                 consts["IN_KERNEL"] = a.in_kernel
-            if "DISCARD" in fn.arg_names:  # a variant before run 59 has none
-                consts["DISCARD"] = True
             cases.append((f"{path}{' (stamped)' if a.stamped else ''}{' (in kernel)' if a.in_kernel else ''}, "
                           f"H {a.heads}, page size {page_size}", fn, types, consts, 4))
     if a.sass:

@@ -334,7 +334,6 @@ def launcher(kernel, c, plan, out, lse, trace, H, page_size):
     fused = combine.fuses(plan.tables, c["q"].device)  # the merge in the kernel, one launch, at any group count
     consts = dict(hopper.kernel_constexprs(H, page_size), FUSE_COMBINE=fused, BLOCK_S=combine.SPLITS_PER_ROUND,
                   BLOCK_R=combine.ROWS_PER_ITEM, IN_KERNEL=plan.tables.in_kernel,
-                  **({"DISCARD": combine.discards(c["q"].device)} if "DISCARD" in kernel.arg_names else {}),
                   **({"launch_cooperative_grid": True} if fused else {}))
     grid = (plan.num_programs,)
     return lambda: kernel[grid](*args, *extra, **consts)

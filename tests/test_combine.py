@@ -10,7 +10,6 @@ import torch
 import triton
 
 from conftest import DEVICE
-from kdtree_engine.verify import combine
 from kdtree_engine.verify.combine import grid_barrier
 
 TOP = 1 << 31
@@ -43,15 +42,3 @@ def test_last_arrival_flips_the_top_bit_and_restores_the_rest(parties, last, sta
     _last_arrival[(1,)](word, me, parties)
     assert word.item() == _as_int32(start + TOP)
 
-
-
-def test_merges_drop_the_partials_only_where_compiled_for_an_nvidia_gpu(monkeypatch):
-    """``discard.global.L2`` is PTX of sm_80 and later: never on the CPU or under the interpreter, and
-    not where ``DISCARD_PARTIALS`` is off (the GPU side: test_verify_kernels.py::
-    test_fused_combine_matches_the_combine_kernel)."""
-    assert not combine.discards(torch.device("cpu"))
-    monkeypatch.setattr(combine, "interpreting", lambda: True)
-    assert not combine.discards(torch.device("cuda", 0))  # decided before any device is asked
-    monkeypatch.setattr(combine, "interpreting", lambda: False)
-    monkeypatch.setattr(combine, "DISCARD_PARTIALS", False)
-    assert not combine.discards(torch.device("cuda", 0))

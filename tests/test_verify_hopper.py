@@ -142,7 +142,8 @@ def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few, monkeypatch):
     """The fused merge's two tiles: ``(FEW_S, FEW_R)`` where the plan's split groups would give no
     program more than 2 items of the default tile (one sequence of 16 heads x 9 nodes: 3 row blocks
     split many ways), the default otherwise (128 heads: 18 row blocks). Both against the reference
-    and bitwise equal over two calls (the kernel merging any group count itself)."""
+    and bitwise equal over two calls (the kernel merging any group count itself) and to a call whose
+    merge keeps the partials in L2 (``DISCARD_PARTIALS`` off: the same sums)."""
     monkeypatch.setattr(hopper, "FUSED_MERGE_MAX_GROUPS", 1 << 30)
     spec = CaseSpec("merge", heads, [prefix], [chain_tree(9)], page_size=64)
     c = build_case(spec, "cuda")
@@ -152,6 +153,10 @@ def test_hopper_fused_merge_takes_both_tiles(heads, prefix, few, monkeypatch):
     out1, lse1 = run_checked(c, "hopper", "bf16", plan=plan)
     out2, lse2 = run_checked(c, "hopper", "bf16", plan=plan)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    monkeypatch.setattr(hopper, "DISCARD_PARTIALS", False)
+    kept = plan_verify(c["kv_lens"].cpu(), c["qo_indptr"].cpu(), heads, "cuda")  # its launches prepared anew
+    out3, lse3 = run_checked(c, "hopper", "bf16", plan=kept)
+    assert torch.equal(out1, out3) and torch.equal(lse1, lse3)
 
 
 @requires_hopper

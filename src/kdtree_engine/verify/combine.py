@@ -15,9 +15,6 @@ row, each row's splits in slot order (bitwise deterministic), in one of two ways
 
 :func:`prepare_planned` lays out the launches of such a kernel once per signature of the caller's
 tensors (:class:`~kdtree_engine.verify.launch.Launch`).
-
-Both ways drop the partials from L2 once merged (:func:`discards`): they are dead, and a dirty line
-left there is written back to DRAM when the next call's KV evicts it, in the next call's first steps.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 SPLITS_PER_ROUND = 4
 ROWS_PER_ITEM = 4
 FUSED_COMBINE = True  # merge inside the kernel where it can (False: always the combine kernel; for A/B and tests)
-DISCARD_PARTIALS = True  # merges drop the partials they read from L2 where they can (False: kept; for A/B)
 
 
 @triton.jit
@@ -74,30 +70,11 @@ def group_entries(i_g, group_first, group_splits, group_seq, group_row0):
 
 
 @triton.jit
-def discard_item_partials(partial_out, first, count, row, o_line, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr):
-    """Drop from L2, without writing them back, the partials a merge item read: rows ``row, row + 1,
-    ...`` of slots ``first .. first + count - 1``; ``o_line`` holds the element offsets of the 128-byte
-    lines of those rows in one slot (``0, 32, ...``, contiguous rows: ``BLOCK_R x D_LATENT / 32`` of
-    them), a tensor of the caller's layout (Gluon kernels call this too). Behind a barrier of the
-    program's threads, whose loads of those lines all returned before it (their values were used), so
-    no line is dropped before every read of it. Nothing reads them again: a call writes every slot
-    it merges before its merge reads it (the rows past a sequence's last, read and never stored, only
-    hold undefined values instead of stale ones)."""
-    tl.debug_barrier()
-    for s in range(count):
-        p = partial_out + ((first + s).to(tl.int64) * BLOCK_M + row) * D_LATENT + o_line
-        # PTX (ISA 7.4, sm_80+): the 128-byte line at $1 leaves L2 without a write-back (its data undefined)
-        tl.inline_asm_elementwise("discard.global.L2 [$1], 128; mov.b32 $0, 0;", "=r,l",
-                                  [p.to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def combine_items(
     first_item, item_step, partial_out, partial_lse, out, lse, qo_indptr,
     group_seq, group_row0, group_first, group_splits, num_groups,
     stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
     H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    DISCARD: tl.constexpr,
 ):
     """Merge the KV splits of packed rows: the items ``first_item, first_item + item_step, ...`` of
     the ``num_groups[0] x BLOCK_M / BLOCK_R`` (split group, ``BLOCK_R`` consecutive rows of its block),
@@ -110,8 +87,7 @@ def combine_items(
     (a row block's padding: H x nodes not a multiple of ``BLOCK_M``) reads nothing; in an item that
     holds the last row, the rows past it are read (their slots exist: zeroed when the plan made
     them, or left by earlier calls) and only their stores masked.
-    The partials are read past L1 (``.cg``): in a fused kernel other programs wrote them; with
-    ``DISCARD`` each item then drops the lines it read from L2 (:func:`discard_item_partials`)."""
+    The partials are read past L1 (``.cg``): in a fused kernel other programs wrote them."""
     o_d = tl.arange(0, D_LATENT)
     o_s = tl.arange(0, BLOCK_S)
     chunks: tl.constexpr = BLOCK_M // BLOCK_R
@@ -146,9 +122,6 @@ def combine_items(
             b_acc = b_acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_part, 0)
             b_l = b_l * b_alpha + tl.sum(b_w, 0)
             b_m = b_m_new
-        if DISCARD:
-            discard_item_partials(partial_out, first, n_splits, (item % chunks) * BLOCK_R,
-                                  tl.arange(0, BLOCK_R * D_LATENT // 32) * 32, BLOCK_M, D_LATENT)
         has_key = b_l != 0  # a NaN part propagates
         b_l_safe = tl.where(has_key, b_l, 1.0)
         o_t = (qo_start + row // H).to(tl.int64)
@@ -165,14 +138,12 @@ def _combine_kernel(
     group_seq, group_row0, group_first, group_splits, num_groups,
     stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
     H: tl.constexpr, BLOCK_M: tl.constexpr, D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    DISCARD: tl.constexpr,
 ):
     """The combine as a kernel of its own (:func:`combine_items`, program p taking the items
     ``p, p + grid, ...``)."""
     combine_items(tl.program_id(0), tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                   group_seq, group_row0, group_first, group_splits, num_groups,
-                  stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LATENT, BLOCK_S, BLOCK_R,
-                  DISCARD)
+                  stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LATENT, BLOCK_S, BLOCK_R)
 
 
 _COMBINE = Launcher(_combine_kernel)
@@ -185,14 +156,6 @@ def fuses(plan: FlashTables, device: torch.device) -> bool:
     larger one rather than hang)."""
     return (FUSED_COMBINE and device.type == "cuda" and not interpreting()
             and plan.num_programs <= _sm_count(device.index))
-
-
-def discards(device: torch.device) -> bool:
-    """Whether merges on ``device`` drop the partials they read from L2 (:func:`discard_item_partials`):
-    :data:`DISCARD_PARTIALS`, compiled (not Triton's interpreter) for an NVIDIA GPU of sm_80 or later
-    (``discard.global.L2``). Measured in docs/perf_log.md, run 59."""
-    return (DISCARD_PARTIALS and device.type == "cuda" and not interpreting() and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,7 +219,7 @@ def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, q
     """
     tensors = (q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, out, lse)
     ints = kernel_ints(*tensors)
-    fused, discard = fuses(plan, q.device), discards(q.device)
+    fused = fuses(plan, q.device)
     g = plan.group_rows
 
     def main(merge_splits: int) -> Launch:
@@ -265,25 +228,24 @@ def prepare_planned(launcher: Launcher, key, q, kv_cache, page_table, kv_lens, q
                       (plan.prog_first_seg, *plan.segment_rows, plan.partial_out, plan.partial_lse, *g,
                        plan.group_count, plan.grid_barrier, *ints, sm_scale * LOG2E, merge_splits),
                       {"FUSE_COMBINE": fused, "BLOCK_S": SPLITS_PER_ROUND, "BLOCK_R": ROWS_PER_ITEM,
-                       "IN_KERNEL": plan.in_kernel, "DISCARD": discard, **constexprs,
+                       "IN_KERNEL": plan.in_kernel, **constexprs,
                        **({"launch_cooperative_grid": True} if fused else {})})
 
     if fused and max_fused_groups is None:
         return PlannedLaunch(main(1), None, None, True)
-    merge = combine_launch(q, out, lse, qo_indptr, plan, discard)
+    merge = combine_launch(q, out, lse, qo_indptr, plan)
     if fused:
         merge.warmup(tensors)
     return PlannedLaunch(main(1) if fused else None, main(0), merge, q.is_cuda, max_fused_groups or 0)
 
 
-def combine_launch(q, out, lse, qo_indptr, plan: FlashTables, discard: bool) -> Launch:
+def combine_launch(q, out, lse, qo_indptr, plan: FlashTables) -> Launch:
     """The combine kernel's launch that merges the split row blocks of ``plan`` (its partials) into
     ``out`` / ``lse``, for every call with the signature of these tensors, which it takes at the
-    positions of :class:`PlannedLaunch`'s ``tensors`` (6, 7, 4); ``discard``: :func:`discards`."""
+    positions of :class:`PlannedLaunch`'s ``tensors`` (6, 7, 4)."""
     ints = (qo_indptr.stride(0), *out.stride()[:2], *lse.stride())
     H, bm = q.shape[1], plan.config.block_m
     return Launch(_COMBINE, (spec_key((out, lse, qo_indptr), ints), H, bm),
                   (min(plan.groups.shape[1] * bm // ROWS_PER_ITEM, 4 * plan.num_programs),),
                   (plan.partial_out, plan.partial_lse), (6, 7, 4), (*plan.group_rows, plan.group_count, *ints),
-                  dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, BLOCK_R=ROWS_PER_ITEM, DISCARD=discard,
-                       num_warps=4))
+                  dict(H=H, BLOCK_M=bm, D_LATENT=D_V, BLOCK_S=SPLITS_PER_ROUND, BLOCK_R=ROWS_PER_ITEM, num_warps=4))

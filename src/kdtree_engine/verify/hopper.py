@@ -47,7 +47,7 @@ try:  # Gluon is experimental: its absence (or a renamed API) must not break ``i
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from .combine import LN2, PlannedLaunch, discard_item_partials, grid_barrier, group_entries, prepare_planned
+from .combine import LN2, PlannedLaunch, grid_barrier, group_entries, prepare_planned
 from .contract import D_ROPE, D_V as D_LAT
 from .launch import Launcher
 from .scheduler import one_sequence_groups, one_sequence_shape, work_range, work_segment
@@ -64,9 +64,15 @@ LOADER_WARPS, CONSUMER_REGS, LOADER_REGS = 4, 232, 40
 FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
 # a host-planned call that split more row blocks than this merges them in the combine kernel after
 # the kernel (a launch of its own) rather than in the kernel after its grid barrier. Run 57 (H100,
-# 16k prefix, split + combine against fused): 1.154 at 3 groups, 0.994 at 6, 1.005-1.012 at 9,
-# 0.982 at 12, 0.967-0.969 at 18, 0.985 at 36
-FUSED_MERGE_MAX_GROUPS = 9
+# 16k prefix, split + combine against fused, the partials kept in L2): 1.154 at 3 groups, 0.994 at 6,
+# 1.005-1.012 at 9, 0.982 at 12, 0.967-0.969 at 18, 0.985 at 36. Run 59: the fused merge dropping
+# them (DISCARD_PARTIALS) against the combine form at 12 groups (16 heads x 9 nodes x 4): 0.942 at
+# 16k, 0.996 at 64k, 0.986 at 128k (page 1); at 18 and 36 groups 1.023-1.034
+FUSED_MERGE_MAX_GROUPS = 12
+# the fused merge drops each partial from L2 once read (discard.global.L2, no write-back): dead
+# lines left dirty are written back while the next call's first KV tiles come in (run 59: 17 MB at
+# 16 heads x 9 nodes x 4, a third of that call's first steps' excess). False: kept (for A/B)
+DISCARD_PARTIALS = True
 
 if HAVE_GLUON:
     # mbarriers: indices into the kernel's tuple of one-barrier allocations
@@ -574,8 +580,8 @@ if HAVE_GLUON:
         blocks (:func:`_combine_items`), when the plan split any: in ``(BLOCK_S, BLOCK_R)`` tiles
         (splits a round, rows an item), or ``(FEW_S, FEW_R)`` where those would give every program
         at most 2 items (few groups; decided on the group count the schedule wrote, so a device
-        schedule and a graph replay take the same rule), with ``DISCARD`` dropping the partials from L2
-        as it goes (:func:`~.combine.discards`).
+        schedule and a graph replay take the same rule); with ``DISCARD`` (:data:`DISCARD_PARTIALS`)
+        each round's partials leave L2 once read.
         """
         gl.static_assert(num_warps == 4)
         gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_N == D_ROPE)  # a P tile fits over Q's rope columns
@@ -647,6 +653,17 @@ if HAVE_GLUON:
                                    BLOCK_S, BLOCK_R, DISCARD)
 
     @gluon.jit
+    def _discard_lines(ptrs, first_of_line, loaded):
+        """``discard.global.L2`` (PTX ISA 7.4, sm_80+) of the 128-byte line at each of ``ptrs`` where
+        ``first_of_line``: the line leaves L2 without a write-back, its data undefined. Issued once
+        ``loaded`` (the values read from ``ptrs``) arrived: the warp's load of the line, which the
+        merge's layout gives to 8 lanes of one warp, has returned for all of them."""
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; "
+                                  "mov.b32 $0, 0; }", "=r,l,r,f",
+                                  [ptrs.to(gl.int64, bitcast=True), first_of_line.to(gl.int32), loaded],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _combine_items(first_item, item_step, n_groups, barrier_word, partial_out, partial_lse, out, lse, qo_indptr,
                        group_seq, group_row0, group_first, group_splits,
                        stride_qo, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -667,7 +684,6 @@ if HAVE_GLUON:
         o_d = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, RD))
         o_d3 = gl.expand_dims(gl.expand_dims(o_d, 0), 0)
         o_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, SR))
-        LINES: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # an item's 128-byte lines in one slot
         chunks: gl.constexpr = BLOCK_M // BLOCK_R
         n_items = n_groups * chunks
         i_g = first_item // chunks * (first_item < n_items)
@@ -693,8 +709,8 @@ if HAVE_GLUON:
                 m_s = gl.expand_dims(s0 + o_s < count, 1)  # [S, 1]
                 o_p = gl.expand_dims((first + s0 + o_s).to(gl.int64), 1) * BLOCK_M + gl.expand_dims(o_r, 0)  # [S, R]
                 b_lse2 = gl.load(partial_lse + o_p, mask=m_s, other=float("-inf"), cache_modifier=".cg")
-                b_part = gl.load(partial_out + gl.expand_dims(o_p * D_LAT, 2) + o_d3, mask=gl.expand_dims(m_s, 2),
-                                 other=0.0, cache_modifier=".cg")  # [S, R, D]
+                p_part = partial_out + gl.expand_dims(o_p * D_LAT, 2) + o_d3
+                b_part = gl.load(p_part, mask=gl.expand_dims(m_s, 2), other=0.0, cache_modifier=".cg")  # [S, R, D]
                 b_m_new = gl.maximum(b_m, gl.max(b_lse2, axis=0))
                 b_m_use = gl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # rows with no key so far
                 b_alpha = gl.exp2(b_m - b_m_use)
@@ -703,9 +719,8 @@ if HAVE_GLUON:
                          + gl.sum(gl.expand_dims(b_w, 2) * b_part, axis=0))
                 b_l = b_l * b_alpha + gl.sum(b_w, axis=0)
                 b_m = b_m_new
-            if DISCARD:
-                discard_item_partials(partial_out, first, n_splits, (item % chunks) * BLOCK_R,
-                                      gl.arange(0, BLOCK_R * D_LAT // 32, layout=LINES) * 32, BLOCK_M, D_LAT)
+                if DISCARD:  # the round's partials leave L2 without a write-back
+                    _discard_lines(p_part, gl.expand_dims(m_s, 2) & (o_d3 % 32 == 0), b_part)
             has_key = b_l != 0  # a NaN part propagates
             b_l_safe = gl.where(has_key, b_l, 1.0)
             o_t = (qo_start + row // H).to(gl.int64)
@@ -767,7 +782,7 @@ def kernel_constexprs(H: int, page_size: int) -> dict:
     also used by the scripts that compile or stamp the kernel."""
     return dict(H=H, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D_LAT=D_LAT, D_ROPE=D_ROPE,
                 LOADER_WARPS=LOADER_WARPS, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                FEW_S=FEW_GROUPS_SPLITS, FEW_R=FEW_GROUPS_ROWS, num_warps=4)
+                FEW_S=FEW_GROUPS_SPLITS, FEW_R=FEW_GROUPS_ROWS, DISCARD=DISCARD_PARTIALS, num_warps=4)
 
 
 _HOPPER = Launcher(_hopper_verify_kernel) if HAVE_GLUON else None

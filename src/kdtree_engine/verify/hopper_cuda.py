@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .combine import LOG2E, combine_launch, discards, fuses
+from .combine import LOG2E, combine_launch, fuses
 from .launch import current_device, current_stream
 
 __all__ = ["BuildError", "Params", "available", "compiler", "library", "prepare", "supports_out"]
@@ -201,4 +201,4 @@ def prepare(q, kv_cache, page_table, kv_lens, qo_indptr, tree_mask, sm_scale, ou
         *(ptr(t) for t in plan.group_rows), ptr(plan.group_count), ptr(plan.grid_barrier),
         kv_cache.shape[0] * kv_cache.shape[1], q.shape[1], kv_cache.shape[1], tree_mask.shape[1], sm_scale * LOG2E,
         0, int(fused), int(q.dtype == torch.float16), int(plan.in_kernel), 0)
-    return _Launch(so, params, plan.num_programs, None if fused else combine_launch(q, out, lse, qo_indptr, plan, discards(q.device)))
+    return _Launch(so, params, plan.num_programs, None if fused else combine_launch(q, out, lse, qo_indptr, plan))

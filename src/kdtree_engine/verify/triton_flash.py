@@ -192,14 +192,13 @@ def _verify_flash_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IN_KERNEL: tl.constexpr,
-    DISCARD: tl.constexpr,
 ):
     """One persistent program: the plan's segments ``prog_first_seg[p] : prog_first_seg[p+1]``
     (with ``IN_KERNEL``: a one-sequence step's, scheduled here from its device lengths, see
     :func:`~kdtree_engine.verify.scheduler.one_sequence_shape`; the program's split groups written
     for the merge), then with ``FUSE_COMBINE`` (a cooperative launch) and ``merge_splits`` the grid
     barrier and its share of the merge of the split row blocks (:mod:`.combine`), when the plan
-    split any (``DISCARD``: dropping the partials from L2 as it goes, :func:`~.combine.discards`)."""
+    split any."""
     i_p = tl.program_id(0)
     first, end, step, kv_len, R, T, S = work_range(i_p, tl.num_programs(0), prog_first_seg, kv_lens, qo_indptr,
                                                    stride_qo, H, BLOCK_M, BLOCK_N, IN_KERNEL)
@@ -224,7 +223,7 @@ def _verify_flash_kernel(
             combine_items(i_p, tl.num_programs(0), partial_out, partial_lse, out, lse, qo_indptr,
                           group_seq, group_row0, group_first, group_splits, num_groups,
                           stride_qo, stride_ot, stride_oh, stride_lt, stride_lh, H, BLOCK_M, D_LATENT, BLOCK_S,
-                          BLOCK_R, DISCARD)
+                          BLOCK_R)
 
 
 _FLASH = Launcher(_verify_flash_kernel)
