@@ -71,7 +71,7 @@ FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
 FUSED_MERGE_MAX_GROUPS = 12
 # the fused merge drops each partial from L2 once read (discard.global.L2, no write-back): dead
 # lines left dirty are written back while the next call's first KV tiles come in (run 59: 17 MB at
-# 16 heads x 9 nodes x 4, a third of that call's first steps' excess). False: kept (for A/B)
+# 16 heads x 9 nodes x 4: half of that call's first steps' excess, in its timeline). False: kept (A/B)
 DISCARD_PARTIALS = True
 
 if HAVE_GLUON:
@@ -657,7 +657,10 @@ if HAVE_GLUON:
         """``discard.global.L2`` (PTX ISA 7.4, sm_80+) of the 128-byte line at each of ``ptrs`` where
         ``first_of_line``: the line leaves L2 without a write-back, its data undefined. Issued once
         ``loaded`` (the values read from ``ptrs``) arrived: the warp's load of the line, which the
-        merge's layout gives to 8 lanes of one warp, has returned for all of them."""
+        merge's layout gives to 8 lanes of one warp, has returned for all of them. Nothing reads a
+        partial before a call writes it again, but for the rows past a sequence's last in the item
+        that holds it, read and never written: undefined after this, as stale before, and only
+        their stores masked."""
         gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; "
                                   "mov.b32 $0, 0; }", "=r,l,r,f",
                                   [ptrs.to(gl.int64, bitcast=True), first_of_line.to(gl.int32), loaded],
