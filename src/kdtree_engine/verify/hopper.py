@@ -67,7 +67,8 @@ FEW_GROUPS_SPLITS, FEW_GROUPS_ROWS = 16, 2
 # 16k prefix, split + combine against fused, the partials kept in L2): 1.154 at 3 groups, 0.994 at 6,
 # 1.005-1.012 at 9, 0.982 at 12, 0.967-0.969 at 18, 0.985 at 36. Run 59: the fused merge dropping
 # them (DISCARD_PARTIALS) against the combine form at 12 groups (16 heads x 9 nodes x 4): 0.942 at
-# 16k, 0.996 at 64k, 0.986 at 128k (page 1); at 18 and 36 groups 1.023-1.034
+# 16k, 0.996 at 64k, 0.986 at 128k (page 1), on another H100 0.942 / 0.981 / 1.016; at 18 and 36
+# groups 1.023-1.034
 FUSED_MERGE_MAX_GROUPS = 12
 # the fused merge drops each partial from L2 once read (discard.global.L2, no write-back): dead
 # lines left dirty are written back while the next call's first KV tiles come in (run 59: 17 MB at
