@@ -34,6 +34,7 @@ trees at all 48 of its shapes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -58,26 +59,28 @@ SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,
           "16x33x1x131072x64,64x33x4x16384x1")
 
 
+@contextlib.contextmanager
+def _settings(module, **values):
+    """``module``'s attributes set to ``values`` for the block (those it has; a value None leaves its own)."""
+    kept = {k: getattr(module, k) for k, v in values.items() if v is not None and hasattr(module, k)}
+    for k in kept:
+        setattr(module, k, values[k])
+    try:
+        yield
+    finally:
+        for k, v in kept.items():
+            setattr(module, k, v)
+
+
 def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None, discard: bool = True,
                  sm_scale: float = 1.0 / math.sqrt(576)):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``max_fused_groups``:
     in place of the module's ``FUSED_MERGE_MAX_GROUPS``, where it has one: the most split groups the
-    kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard`` False: in place of the
+    kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard``: in place of the
     module's ``DISCARD_PARTIALS``, where it has one)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
-    kept = getattr(module, "FUSED_MERGE_MAX_GROUPS", None)
-    if max_fused_groups is not None and kept is not None:
-        module.FUSED_MERGE_MAX_GROUPS = max_fused_groups
-    discards = getattr(module, "DISCARD_PARTIALS", None)
-    if discards is not None:
-        module.DISCARD_PARTIALS = discard
-    try:
+    with _settings(module, FUSED_MERGE_MAX_GROUPS=max_fused_groups, DISCARD_PARTIALS=discard):
         launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
-    finally:
-        if discards is not None:
-            module.DISCARD_PARTIALS = discards
-        if kept is not None:
-            module.FUSED_MERGE_MAX_GROUPS = kept
     ptrs = tuple(t.data_ptr() for t in tensors)
     return lambda: launch(tensors, ptrs, plan.num_groups)
 
