@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hopper_timeline import module_from_source, variant_source  # noqa: E402
-from tune_flash import equal_step, time_graph  # noqa: E402
+from tune_flash import empty_outputs, equal_step, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
@@ -134,8 +134,7 @@ def main() -> None:
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res = {}
         for name, (module, max_fused_groups, discard) in kernels.items():
-            out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+            out, lse = empty_outputs(c["q"])
             call = planned_call(module, c, plan, out, lse, max_fused_groups, discard)
             plan.tables.partial_out.fill_(float("nan"))
             plan.tables.partial_lse.fill_(float("nan"))

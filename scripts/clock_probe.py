@@ -18,12 +18,17 @@ import json
 import math
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kdtree_engine import VerifyAttention
-from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
+sys.path.insert(0, str(Path(__file__).parent))
+from tune_flash import empty_outputs  # noqa: E402
+
+from kdtree_engine import VerifyAttention  # noqa: E402
+from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents  # noqa: E402
 
 SHAPES = "64x9x1x131072,16x33x4x131072,64x33x4x131072,128x33x4x131072"
 
@@ -97,8 +102,7 @@ def main() -> None:
         q, kv_cache, page_table, tree_mask, kv_lens, qo_indptr = chain_inputs(H, n, B, prefix)
         attn = VerifyAttention(B, n, H, "cuda", kernel="hopper")
         attn.plan(kv_lens.cpu(), qo_indptr.cpu())
-        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        out, lse = empty_outputs(q)
         calls = {"hopper": lambda: attn.run(q, kv_cache, page_table, tree_mask, out=out, lse=lse)}
         if fm is not None:
             meta, splits = fm.get_mla_metadata(kv_lens, n, H, 1)

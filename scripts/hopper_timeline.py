@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_flash import equal_step, time_graph  # noqa: E402
+from tune_flash import empty_outputs, equal_step, time_graph  # noqa: E402
 
 from kdtree_engine.verify import combine, hopper  # noqa: E402
 from kdtree_engine.verify.contract import kernel_ints  # noqa: E402
@@ -499,8 +499,7 @@ def main() -> None:
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
         c, plan = equal_step(H, n, B, prefix, ps)
-        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        out, lse = empty_outputs(c["q"])
         P = plan.num_programs
         buf = torch.full((P * (3 * a.steps * NPOINTS + len(PHASES)),), -1, dtype=torch.int64, device="cuda")
         trace = buf[: P * 3 * a.steps * NPOINTS].view(P, 3, a.steps, NPOINTS)

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ab_hopper import MERGE_FORMS, planned_call  # noqa: E402
 from hopper_cuda_verify import CudaKernel  # noqa: E402
-from tune_flash import equal_step  # noqa: E402
+from tune_flash import empty_outputs, equal_step  # noqa: E402
 
 from kdtree_engine.bench.flashmla import load_flashmla_module  # noqa: E402
 from kdtree_engine.bench.peers import Unavailable  # noqa: E402
@@ -83,8 +83,7 @@ def main() -> None:
         c, plan = equal_step(H, n, B, prefix, 64)
         meta, num_splits = fm.get_mla_metadata(c["kv_lens"], n, H, 1)
         num_pages = c["kv_cache"].shape[0]
-        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        out, lse = empty_outputs(c["q"])
         unfused = planned_call(hopper, c, plan, out, lse, max_fused_groups=MERGE_FORMS["unfused"])
         fused = planned_call(hopper, c, plan, out, lse, max_fused_groups=MERGE_FORMS["fused"])
         cuda = [planned_call(CudaKernel(flags), c, plan, out, lse) for flags in a.cuda]

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_flash import make_inputs, time_graph  # noqa: E402
+from tune_flash import empty_outputs, make_inputs, time_graph  # noqa: E402
 
 from kdtree_engine import VerifyAttention  # noqa: E402
 
@@ -95,8 +95,7 @@ def main() -> None:
         outs, calls, floors = {}, {}, {}
         for name, (kv, pt) in layouts(c, B, L).items():
             floors[name] = read_floor(kv, pt, B, L, a.reps) * 1e6
-            out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+            out, lse = empty_outputs(c["q"])
             calls[name] = (lambda kv=kv, pt=pt, out=out, lse=lse, q=c["q"], mask=c["tree_mask"], attn=attn:
                            attn.run(q, kv, pt, mask, out=out, lse=lse))
             calls[name]()

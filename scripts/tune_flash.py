@@ -98,6 +98,14 @@ def equal_step(H: int, n: int, B: int, prefix: int, page_size: int):
     return make_inputs(H, n, lens, page_size), plan_verify(lens, list(range(0, B * n + 1, n)), H, "cuda")
 
 
+def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's outputs for ``q`` ``[T, H, 576]``, unwritten: ``out`` ``[T, H, 512]`` (q's dtype) and
+    ``lse`` ``[T, H]`` float32, on q's device."""
+    T, H, _ = q.shape
+    return (torch.empty(T, H, 512, device=q.device, dtype=q.dtype),
+            torch.empty(T, H, device=q.device, dtype=torch.float32))
+
+
 def compiled_report(kernel_fn) -> dict:
     """Registers, spills, shared memory and wgmma use of the most recently compiled variant."""
     try:
@@ -133,8 +141,7 @@ def run_config(kernel, c, cfg, sched, H, n, lens, ref_out, ref_lse) -> dict | No
         else:
             picked, pieces = sched, forced_schedule(sched)(R, T, plan.num_programs, costs=plan.costs)
         cost = vplan.schedule_cost(pieces, plan.costs)
-        out = torch.empty(B * n, H, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+        out, lse = empty_outputs(c["q"])
         verify_attention(**c, kernel=kernel, plan=plan, out=out, lse=lse)
         torch.cuda.synchronize()
         ok = compare(out[:n, :CHECK_HEADS], ref_out, *TOLERANCES["bf16"]["out"]).ok and \
