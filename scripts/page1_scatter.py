@@ -85,8 +85,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=30, help="graph replays a round (median)")
     p.add_argument("--calls", type=int, default=1,
-                   help="kernel calls a graph holds, back to back (the read floors keep 1): 8 hold the card "
-                        "at its power limit, where 1 lets it run at its boost clock (perf log run 61)")
+                   help="kernel calls a graph holds, back to back (the read floors keep 1): 8 keep the card "
+                        "busy long enough to reach its power limit where a shape's work draws it there "
+                        "(perf log run 62)")
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()}: the Hopper kernel, CUDA-graph replay ({a.calls} call(s) a graph), "
           f"fastest of {a.rounds} rounds")
