@@ -20,6 +20,7 @@ that layout it runs: where the scattered floor itself is the larger part of the 
 cannot match page 64 at that shape by any kernel that reads the rows where they lie.
 
     PYTHONPATH=src python3 scripts/page1_scatter.py [--shapes 64x9x4x131072,64x9x4x16384] [--rounds 3] [--calls 8]
+        [--latency-probe]
 """
 
 from __future__ import annotations
@@ -40,29 +41,39 @@ from kdtree_engine import VerifyAttention  # noqa: E402
 
 
 @triton.jit
-def _read_rows(kv, rows, n_rows, out, D: tl.constexpr, BLOCK: tl.constexpr):
+def _read_rows(kv, rows, n_rows, out, D: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
     """Read rows ``kv[rows[i]]`` (``D`` = 9 x 64 columns) for i in ``[0, n_rows)``, programs striding
-    over blocks of ``BLOCK``; one float a program stored (their sum), so nothing but the reads costs."""
+    over blocks of ``BLOCK``, ``COLS`` columns a load (64: a warp's 16-byte vectors span 4 rows of
+    128 bytes; 256: one row's 512 bytes, the rest of the row in 64); one float a program stored
+    (their sum), so nothing but the reads costs."""
     pid = tl.program_id(0)
-    o_c = tl.arange(0, 64)
-    acc = tl.zeros([BLOCK, 64], tl.float32)
+    o_c = tl.arange(0, COLS)
+    o_t = tl.arange(0, 64)
+    acc = tl.zeros([BLOCK, COLS], tl.float32)
+    acc_t = tl.zeros([BLOCK, 64], tl.float32)
     for start in range(pid * BLOCK, n_rows, tl.num_programs(0) * BLOCK):
         o_r = start + tl.arange(0, BLOCK)
         m_r = o_r < n_rows
         p_row = kv + tl.load(rows + o_r, mask=m_r, other=0) * D
-        for c in tl.static_range(D // 64):
-            acc += tl.load(p_row[:, None] + c * 64 + o_c[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
-    tl.store(out + pid, tl.sum(acc))
+        for c in tl.static_range(D // COLS):
+            acc += tl.load(p_row[:, None] + c * COLS + o_c[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+        for c in tl.static_range((D % COLS) // 64):
+            acc_t += tl.load(p_row[:, None] + (D // COLS) * COLS + c * 64 + o_t[None, :], mask=m_r[:, None],
+                             other=0.0).to(tl.float32)
+    tl.store(out + pid, tl.sum(acc) + tl.sum(acc_t))
 
 
-def read_floor(kv: torch.Tensor, pt: torch.Tensor, B: int, L: int, reps: int) -> float:
+def read_time(kv: torch.Tensor, pt: torch.Tensor, B: int, L: int, reps: int, per_sm: int = 8, cols: int = 64) -> float:
     """Seconds to read the ``B x L`` tokens' rows of ``kv [slots / page, page, 576]`` once through the
-    page table ``pt [B, pages]`` (:func:`_read_rows` on the rows' flat slot indices, graph replay)."""
+    page table ``pt [B, pages]`` (:func:`_read_rows` on the rows' flat slot indices, ``per_sm``
+    programs of 4 warps an SM, graph replay). At 8 an SM it is the layout's read floor; at 1 too few
+    rows are in flight to cover the memory's latency, so the time follows each load's latency."""
     page = kv.shape[1]
     tok = torch.arange(L, device="cuda")
     rows = (pt.long()[:, tok // page] * page + tok % page).reshape(-1)  # [B * L] flat slots
-    out = torch.empty(torch.cuda.get_device_properties(0).multi_processor_count * 8, device="cuda")
-    return time_graph(lambda: _read_rows[(out.numel(),)](kv, rows, rows.numel(), out, D=576, BLOCK=16), reps)
+    out = torch.empty(torch.cuda.get_device_properties(0).multi_processor_count * per_sm, device="cuda")
+    return time_graph(lambda: _read_rows[(out.numel(),)](kv, rows, rows.numel(), out, D=576, BLOCK=16, COLS=cols),
+                      reps)
 
 
 def layouts(c: dict, B: int, L: int) -> dict:
@@ -88,6 +99,10 @@ def main() -> None:
                    help="kernel calls a graph holds, back to back (the read floors keep 1): 8 keep the card "
                         "busy long enough to reach its power limit where a shape's work draws it there "
                         "(perf log run 62)")
+    p.add_argument("--latency-probe", action="store_true",
+                   help="also read every layout's rows with one program an SM (latency-bound), 64 and 256 "
+                        "columns a load: whether a warp's load spanning 4 scattered rows waits longer than "
+                        "one spanning 1 (one page translation against four)")
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()}: the Hopper kernel, CUDA-graph replay ({a.calls} call(s) a graph), "
           f"fastest of {a.rounds} rounds")
@@ -97,9 +112,11 @@ def main() -> None:
         c = make_inputs(H, n, [L] * B, 64)
         attn = VerifyAttention(B, n, H, "cuda", kernel="hopper")
         attn.plan(c["kv_lens"].cpu(), c["qo_indptr"].cpu())
-        outs, calls, floors = {}, {}, {}
+        outs, calls, floors, probes = {}, {}, {}, {}
         for name, (kv, pt) in layouts(c, B, L).items():
-            floors[name] = read_floor(kv, pt, B, L, a.reps) * 1e6
+            floors[name] = read_time(kv, pt, B, L, a.reps) * 1e6
+            if a.latency_probe:
+                probes[name] = [read_time(kv, pt, B, L, a.reps, per_sm=1, cols=cols) * 1e6 for cols in (64, 256)]
             out, lse = empty_outputs(c["q"])
             calls[name] = (lambda kv=kv, pt=pt, out=out, lse=lse, q=c["q"], mask=c["tree_mask"], attn=attn:
                            attn.run(q, kv, pt, mask, out=out, lse=lse))
@@ -118,6 +135,10 @@ def main() -> None:
         print("  read floor: " + "  ".join(f"{name} {floors[name]:9.1f} us ({pool / floors[name] / 1e6:.2f} TB/s, "
                                            f"kernel / floor {best[name] / floors[name]:.2f})" for name in names),
               flush=True)
+        if probes:
+            print("  one program an SM, 64 / 256 columns a load: " + "  ".join(
+                f"{name} {us64:.1f} / {us256:.1f} us ({us256 / us64:.3f})" for name, (us64, us256) in probes.items()),
+                flush=True)
         del c, attn, outs, calls
         torch.cuda.empty_cache()
 
