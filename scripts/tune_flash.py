@@ -25,7 +25,7 @@ from kdtree_engine import reference, verify_attention
 from kdtree_engine.bench.timing import measure_ceilings
 from kdtree_engine.testing import TOLERANCES, compare, random_tree
 from kdtree_engine.masks import concat_tree_masks, mask_words, tree_mask_from_parents
-from kdtree_engine.verify import hopper, plan as vplan, triton_flash
+from kdtree_engine.verify import D_V, hopper, plan as vplan, triton_flash
 from kdtree_engine.verify.plan import FlashConfig, plan_verify
 
 AUTO_SCHEDULE = vplan.schedule
@@ -102,7 +102,7 @@ def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A call's outputs for ``q`` ``[T, H, 576]``, unwritten: ``out`` ``[T, H, 512]`` (q's dtype) and
     ``lse`` ``[T, H]`` float32, on q's device."""
     T, H, _ = q.shape
-    return (torch.empty(T, H, 512, device=q.device, dtype=q.dtype),
+    return (torch.empty(T, H, D_V, device=q.device, dtype=q.dtype),
             torch.empty(T, H, device=q.device, dtype=torch.float32))
 
 
