@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_flash import empty_outputs, make_inputs, time_graph  # noqa: E402
 
 from kdtree_engine import VerifyAttention  # noqa: E402
+from kdtree_engine.cliargs import int_in  # noqa: E402
 
 
 @triton.jit
@@ -93,9 +94,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x9x4x131072,128x9x4x131072,64x9x4x16384",
                    help="H x nodes x B x prefix, comma-separated")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=30, help="graph replays a round (median)")
-    p.add_argument("--calls", type=int, default=1,
+    p.add_argument("--rounds", type=int_in(1), default=3)
+    p.add_argument("--reps", type=int_in(1), default=30, help="graph replays a round (median)")
+    p.add_argument("--calls", type=int_in(1), default=1,
                    help="kernel calls a graph holds, back to back (the read floors keep 1): 8 keep the card "
                         "busy long enough to reach its power limit where a shape's work draws it there "
                         "(perf log run 62)")
