@@ -94,12 +94,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _copy_rows(dst, p_row, m_row, COLS: gl.constexpr, L: gl.constexpr):
         """cp.async ``COLS`` columns of the rows at ``p_row [BLOCK_M]`` (rows where ``m_row`` is false
-        are zero-filled) into ``dst [BLOCK_M, COLS]``, 64 columns (one 128-byte swizzle atom) at a time
-        so that a thread holds a few row addresses, not a whole tile's."""
-        o_c = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, L)), 0)
-        for c in gl.static_range(COLS // 64):
-            async_copy.async_copy_global_to_shared(dst.slice(c * 64, 64, dim=1), gl.expand_dims(p_row + c * 64, 1) + o_c,
-                                                   mask=gl.expand_dims(m_row, 1))
+        are zero-filled) into ``dst [BLOCK_M, COLS]``, as one copy: copied one 64-column swizzle atom at a
+        time, the compiler put a partition barrier between the atoms (perf log run 63: 0.91x the time at
+        page 1, 16x9x4x131072, equal at page 64)."""
+        o_c = gl.expand_dims(gl.arange(0, COLS, layout=gl.SliceLayout(0, L)), 0)
+        async_copy.async_copy_global_to_shared(dst, gl.expand_dims(p_row, 1) + o_c, mask=gl.expand_dims(m_row, 1))
 
     @gluon.jit
     def _segment(i_s, kv_len, R, T, S, seg_seq, seg_row0, seg_kv_start, seg_kv_end, seg_partial, qo_indptr,
@@ -174,8 +173,6 @@ if HAVE_GLUON:
             rb = row0 // BLOCK_M
             pf_lo = rb * (2 * BLOCK_N) // n_rb
             pf_hi = (rb + 1) * (2 * BLOCK_N) // n_rb
-            if PAGE_SIZE % BLOCK_N != 0:  # pages smaller than a tile: no row prefetched at <= 3 row blocks
-                pf_hi = pf_lo + (pf_hi - pf_lo) * (n_rb > 3).to(gl.int32)
             for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
                 # the page ids of the pair two ahead (tiles 2j + 4, 2j + 5), loaded here so their
                 # latency hides behind this pair's waits; its rows prefetched into L2 after this pair's copies
@@ -227,16 +224,27 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefetch_runs(kv, pos, page, ok, count, kv_end, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
                        D: gl.constexpr):
-        """One ``cp.async.bulk.prefetch.L2`` a run of :func:`_pages_ahead` (``count`` rows, none past
-        ``kv_end``)."""
+        """Prefetch into L2 a run of :func:`_pages_ahead` (``count`` rows, none past ``kv_end``): one
+        ``cp.async.bulk.prefetch.L2`` of the run, or at pages of 1 (a run is one row) one
+        ``prefetch.global.L2`` a 128-byte line of the row's 1152 bytes."""
         n = gl.minimum(kv_end - pos, count)
         p_first = kv + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE).to(gl.int64) * stride_kvs
         # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
         size = ((n - 1) * stride_kvs + D) * 2
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
-            "mov.u32 $0, 0;\n\t}",
-            "=r,l,r,r", [p_first, ok.to(gl.int32), size], dtype=gl.int32, is_pure=False, pack=1)
+        if PAGE_SIZE == 1:  # one row a run: its 128-byte lines by prefetch.global.L2, not the bulk engine
+            gl.static_assert(D * 2 == 9 * 128)
+            gl.inline_asm_elementwise(
+                "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+                "@p prefetch.global.L2 [$1+0];\n\t@p prefetch.global.L2 [$1+128];\n\t@p prefetch.global.L2 [$1+256];\n\t"
+                "@p prefetch.global.L2 [$1+384];\n\t@p prefetch.global.L2 [$1+512];\n\t@p prefetch.global.L2 [$1+640];\n\t"
+                "@p prefetch.global.L2 [$1+768];\n\t@p prefetch.global.L2 [$1+896];\n\t@p prefetch.global.L2 [$1+1024];\n\t"
+                "mov.u32 $0, 0;\n\t}",
+                "=r,l,r", [p_first, (ok & (n > 0)).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise(
+                "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
+                "mov.u32 $0, 0;\n\t}",
+                "=r,l,r,r", [p_first, ok.to(gl.int32), size], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _wait_prior_grid():
