@@ -229,8 +229,6 @@ if HAVE_GLUON:
         ``prefetch.global.L2`` a 128-byte line of the row's 1152 bytes."""
         n = gl.minimum(kv_end - pos, count)
         p_first = kv + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE).to(gl.int64) * stride_kvs
-        # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
-        size = ((n - 1) * stride_kvs + D) * 2
         if PAGE_SIZE == 1:  # one row a run: its 128-byte lines by prefetch.global.L2, not the bulk engine
             gl.static_assert(D * 2 == 9 * 128)
             gl.inline_asm_elementwise(
@@ -241,6 +239,8 @@ if HAVE_GLUON:
                 "mov.u32 $0, 0;\n\t}",
                 "=r,l,r", [p_first, (ok & (n > 0)).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
         else:
+            # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
+            size = ((n - 1) * stride_kvs + D) * 2
             gl.inline_asm_elementwise(
                 "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
                 "mov.u32 $0, 0;\n\t}",
