@@ -90,6 +90,12 @@ if HAVE_GLUON:
     _ROPE = gl.constexpr(0)
     _LEFT = gl.constexpr(1)
     _RIGHT = gl.constexpr(2)
+    # a KV row (576 16-bit elements, 1152 bytes) into L2 by its 128-byte lines, where $2 is nonzero
+    _ROW_LINES = gl.constexpr(9)
+    _PREFETCH_ROW_LINES = gl.constexpr(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+        + "".join(f"@p prefetch.global.L2 [$1+{128 * i}];\n\t" for i in range(_ROW_LINES.value))
+        + "mov.u32 $0, 0;\n\t}")
 
     @gluon.jit
     def _copy_rows(dst, p_row, m_row, COLS: gl.constexpr, L: gl.constexpr):
@@ -230,14 +236,9 @@ if HAVE_GLUON:
         n = gl.minimum(kv_end - pos, count)
         p_first = kv + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE).to(gl.int64) * stride_kvs
         if PAGE_SIZE == 1:  # one row a run: its 128-byte lines by prefetch.global.L2, not the bulk engine
-            gl.static_assert(D * 2 == 9 * 128)
-            gl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
-                "@p prefetch.global.L2 [$1+0];\n\t@p prefetch.global.L2 [$1+128];\n\t@p prefetch.global.L2 [$1+256];\n\t"
-                "@p prefetch.global.L2 [$1+384];\n\t@p prefetch.global.L2 [$1+512];\n\t@p prefetch.global.L2 [$1+640];\n\t"
-                "@p prefetch.global.L2 [$1+768];\n\t@p prefetch.global.L2 [$1+896];\n\t@p prefetch.global.L2 [$1+1024];\n\t"
-                "mov.u32 $0, 0;\n\t}",
-                "=r,l,r", [p_first, (ok & (n > 0)).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+            gl.static_assert(D * 2 == _ROW_LINES * 128)
+            gl.inline_asm_elementwise(_PREFETCH_ROW_LINES, "=r,l,r", [p_first, (ok & (n > 0)).to(gl.int32)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
         else:
             # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
             size = ((n - 1) * stride_kvs + D) * 2
