@@ -233,13 +233,13 @@ if HAVE_GLUON:
         """Prefetch into L2 a run of :func:`_pages_ahead` (``count`` rows, none past ``kv_end``): one
         ``cp.async.bulk.prefetch.L2`` of the run, or at pages of 1 (a run is one row) one
         ``prefetch.global.L2`` a 128-byte line of the row's 1152 bytes."""
-        n = gl.minimum(kv_end - pos, count)
         p_first = kv + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE).to(gl.int64) * stride_kvs
         if PAGE_SIZE == 1:  # one row a run: its 128-byte lines by prefetch.global.L2, not the bulk engine
             gl.static_assert(D * 2 == _ROW_LINES * 128)
-            gl.inline_asm_elementwise(_PREFETCH_ROW_LINES, "=r,l,r", [p_first, (ok & (n > 0)).to(gl.int32)],
+            gl.inline_asm_elementwise(_PREFETCH_ROW_LINES, "=r,l,r", [p_first, ok.to(gl.int32)],
                                       dtype=gl.int32, is_pure=False, pack=1)
         else:
+            n = gl.minimum(kv_end - pos, count)
             # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
             size = ((n - 1) * stride_kvs + D) * 2
             gl.inline_asm_elementwise(
