@@ -59,7 +59,9 @@ def report(rows, ours: str = "hopper") -> list[str]:
                      f"{min(floor_ours[s] for s in big):.1f}-{max(floor_ours[s] for s in big):.1f})"
                      + (f", FlashMLA's chain rows {statistics.median(theirs):.1f}%" if theirs else ""))
     scattered = {s: random1[s] / random64[s] for s in random1 if s in random64}
-    lines.append("random trees, page 1 / page 64: within 10% at " + _misses(scattered, lambda r: r <= 1.10))
+    if scattered:
+        lines.append(f"random trees, page 1 / page 64: median {statistics.median(scattered.values()):.3f}, at most "
+                     f"{max(scattered.values()):.3f}, within 10% at " + _misses(scattered, lambda r: r <= 1.10))
     return lines
 
 
