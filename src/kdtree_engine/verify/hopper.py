@@ -143,10 +143,10 @@ if HAVE_GLUON:
         ``rb`` of ``n_rb`` taking the rows ``[rb * 128 // n_rb, (rb + 1) * 128 // n_rb)`` of each pair:
         the programs of a KV part run its row blocks together, so each row is prefetched once, not
         once per row block (perf log run 42: each row block prefetching every row made 4x the L2
-        lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1). Where pages are
-        smaller than a tile and a sequence has at most 3 row blocks nothing is prefetched (run 49:
-        0.958 of the call at 16x9x4x131072 page 1, 1.00 elsewhere; without any page-1 prefetch, run
-        42, 9 row blocks lost 19%)."""
+        lookups of FlashMLA at 3 row blocks; shared, 0.92-0.98 of the call at page 1). At pages of one
+        row each row is prefetched by its 128-byte lines, at every row-block count (run 63: 0.883 of
+        the call at 16x9x4x131072 page 1 with the one-copy chunks, where the bulk prefetch had been
+        gated off at <= 3 row blocks; without any page-1 prefetch, run 42, 9 row blocks lost 19%)."""
         HALF: gl.constexpr = D_LAT // 2
         # the L2 prefetch: rows one prefetch covers at most (never crossing a page): a tile where pages
         # hold whole tiles, else a page where tiles hold whole pages, else a row
