@@ -90,12 +90,21 @@ if HAVE_GLUON:
     _ROPE = gl.constexpr(0)
     _LEFT = gl.constexpr(1)
     _RIGHT = gl.constexpr(2)
-    # a KV row (576 16-bit elements, 1152 bytes) into L2 by its 128-byte lines, where $2 is nonzero
+
+    def _where_nonzero(*instructions: str) -> gl.constexpr:
+        """Inline PTX for :func:`gl.inline_asm_elementwise` that issues ``instructions`` (over the
+        operands ``$1``, ``$3``, ..) where the 32-bit operand ``$2`` is nonzero; ``$0``, the required
+        output, is 0."""
+        return gl.constexpr("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+                            + "".join(f"@p {ins};\n\t" for ins in instructions) + "mov.u32 $0, 0;\n\t}")
+
+    # a KV row (576 16-bit elements, 1152 bytes) into L2 by its 128-byte lines
     _ROW_LINES = gl.constexpr(9)
-    _PREFETCH_ROW_LINES = gl.constexpr(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
-        + "".join(f"@p prefetch.global.L2 [$1+{128 * i}];\n\t" for i in range(_ROW_LINES.value))
-        + "mov.u32 $0, 0;\n\t}")
+    _PREFETCH_ROW_LINES = _where_nonzero(*(f"prefetch.global.L2 [$1+{128 * i}]" for i in range(_ROW_LINES.value)))
+    # a run of $3 bytes from $1 into L2 by the bulk engine
+    _PREFETCH_RUN = _where_nonzero("cp.async.bulk.prefetch.L2.global [$1], $3")
+    # the 128-byte line at $1 out of L2 without a write-back
+    _DISCARD_LINE = _where_nonzero("discard.global.L2 [$1], 128")
 
     @gluon.jit
     def _copy_rows(dst, p_row, m_row, COLS: gl.constexpr, L: gl.constexpr):
@@ -242,10 +251,8 @@ if HAVE_GLUON:
             n = gl.minimum(kv_end - pos, count)
             # from the first row's start to the last row's end: a multiple of 16 bytes (strides of 16 elements)
             size = ((n - 1) * stride_kvs + D) * 2
-            gl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
-                "mov.u32 $0, 0;\n\t}",
-                "=r,l,r,r", [p_first, ok.to(gl.int32), size], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise(_PREFETCH_RUN, "=r,l,r,r", [p_first, ok.to(gl.int32), size], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _wait_prior_grid():
@@ -671,8 +678,7 @@ if HAVE_GLUON:
         partial before a call writes it again, but for the rows past a sequence's last in the item
         that holds it, read and never written: undefined after this, as stale before, and only
         their stores masked."""
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; "
-                                  "mov.b32 $0, 0; }", "=r,l,r,f",
+        gl.inline_asm_elementwise(_DISCARD_LINE, "=r,l,r,f",
                                   [ptrs.to(gl.int64, bitcast=True), first_of_line.to(gl.int32), loaded],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
