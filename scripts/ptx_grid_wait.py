@@ -39,7 +39,8 @@ def accesses_before_grid_wait(ptx: str) -> tuple[int, list[str]]:
             blocks[-1].append(("jump", "", number))
         elif "griddepcontrol.wait" in line:
             blocks[-1].append(("wait", "", number))
-        elif GLOBAL_ACCESS.match(line):
+        elif any(GLOBAL_ACCESS.match(statement.strip(" \t{}")) for statement in line.split(";")):
+            # a line may hold a whole inline-asm block: "{ .reg .pred p; ...; @p discard.global.L2 [%rd1], 128; }"
             blocks[-1].append(("access", line, number))
 
     def states(i, waited):

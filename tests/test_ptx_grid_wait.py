@@ -53,6 +53,12 @@ def test_global_accesses_before_the_grid_wait(name, body, early):
     assert total == sum(1 for line in body if ptx_grid_wait.GLOBAL_ACCESS.match(line.strip())), name
 
 
+def test_an_inline_asm_block_on_one_line_is_read_statement_by_statement():
+    block = "\t{ .reg .pred p; setp.ne.b32 p, %r1, 0; @p discard.global.L2 [%rd1], 128; mov.b32 %r2, 0; }"
+    assert ptx_grid_wait.accesses_before_grid_wait(_kernel(block, WAIT, "\tret;")) == (1, [f"line 7: {block.strip()}"])
+    assert ptx_grid_wait.accesses_before_grid_wait(_kernel(WAIT, block, "\tret;")) == (1, [])
+
+
 def test_shared_param_and_barrier_instructions_are_not_global_accesses():
     for line in ("ld.shared.b8 %rs1, [%r479+231204];", "ld.param.b32 %r1, [k_param_0];",
                  "mbarrier.arrive.shared::cta.b64 _, [%r1];", "st.shared.v4.b32 [%r2], {%r3, %r4, %r5, %r6};",
