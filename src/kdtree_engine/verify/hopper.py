@@ -146,9 +146,11 @@ if HAVE_GLUON:
         as its last reader is done. cp.async
         row gathers through the page table (any page size; rows past the segment zero-filled), completion
         signalled per thread on the chunk's mbarrier. A pair's page ids are loaded before waiting on its
-        first chunk, so their latency hides behind the wait. After a pair's copies the rows of the pair
-        two ahead are prefetched into L2 (one ``cp.async.bulk.prefetch.L2`` per run of rows within a
-        page), so the copies find them there; a sequence's row blocks share that prefetch, row block
+        first chunk, so their latency hides behind the wait. After a pair's copies the rows of the next
+        pair are prefetched into L2 (one ``cp.async.bulk.prefetch.L2`` per run of rows within a
+        page), so its copies, issued once this pair's stages are released, find them there (one pair
+        ahead, not two: a segment's start asks DRAM for one pair less at once; perf log run 65, 0.95
+        of the call at 16x9x4x16384); a sequence's row blocks share that prefetch, row block
         ``rb`` of ``n_rb`` taking the rows ``[rb * 128 // n_rb, (rb + 1) * 128 // n_rb)`` of each pair:
         the programs of a KV part run its row blocks together, so each row is prefetched once, not
         once per row block (perf log run 42: each row block prefetching every row made 4x the L2
@@ -189,9 +191,9 @@ if HAVE_GLUON:
             pf_lo = rb * (2 * BLOCK_N) // n_rb
             pf_hi = (rb + 1) * (2 * BLOCK_N) // n_rb
             for j in range(gl.cdiv(n_tiles, 2)):  # tile 2j -> stage 0, tile 2j + 1 (if any) -> stage 1
-                # the page ids of the pair two ahead (tiles 2j + 4, 2j + 5), loaded here so their
+                # the page ids of the next pair (tiles 2j + 2, 2j + 3), loaded here so their
                 # latency hides behind this pair's waits; its rows prefetched into L2 after this pair's copies
-                pf_pos, pf_page, pf_ok, pf_n = _pages_ahead(p_pages, kv_start + (2 * j + 4) * BLOCK_N, kv_end,
+                pf_pos, pf_page, pf_ok, pf_n = _pages_ahead(p_pages, kv_start + (2 * j + 2) * BLOCK_N, kv_end,
                                                             pf_lo, pf_hi, stride_pp, PAGE_SIZE, BLOCK_N, PF_RUN,
                                                             LOADER_WARPS)
                 has1 = 2 * j + 1 < n_tiles
