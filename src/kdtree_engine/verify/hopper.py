@@ -313,6 +313,15 @@ if HAVE_GLUON:
         mbarrier.arrive(bars[_M_READY + WG])
 
     @gluon.jit
+    def _row_partials(b_p):
+        """Each thread's share of the row sums of ``b_p [BLOCK_M, BLOCK_N]`` (wgmma accumulator layout:
+        a thread holds columns ``8 k + 2 (lane % 4) + {0, 1}`` of its rows): ``[BLOCK_M, 4]``, column
+        ``lane % 4``, summed within the thread only (no shuffles; the four are added once a segment)."""
+        BLOCK_M: gl.constexpr = b_p.shape[0]
+        BLOCK_N: gl.constexpr = b_p.shape[1]
+        return gl.sum(gl.sum(gl.reshape(b_p, [BLOCK_M, BLOCK_N // 8, 4, 2]), axis=3), axis=1)
+
+    @gluon.jit
     def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
         """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma, in the
@@ -413,7 +422,7 @@ if HAVE_GLUON:
             _publish_rows(s_rows.slice(0, BLOCK_M), m0, bars, 0)
             m0_use = gl.where(m0 == float("-inf"), 0.0, m0)  # rows with nothing visible yet
             b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m0_use, 1))  # one FFMA a score
-            l_s = gl.sum(b_p, axis=1)
+            l_s = _row_partials(b_p)
             mbarrier.wait(bars[_M_READY + 1], steps & 1)
             m1 = s_rows.slice(BLOCK_M, BLOCK_M).load(ROW_S)
             m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
@@ -422,7 +431,9 @@ if HAVE_GLUON:
             corr = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_use - m1_use))
             alpha = gl.exp2(m_i - m1_use)
             m_i = m1
-            l_i = l_i * alpha + l_s * corr
+            L4_ROW: gl.constexpr = gl.SliceLayout(1, l_s.type.layout)
+            l_i = (l_i * gl.expand_dims(gl.convert_layout(alpha, L4_ROW), 1)
+                   + l_s * gl.expand_dims(gl.convert_layout(corr, L4_ROW), 1))
             b_p = (b_p * gl.expand_dims(corr, 1)).to(dt)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)
@@ -443,7 +454,8 @@ if HAVE_GLUON:
             alpha = gl.exp2(m_i - m1_use)
             m_i = m1
             b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m1_use, 1))
-            l_i = l_i * alpha + gl.sum(b_p, axis=1)
+            l_s = _row_partials(b_p)
+            l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_s.type.layout)), 1) + l_s
             if FULL or has_own:
                 s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
                 fence_async_shared()
@@ -484,8 +496,10 @@ if HAVE_GLUON:
         ahead of that step's QK (:func:`_qk_after_pv`; the segment's last one after its loop). Own P
         comes from registers, the other's from shared memory.
         Each consumer owns half of the 512 output columns (128 fp32 registers per thread) and its own
-        row sums (added up through shared memory at the segment's end). A chunk is released as soon as
-        its last reader is done.
+        row sums, each thread's share of them kept apart through the segment (:func:`_row_partials`,
+        no shuffles in the step, as FlashMLA does; perf log run 66: 0.963-0.988 of the call at 33
+        nodes x 64-128 heads from 64k keys on, within the spread elsewhere), then added up, and the two consumers' added through shared memory at the
+        segment's end. A chunk is released as soon as its last reader is done.
         """
         HALF: gl.constexpr = D_LAT // 2
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -517,7 +531,7 @@ if HAVE_GLUON:
             p_mask_rows = tree_mask + o_ts * stride_mt  # [BM]
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
-            l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
+            l_i = _row_partials(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L))  # [BLOCK_M, 4]
             acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
             mbarrier.wait(bars[_Q_FULL], n_seg & 1)
             n_seg += 1
@@ -547,6 +561,7 @@ if HAVE_GLUON:
                     mbarrier.arrive(bars[_EMPTY + 3 * 1 + _LEFT])
             mbarrier.arrive(bars[_Q_EMPTY])
             # one row-sum swap per segment: n_seg - 1 swaps came before this one
+            l_i = gl.convert_layout(gl.sum(l_i, axis=1), ROW_S)
             l_i = l_i + _swap_rows(s_rows.slice(2 * BLOCK_M, 2 * BLOCK_M), bars, n_seg - 1, l_i, WG, ROW_S)
 
             has_key = l_i != 0  # NaN (a NaN score of a visible key) propagates: NaN out and lse
