@@ -498,8 +498,9 @@ if HAVE_GLUON:
         Each consumer owns half of the 512 output columns (128 fp32 registers per thread) and its own
         row sums, each thread's share of them kept apart through the segment (:func:`_row_partials`,
         no shuffles in the step, as FlashMLA does; perf log run 66: 0.963-0.988 of the call at 33
-        nodes x 64-128 heads from 64k keys on, within the spread elsewhere), then added up, and the two consumers' added through shared memory at the
-        segment's end. A chunk is released as soon as its last reader is done.
+        nodes x 64-128 heads from 64k keys on, within the spread elsewhere), then added up, and the
+        two consumers' sums added through shared memory at the segment's end. A chunk is released as
+        soon as its last reader is done.
         """
         HALF: gl.constexpr = D_LAT // 2
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
