@@ -322,6 +322,12 @@ if HAVE_GLUON:
         return gl.sum(gl.sum(gl.reshape(b_p, [BLOCK_M, BLOCK_N // 8, 4, 2]), axis=3), axis=1)
 
     @gluon.jit
+    def _scale_row_partials(parts, factor):
+        """Row sums' shares ``parts [BLOCK_M, 4]`` (:func:`_row_partials`) times a row vector ``factor
+        [BLOCK_M]`` (the row-vector layout of the scores; its conversion moves nothing)."""
+        return parts * gl.expand_dims(gl.convert_layout(factor, gl.SliceLayout(1, parts.type.layout)), 1)
+
+    @gluon.jit
     def _qk_chunks(s_q, q_rope, k_lat, k_rope, bars, phase, WG: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HALF: gl.constexpr, S_L: gl.constexpr):
         """S = Q K^T of the tile in stage WG, each K chunk waited for just before its wgmma, in the
@@ -431,9 +437,7 @@ if HAVE_GLUON:
             corr = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0_use - m1_use))
             alpha = gl.exp2(m_i - m1_use)
             m_i = m1
-            L4_ROW: gl.constexpr = gl.SliceLayout(1, l_s.type.layout)
-            l_i = (l_i * gl.expand_dims(gl.convert_layout(alpha, L4_ROW), 1)
-                   + l_s * gl.expand_dims(gl.convert_layout(corr, L4_ROW), 1))
+            l_i = _scale_row_partials(l_i, alpha) + _scale_row_partials(l_s, corr)
             b_p = (b_p * gl.expand_dims(corr, 1)).to(dt)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             acc = warpgroup_mma(gl.convert_layout(b_p, P_DOT), v_own, acc, is_async=True)
@@ -454,8 +458,7 @@ if HAVE_GLUON:
             alpha = gl.exp2(m_i - m1_use)
             m_i = m1
             b_p = gl.exp2(b_s * scale_log2 - gl.expand_dims(m1_use, 1))
-            l_s = _row_partials(b_p)
-            l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_s.type.layout)), 1) + l_s
+            l_i = _scale_row_partials(l_i, alpha) + _row_partials(b_p)
             if FULL or has_own:
                 s_q_rope.index(0).store(b_p.to(dt))  # P1 over Q's rope columns (in registers)
                 fence_async_shared()
