@@ -9,7 +9,8 @@ A shape is (B, H, nodes, prefix). The targets, each printed with the shapes that
   <= 1.05; <= 1.5 at 4k;
 - random / chain tree, page 64: within 5% at every shape;
 - random trees, page 64, prefix >= 16k, H x nodes >= 512: median >= 85% of the roofline floor
-  (FlashMLA's chain rows at those shapes beside it);
+  (FlashMLA's chain rows at those shapes beside it; where the JSON has ``ceilings_end``, both again
+  against the ceilings measured after the rows);
 - random trees, page 1 scattered / page 64: within 10% at every shape.
 """
 
@@ -34,7 +35,20 @@ def _misses(ratios, ok):
     return f"{len(ratios) - len(bad)} of {len(ratios)}" + (f"; misses: {', '.join(bad)}" if bad else "")
 
 
-def report(rows, ours: str = "hopper") -> list[str]:
+def _median_floor_at(rows, shapes, kernel, tree, ceilings):
+    """Median % of the floor of ``kernel``'s ``tree`` rows (page 64) at ``shapes`` with the floor taken
+    from ``ceilings`` (a bench JSON's ``ceilings`` or ``ceilings_end``) instead of the run's."""
+    pct = {}
+    for r in rows:
+        shape = (r["batch"], r["heads"], r["q_len"], r["prefix"])
+        if (r["kernel"], r["tree"], r["page_size"], r["status"]) == (kernel, tree, 64, "ok") and shape in shapes:
+            rate = ceilings["matmul_tflops"].get(r["dtype"], ceilings["matmul_tflops"]["bf16"]) * 1e12
+            floor_us = max(r["flops"] / rate, r["bytes"] / (ceilings["copy_tbps"] * 1e12)) * 1e6
+            pct[shape] = 100 * floor_us / r["median_us"]
+    return statistics.median(pct.values()) if pct else None
+
+
+def report(rows, ours: str = "hopper", ceilings=None, ceilings_end=None) -> list[str]:
     chain, flashmla = _times(rows, ours, "chain", 64), _times(rows, "flashmla", "chain", 64)
     random64, random1 = _times(rows, ours, "random", 64), _times(rows, ours, "random", 1)
     vs_flashmla = {s: chain[s] / flashmla[s] for s in chain if s in flashmla}
@@ -58,6 +72,13 @@ def report(rows, ours: str = "hopper") -> list[str]:
                      f"{statistics.median(floor_ours[s] for s in big):.1f}% of the floor (target 85; range "
                      f"{min(floor_ours[s] for s in big):.1f}-{max(floor_ours[s] for s in big):.1f})"
                      + (f", FlashMLA's chain rows {statistics.median(theirs):.1f}%" if theirs else ""))
+        if ceilings and ceilings_end:  # the same rows against the matmul rate measured after them
+            start, end = ceilings["matmul_tflops"]["bf16"], ceilings_end["matmul_tflops"]["bf16"]
+            at_end = _median_floor_at(rows, set(big), ours, "random", ceilings_end)
+            theirs_end = _median_floor_at(rows, set(big), "flashmla", "chain", ceilings_end)
+            lines.append(f"  the same against the ceilings measured at the run's end (matmul {end:.0f} TFLOP/s, "
+                         f"start {start:.0f}): median {at_end:.1f}%"
+                         + (f", FlashMLA's chain rows {theirs_end:.1f}%" if theirs_end is not None else ""))
     scattered = {s: random1[s] / random64[s] for s in random1 if s in random64}
     if scattered:
         lines.append(f"random trees, page 1 / page 64: median {statistics.median(scattered.values()):.3f}, at most "
@@ -84,8 +105,9 @@ def main() -> None:
     ap.add_argument("--kernel", default="hopper", help="our kernel whose rows are read (default hopper; "
                     "hopper_cuda for a grid run with --kernels hopper_cuda)")
     args = ap.parse_args()
-    rows = json.load(open(args.json))["rows"]
-    lines = report(rows, args.kernel)
+    data = json.load(open(args.json))
+    rows = data["rows"]
+    lines = report(rows, args.kernel, data.get("ceilings"), data.get("ceilings_end"))
     if args.before:
         lines += compare(rows, json.load(open(args.before))["rows"], args.kernel)
     print("\n".join(lines))

@@ -344,9 +344,10 @@ def test_cli_tiny_functional_run(tmp_path, capsys):
     if DEVICE == "cpu":
         assert data["cpu_functional_run"] is True
         assert out.count("CPU functional run — not a performance figure") >= 2
-        assert data["ceilings"] is None and all(r["pct_floor"] is None for r in data["rows"])
+        assert data["ceilings"] is None and data["ceilings_end"] is None
+        assert all(r["pct_floor"] is None for r in data["rows"])
     else:
-        assert data["ceilings"]["copy_tbps"] > 0
+        assert data["ceilings"]["copy_tbps"] > 0 and data["ceilings_end"]["matmul_tflops"]["bf16"] > 0
         assert all(r["pct_floor"] > 0 for r in data["rows"])
 
 

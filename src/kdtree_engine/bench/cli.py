@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "machine": info,
         "ceilings": ceilings.to_dict() if ceilings else None,
+        "ceilings_end": None,  # measured again after the rows (CUDA)
         "cpu_functional_run": cpu,
         "warning": report.CPU_BANNER if cpu else None,
         "preset": preset,
@@ -290,6 +291,16 @@ def main(argv: list[str] | None = None) -> int:
 
         rows, abort = run_sweep(shapes, impls, opts, ceilings, on_row=on_row, on_shape_done=on_shape_done,
                                 on_progress=on_progress)
+    if ceilings and not abort:  # (after an abort the device may be unusable)
+        # measured again on the GPU as the rows left it (warm, at its power limit after a long sweep):
+        # the floor keeps the start's figures; this one says how much the reading hangs on the ceiling
+        with console.status("measuring ceilings again (end of the run)..."):
+            ceilings_end = measure_ceilings(dtypes)
+        payload["ceilings_end"] = ceilings_end.to_dict()
+        mm = ", ".join(f"{k} matmul {v:.0f} TFLOP/s ({v / ceilings.matmul_tflops[k]:.3f} of the start's)"
+                       for k, v in ceilings_end.matmul_tflops.items())
+        console.print(f"ceilings at the end of the run: copy {ceilings_end.copy_tbps:.2f} TB/s, {mm}; "
+                      f"% floor uses the start's")
 
     title = f"kdtree bench — {preset}{long_tag.replace('_', ' ')} — {info.get('gpu') or 'CPU'}"
     if cpu:
