@@ -347,7 +347,8 @@ def test_cli_tiny_functional_run(tmp_path, capsys):
         assert data["ceilings"] is None and data["ceilings_end"] is None
         assert all(r["pct_floor"] is None for r in data["rows"])
     else:
-        assert data["ceilings"]["copy_tbps"] > 0 and data["ceilings_end"]["matmul_tflops"]["bf16"] > 0
+        assert data["ceilings"]["copy_tbps"] > 0 and data["ceilings_end"]["copy_tbps"] > 0
+        assert data["ceilings_end"]["matmul_tflops"].keys() == data["ceilings"]["matmul_tflops"].keys()
         assert all(r["pct_floor"] > 0 for r in data["rows"])
 
 
