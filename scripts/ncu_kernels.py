@@ -20,6 +20,11 @@ through PDL: the sum of its two kernels is an upper bound of its call). With ncu
 L2 and DRAM traffic, each stall reason a issue; perf log runs 42 and 45) for ncu's ``--metrics``:
 
     ncu --clock-control none --csv --metrics $(python3 scripts/ncu_kernels.py --metrics-list) -k ...
+
+``--table NCU.csv SHAPES`` reads such a CSV back (no GPU): one line per metric, one column per
+profiled launch, each named by its shape (the launches of a shape in the order this script makes
+them, as many per shape as the CSV holds over the shapes given) and its kernel: FlashMLA's, ours
+unfused and fused (in that order in each round), or the name of another.
 """
 
 from __future__ import annotations
@@ -59,6 +64,36 @@ STEP_METRICS = (
     *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS))
 
 
+def table(csv_path: str, shapes: list[str]) -> list[str]:
+    """The lines of ``--table``: ncu's ``--csv`` rows (``"ID","Process ID",...,"Metric Value"``; the
+    program's own output before them skipped) as metric x launch, launches named ``shape kernel``."""
+    import csv
+
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(line for line in f if line.startswith('"')))
+    launches = sorted({int(r["ID"]) for r in rows})
+    if not launches or len(launches) % len(shapes):
+        raise ValueError(f"{csv_path}: {len(launches)} profiled launches do not divide among {len(shapes)} shapes")
+    per_shape = len(launches) // len(shapes)
+    kernel = {int(r["ID"]): r["Kernel Name"] for r in rows}
+    names, ours_seen = [], 0
+    for i, k in enumerate(launches):
+        if i % per_shape == 0:
+            ours_seen = 0
+        if "flash_fwd" in kernel[k]:
+            name = "flashmla"
+        elif "_hopper_verify_kernel" in kernel[k]:  # each round runs ours unfused, then fused
+            name, ours_seen = ("unfused", "fused")[ours_seen % 2], ours_seen + 1
+        else:
+            name = kernel[k].strip("_")[:24]
+        names.append(f"{shapes[i // per_shape]} {name}")
+    value = {(int(r["ID"]), r["Metric Name"]): r["Metric Value"].replace(",", "") for r in rows}
+    metrics = list(dict.fromkeys(r["Metric Name"] for r in rows))
+    lines = ["metric\t" + "\t".join(names)]
+    lines += [m + "\t" + "\t".join(value.get((k, m), "-") for k in launches) for m in metrics]
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shapes", nargs="?", help="H x nodes x B x prefix, comma-separated")
@@ -68,9 +103,18 @@ def main() -> None:
                    "(its kernel is named verify_kernel)")
     p.add_argument("--metrics-list", action="store_true", help="print the step comparisons' metrics, comma-separated, "
                    "and exit")
+    p.add_argument("--table", metavar="NCU_CSV", help="print ncu's CSV of a run over SHAPES as metric x launch, and exit")
     a = p.parse_args()
     if a.metrics_list:
         print(",".join(STEP_METRICS))
+        return
+    if a.table:
+        if a.shapes is None:
+            p.error("--table needs the shapes the CSV was made with")
+        try:
+            print("\n".join(table(a.table, a.shapes.split(","))))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--table: {e}")
         return
     if a.shapes is None:
         p.error("the shapes are required (or --metrics-list)")
