@@ -105,11 +105,14 @@ def main() -> None:
     ap.add_argument("--kernel", default="hopper", help="our kernel whose rows are read (default hopper; "
                     "hopper_cuda for a grid run with --kernels hopper_cuda)")
     args = ap.parse_args()
-    data = json.load(open(args.json))
-    rows = data["rows"]
-    lines = report(rows, args.kernel, data.get("ceilings"), data.get("ceilings_end"))
-    if args.before:
-        lines += compare(rows, json.load(open(args.before))["rows"], args.kernel)
+    try:
+        data = json.load(open(args.json))
+        rows = data["rows"]
+        lines = report(rows, args.kernel, data.get("ceilings"), data.get("ceilings_end"))
+        if args.before:
+            lines += compare(rows, json.load(open(args.before))["rows"], args.kernel)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # not a bench JSON of the grid
+        ap.error(f"{type(e).__name__}: {e}")
     print("\n".join(lines))
 
 

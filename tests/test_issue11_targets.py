@@ -54,3 +54,14 @@ def test_report_rereads_the_floor_at_the_run_end_ceilings():
     slow_copy = {"copy_tbps": 0.5, "matmul_tflops": {"bf16": 800.0}}
     assert targets._median_floor_at(rows, big, "hopper", "random", slow_copy) == pytest.approx(100 * 2000 / 1040)
     assert len(targets.report(rows, "hopper", CEILINGS, None)) == 5  # no end-of-run line without them
+
+
+def test_main_refuses_a_file_that_is_not_a_bench_json(tmp_path, monkeypatch, capsys):
+    (tmp_path / "rows.json").write_text('{"no_rows": []}')
+    for path in (tmp_path / "missing.json", tmp_path / "rows.json"):
+        monkeypatch.setattr("sys.argv", ["issue11_targets.py", str(path)])
+        with pytest.raises(SystemExit) as e:
+            targets.main()
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("issue11_targets.py: error: ") and ("FileNotFoundError" in err or "KeyError" in err)
