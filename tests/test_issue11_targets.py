@@ -65,3 +65,22 @@ def test_main_refuses_a_file_that_is_not_a_bench_json(tmp_path, monkeypatch, cap
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("issue11_targets.py: error: ") and ("FileNotFoundError" in err or "KeyError" in err)
+
+
+def test_report_says_what_lifts_a_floor_median_under_the_target():
+    # floor 1000 us: 1250 us -> 80.0%, 1120 us -> 89.3%, 1300 us -> 76.9%: median 80.0%
+    lines = targets.report(_grid([1250.0, 1120.0, 1300.0, 1400.0]))
+    assert lines[3].startswith("random trees, prefix >= 16k, H x n >= 512 (3 shapes): median 80.0% of the floor")
+    # every shape at 80 / 85 of its time; or either low one alone raised to 85%
+    assert lines[4] == ("  it reaches 85% with every shape at 0.941 of its time, or one alone: "
+                        "1x64x9x16384 at 0.941 (80.0% now), 1x128x33x131072 at 0.905 (76.9% now)")
+    assert not any(line.startswith("  it reaches") for line in targets.report(_grid([1040.0, 1120.0, 1030.0, 1400.0])))
+
+
+def test_solo_lifts_of_an_even_count_smallest_change_first():
+    # median (83 + 86) / 2 = 84.5; either low value raised to 84 makes it (84 + 86) / 2 = 85
+    lifts = targets._solo_lifts({"a": 80.0, "b": 83.0, "c": 86.0, "d": 90.0}, 85.0)
+    assert [s for s, _ in lifts] == ["b", "a"]
+    assert [f for _, f in lifts] == [pytest.approx(83 / 84), pytest.approx(80 / 84)]
+    # raised alone, none lifts the median past (79 + 90) / 2
+    assert targets._solo_lifts({"a": 70.0, "b": 71.0, "c": 79.0, "d": 90.0}, 85.0) == []
