@@ -12,8 +12,11 @@ applied to this tree's kernel (stops if a hunk does not fit: the kernel changed)
 kernel after it; ``hopper.FUSED_MERGE_MAX_GROUPS`` decides between the two for the base); or ``kept``,
 this tree's kernel with its fused merge keeping the partials in L2 (``hopper.DISCARD_PARTIALS`` off); or ``cuda`` /
 ``cuda:FLAGS``, the CUDA C++ kernel (``kdtree_engine.verify.hopper_cuda``) built with nvcc ``FLAGS``
-(e.g. ``cuda:-DKD_TMA=0``). Per shape, this
-tree's kernel and every variant are prepared on the same plan and inputs (own outputs) through
+(e.g. ``cuda:-DKD_TMA=0``); or ``schedule:NAME``, this tree's kernel on a plan of the same lengths
+with the schedule ``NAME`` forced (``parts``, ``whole:140``, ...: ``tune_flash.plan_with_schedule``;
+skipped, with a line saying so, at a shape whose work has no such candidate; its outputs differ
+from the base's in rounding where the splits differ). Per shape, this
+tree's kernel and every variant are prepared on the same plan (but for ``schedule:``) and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's
 partial buffers: a kernel whose merge read partials before its own writes were visible would
@@ -44,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hopper_timeline import module_from_source, variant_source  # noqa: E402
-from tune_flash import empty_outputs, equal_step, time_graph  # noqa: E402
+from tune_flash import empty_outputs, equal_step, plan_with_schedule, time_graph  # noqa: E402
 
 from kdtree_engine import reference  # noqa: E402
 from kdtree_engine.bench.flashmla import chain_call, load_flashmla_module  # noqa: E402
@@ -54,6 +57,7 @@ from kdtree_engine.verify import hopper  # noqa: E402
 # max_fused_groups for this tree's kernel in one merge form at every group count: fused / split + combine
 MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
 KEPT = "kept"  # this tree's kernel, its fused merge keeping the partials it read in L2
+SCHEDULE = "schedule:"  # this tree's kernel on a plan with the schedule named after it forced
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
@@ -99,7 +103,7 @@ def _spread(us: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem), "
-                   "FILE.diff:NAME sections of a variants file, fused, unfused, kept, cuda[:FLAGS]")
+                   "FILE.diff:NAME sections of a variants file, fused, unfused, kept, cuda[:FLAGS], schedule:NAME")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=1, help="calls in each timed graph, back to back (per call: the "
@@ -111,29 +115,40 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
-    kernels = {"base": (hopper, None, True)}  # (module, max_fused_groups, discard)
+    kernels = {"base": (hopper, None, True, None)}  # (module, max_fused_groups, discard, forced schedule)
     for spec in a.variants:
         if spec in MERGE_FORMS:  # this tree's kernel merging any group count itself, or none
-            kernels[spec] = (hopper, MERGE_FORMS[spec], True)
+            kernels[spec] = (hopper, MERGE_FORMS[spec], True, None)
             continue
         if spec == KEPT:
-            kernels[spec] = (hopper, None, False)
+            kernels[spec] = (hopper, None, False, None)
+            continue
+        if spec.startswith(SCHEDULE):
+            kernels[spec] = (hopper, None, True, spec[len(SCHEDULE):])
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
-            kernels[spec] = (CudaKernel(spec[5:]), None, True)
+            kernels[spec] = (CudaKernel(spec[5:]), None, True, None)
             continue
         name, source = variant_source(spec)
-        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True)
+        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True, None)
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
-        c, plan = equal_step(H, n, B, prefix, ps)
+        c, base_plan = equal_step(H, n, B, prefix, ps)
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
-        res = {}
-        for name, (module, max_fused_groups, discard) in kernels.items():
+        res, plans = {}, []
+        for name, (module, max_fused_groups, discard, schedule) in kernels.items():
+            plan = base_plan
+            if schedule is not None:
+                try:
+                    plan = plan_with_schedule(c["kv_lens"].tolist(), n, H, schedule)
+                except ValueError as e:  # no such candidate for this shape's work
+                    print(f"{text}: {name} skipped: {e}", flush=True)
+                    continue
+            plans.append(plan)
             out, lse = empty_outputs(c["q"])
             call = planned_call(module, c, plan, out, lse, max_fused_groups, discard)
             plan.tables.partial_out.fill_(float("nan"))
@@ -142,8 +157,9 @@ def main() -> None:
             torch.cuda.synchronize()
             res[name] = dict(call=call, out=out, lse=lse, ok=matches(out[:n], lse[:n], ref_out, ref_lse),
                              first=(out.clone(), lse.clone()), us=[])
-        plan.tables.partial_out.zero_()  # as the plan made them (a merge reads rows never written)
-        plan.tables.partial_lse.zero_()
+        for plan in plans:  # as the plans made them (a merge reads rows never written)
+            plan.tables.partial_out.zero_()
+            plan.tables.partial_lse.zero_()
         if fm is not None:  # timed in the rounds as the kernels are; no check (its own inputs)
             res["flashmla"] = dict(call=chain_call(fm, H, n, B, prefix, 1.0 / math.sqrt(576), "cuda"), us=[])
         # a first round untimed, then each round in another order: after the checks' idle time the

@@ -4,8 +4,8 @@
         [--kernel flash|hopper] [--schedules auto,line,parts] [--kv-spread F [--seed S]]
 
 For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape
-and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``parts_tail``, ``rounds``, ``whole``:
-that candidate of ``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
+and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``parts_tail``, ``rounds``, ``whole``, or a
+candidate's name such as ``whole:140``: that candidate of ``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
 % of the roofline floor from ceilings measured in this run, the schedule's modelled cost, and a
 correctness check against the float64 reference on one sequence's first four heads. Prints a table;
 --json writes the rows.
@@ -91,11 +91,23 @@ def make_inputs(H: int, n: int, lens: list[int], page_size: int, *, seed: int = 
                 tree_mask=tree_mask)
 
 
+def plan_with_schedule(lens: list[int], n: int, H: int, sched: str = "auto", config: FlashConfig | None = None):
+    """The host plan on the GPU of sequences of KV lengths ``lens`` (``n`` tree nodes each) with the
+    schedule ``sched`` forced (:func:`forced_schedule`: ``auto``, or a name ``verify.plan.schedule``
+    takes as ``only``, such as ``parts`` or ``whole:140``; ``ValueError`` where this work has no such
+    candidate)."""
+    vplan.schedule = forced_schedule(sched)
+    try:
+        return plan_verify(lens, list(range(0, len(lens) * n + 1, n)), H, "cuda", config=config)
+    finally:
+        vplan.schedule = AUTO_SCHEDULE
+
+
 def equal_step(H: int, n: int, B: int, prefix: int, page_size: int):
     """:func:`make_inputs` for ``B`` sequences of ``prefix + n`` tokens (``n`` tree nodes each) and
     the host plan of those lengths: ``(inputs, plan)``."""
     lens = [prefix + n] * B
-    return make_inputs(H, n, lens, page_size), plan_verify(lens, list(range(0, B * n + 1, n)), H, "cuda")
+    return make_inputs(H, n, lens, page_size), plan_with_schedule(lens, n, H)
 
 
 def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +140,7 @@ def run_config(kernel, c, cfg, sched, H, n, lens, ref_out, ref_lse) -> dict | No
     """Plan (with schedule ``sched``), check one sequence against the reference, time the graph."""
     B = len(lens)
     try:
-        vplan.schedule = forced_schedule(sched)
-        try:
-            plan = plan_verify(lens, list(range(0, B * n + 1, n)), H, "cuda", config=cfg)
-        finally:
-            vplan.schedule = AUTO_SCHEDULE
+        plan = plan_with_schedule(lens, n, H, sched, cfg)
         R = np.full(B, -(-n * H // cfg.block_m))
         T = -(-np.array(lens) // cfg.block_n)
         if sched == "auto":  # the plan's pick, named

@@ -298,7 +298,7 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 def test_scripts_call_make_inputs_as_it_is_defined():
     """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` or
-    ``equal_step``, or its planned calls with scripts/ab_hopper.py's ``planned_call``, passes the
+    ``equal_step`` (or a plan with its ``plan_with_schedule``), or its planned calls with scripts/ab_hopper.py's ``planned_call``, passes the
     arguments it takes (``make_inputs``'s signature changed once, from ``(H, n, B, prefix,
     page_size)`` to the KV lengths, and four GPU-only scripts then stopped at their first shape; the
     seed is keyword-only, so such a call no longer binds; ``planned_call``'s ``fused`` became
@@ -307,7 +307,8 @@ def test_scripts_call_make_inputs_as_it_is_defined():
     import inspect
 
     tune, ab = load_script("tune_flash"), load_script("ab_hopper")
-    signatures = {name: inspect.signature(getattr(tune, name)) for name in ("make_inputs", "equal_step")}
+    signatures = {name: inspect.signature(getattr(tune, name))
+                  for name in ("make_inputs", "equal_step", "plan_with_schedule")}
     signatures["planned_call"] = inspect.signature(ab.planned_call)
     calls = dict.fromkeys(signatures, 0)
     for path in sorted((Path(__file__).parent.parent / "scripts").glob("*.py")):
@@ -317,6 +318,7 @@ def test_scripts_call_make_inputs_as_it_is_defined():
                 calls[name] += 1
                 signatures[name].bind(*node.args, **{k.arg: k.value for k in node.keywords})
     assert calls["make_inputs"] >= 3 and calls["equal_step"] >= 3 and calls["planned_call"] >= 4, calls
+    assert calls["plan_with_schedule"] >= 3, calls
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):

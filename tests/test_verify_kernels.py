@@ -191,6 +191,20 @@ def test_parts_tail_schedule_fills_the_sms_where_the_parts_leave_some_idle():
         vplan.schedule(np.full(4, 3), np.full(4, 257), 132, only="parts_tail")  # 3 divides 132
 
 
+def test_schedule_only_takes_any_candidate_by_its_name():
+    """128 heads x 9 nodes over 65536 keys on 132 programs (18 row blocks, 1025 tiles): ``only``
+    names a candidate of :func:`schedule_candidates` as it lists them (for A/Bs of close picks), and
+    a name that is not among them is a ValueError listing those that are."""
+    R, T = np.full(1, 18), np.full(1, 1025)
+    candidates = vplan.schedule_candidates(R, T, 132, costs=vplan.HOPPER_COSTS)
+    assert {"whole:140", "parts_tail:2"} <= {c.name for c in candidates}
+    for name, pieces, _ in candidates:
+        got = vplan.schedule(R, T, 132, costs=vplan.HOPPER_COSTS, only=name)
+        assert all(np.array_equal(a, b) for a, b in zip(got, pieces)), name
+    with pytest.raises(ValueError, match=r"candidates \(line, parts, whole:140, .*got 'whole:139'"):
+        vplan.schedule(R, T, 132, costs=vplan.HOPPER_COSTS, only="whole:139")
+
+
 def test_a_tail_whose_programs_run_many_segments_is_priced_above_whole_segments():
     """8 sequences of 48 row blocks (32 heads x 96 nodes) over 514 KV tiles on 132 programs: the
     tail's busiest program runs 17 segments, modelled 0.995x whole segments (the H100 ran whole

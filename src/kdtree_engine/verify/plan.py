@@ -256,7 +256,9 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
     there is none), ``"rounds"`` (:func:`_rounds_schedule`, the device's) or ``"whole"`` (whole
     segments as wide as the longest sequence: every row block against its whole KV, longest
     first): that candidate, whatever it costs (tuning and tests; parts needs at most
-    ``num_programs`` row blocks per sequence).
+    ``num_programs`` row blocks per sequence); or the name of one of :func:`schedule_candidates`
+    for this work (``"whole:140"``, ``"parts_tail:2"``; ``ValueError`` naming those there are
+    where it is not one of them).
     """
     R = np.asarray(row_blocks, dtype=np.int64)
     T = np.asarray(tiles, dtype=np.int64)
@@ -285,7 +287,12 @@ def schedule(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TI
         return _rounds_schedule(R, T, P)
     if only == "whole":
         return _whole_segments(R, T, P, int(T.max()), costs.segment_tiles)
-    raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail', 'rounds' or 'whole', got {only!r}")
+    candidates = schedule_candidates(R, T, num_programs, min_tiles, costs)
+    for name, pieces, _ in candidates:
+        if name == only:
+            return pieces
+    raise ValueError(f"only must be None, 'line', 'parts', 'parts_tail', 'rounds', 'whole' or one of this work's "
+                     f"candidates ({', '.join(c.name for c in candidates)}), got {only!r}")
 
 
 def schedule_candidates(row_blocks, tiles, num_programs: int, min_tiles: int = MIN_SPLIT_TILES,
