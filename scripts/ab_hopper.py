@@ -16,7 +16,8 @@ this tree's kernel with its fused merge keeping the partials in L2 (``hopper.DIS
 with the schedule ``NAME`` forced (``parts``, ``whole:140``, ...: ``tune_flash.plan_with_schedule``;
 skipped, with a line saying so, at a shape whose work has no such candidate; its outputs differ
 from the base's in rounding where the splits differ). Per shape, this
-tree's kernel and every variant are prepared on the same plan (but for ``schedule:``) and inputs (own outputs) through
+tree's kernel and every variant are prepared on the same plan (a ``schedule:`` variant on its own)
+and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
 sequence (bf16 tolerances) after its first call, made on NaN partials (the kernels share the plan's
 partial buffers: a kernel whose merge read partials before its own writes were visible would

@@ -4,8 +4,9 @@
         [--kernel flash|hopper] [--schedules auto,line,parts] [--kv-spread F [--seed S]]
 
 For each config: registers, spills, shared memory, whether the SASS/PTX uses wgmma; for each shape
-and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``parts_tail``, ``rounds``, ``whole``, or a
-candidate's name such as ``whole:140``: that candidate of ``verify.plan.schedule`` forced): median us (CUDA graph replay of the planned call), TFLOP/s, TB/s,
+and schedule (``auto``: the plan's choice; ``line``, ``parts``, ``parts_tail``, ``rounds``, ``whole``, or
+a candidate's name such as ``whole:140``: that candidate of ``verify.plan.schedule`` forced): median us
+(CUDA graph replay of the planned call), TFLOP/s, TB/s,
 % of the roofline floor from ceilings measured in this run, the schedule's modelled cost, and a
 correctness check against the float64 reference on one sequence's first four heads. Prints a table;
 --json writes the rows.

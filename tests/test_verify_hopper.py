@@ -298,11 +298,12 @@ def test_timeline_and_ab_scripts_still_fit_the_kernel():
 
 def test_scripts_call_make_inputs_as_it_is_defined():
     """Every script that builds its inputs with scripts/tune_flash.py's ``make_inputs`` or
-    ``equal_step`` (or a plan with its ``plan_with_schedule``), or its planned calls with scripts/ab_hopper.py's ``planned_call``, passes the
-    arguments it takes (``make_inputs``'s signature changed once, from ``(H, n, B, prefix,
-    page_size)`` to the KV lengths, and four GPU-only scripts then stopped at their first shape; the
-    seed is keyword-only, so such a call no longer binds; ``planned_call``'s ``fused`` became
-    ``max_fused_groups``, and ncu_kernels.py kept passing ``fused``)."""
+    ``equal_step`` (or a plan with its ``plan_with_schedule``), or its planned calls with
+    scripts/ab_hopper.py's ``planned_call``, passes the arguments it takes (``make_inputs``'s
+    signature changed once, from ``(H, n, B, prefix, page_size)`` to the KV lengths, and four
+    GPU-only scripts then stopped at their first shape; the seed is keyword-only, so such a call no
+    longer binds; ``planned_call``'s ``fused`` became ``max_fused_groups``, and ncu_kernels.py kept
+    passing ``fused``)."""
     import ast
     import inspect
 
