@@ -15,7 +15,10 @@ this tree's kernel with its fused merge keeping the partials in L2 (``hopper.DIS
 (e.g. ``cuda:-DKD_TMA=0``); or ``schedule:NAME``, this tree's kernel on a plan of the same lengths
 with the schedule ``NAME`` forced (``parts``, ``whole:140``, ...: ``tune_flash.plan_with_schedule``;
 skipped, with a line saying so, at a shape whose work has no such candidate; its outputs differ
-from the base's in rounding where the splits differ). Per shape, this
+from the base's in rounding where the splits differ); or ``nomerge``, this tree's kernel leaving its
+KV splits unmerged (the split form without the combine kernel after it: FAIL wherever the plan
+splits, by design), so that ``unfused`` less ``nomerge`` is what the merge costs in place, the most
+any other merge could save there. Per shape, this
 tree's kernel and every variant are prepared on the same plan (a ``schedule:`` variant on its own)
 and inputs (own outputs) through
 their own ``prepare`` (kernel + combine), each checked against the float64 reference on the first
@@ -57,6 +60,7 @@ from kdtree_engine.verify import hopper  # noqa: E402
 
 # max_fused_groups for this tree's kernel in one merge form at every group count: fused / split + combine
 MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
+NO_MERGE = "nomerge"  # this tree's kernel in the split form with no combine after it (outputs unmerged)
 KEPT = "kept"  # this tree's kernel, its fused merge keeping the partials it read in L2
 SCHEDULE = "schedule:"  # this tree's kernel on a plan with the schedule named after it forced
 
@@ -78,15 +82,18 @@ def _settings(module, **values):
 
 
 def planned_call(module, c, plan, out, lse, max_fused_groups: int | None = None, discard: bool = True,
-                 sm_scale: float = 1.0 / math.sqrt(576)):
+                 sm_scale: float = 1.0 / math.sqrt(576), merge: bool = True):
     """One planned call of ``module``'s kernel (+ combine) on the inputs ``c`` (``max_fused_groups``:
     in place of the module's ``FUSED_MERGE_MAX_GROUPS``, where it has one: the most split groups the
     kernel merges itself, see :mod:`kdtree_engine.verify.combine`; ``discard``: in place of the
-    module's ``DISCARD_PARTIALS``, where it has one)."""
+    module's ``DISCARD_PARTIALS``, where it has one; ``merge`` False: the kernel's split form alone,
+    its partials left unmerged, for timing only)."""
     tensors = (c["q"], c["kv_cache"], c["page_table"], c["kv_lens"], c["qo_indptr"], c["tree_mask"], out, lse)
     with _settings(module, FUSED_MERGE_MAX_GROUPS=max_fused_groups, DISCARD_PARTIALS=discard):
         launch = module.prepare(*tensors[:6], sm_scale, out, lse, plan.tables)
     ptrs = tuple(t.data_ptr() for t in tensors)
+    if not merge:  # PlannedLaunch's split form (a combine follows it there, also in a graph's capture)
+        return lambda: launch._split(tensors, ptrs, None)
     return lambda: launch(tensors, ptrs, plan.num_groups)
 
 
@@ -104,7 +111,8 @@ def _spread(us: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem), "
-                   "FILE.diff:NAME sections of a variants file, fused, unfused, kept, cuda[:FLAGS], schedule:NAME")
+                   "FILE.diff:NAME sections of a variants file, fused, unfused, nomerge, kept, cuda[:FLAGS], "
+                   "schedule:NAME")
     p.add_argument("--shapes", default=SHAPES, help="H x nodes x B x prefix x page size, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=1, help="calls in each timed graph, back to back (per call: the "
@@ -116,24 +124,28 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
-    kernels = {"base": (hopper, None, True, None)}  # (module, max_fused_groups, discard, forced schedule)
+    # (module, max_fused_groups, discard, forced schedule, merge)
+    kernels = {"base": (hopper, None, True, None, True)}
     for spec in a.variants:
         if spec in MERGE_FORMS:  # this tree's kernel merging any group count itself, or none
-            kernels[spec] = (hopper, MERGE_FORMS[spec], True, None)
+            kernels[spec] = (hopper, MERGE_FORMS[spec], True, None, True)
+            continue
+        if spec == NO_MERGE:
+            kernels[spec] = (hopper, MERGE_FORMS["unfused"], True, None, False)
             continue
         if spec == KEPT:
-            kernels[spec] = (hopper, None, False, None)
+            kernels[spec] = (hopper, None, False, None, True)
             continue
         if spec.startswith(SCHEDULE):
-            kernels[spec] = (hopper, None, True, spec[len(SCHEDULE):])
+            kernels[spec] = (hopper, None, True, spec[len(SCHEDULE):], True)
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
-            kernels[spec] = (CudaKernel(spec[5:]), None, True, None)
+            kernels[spec] = (CudaKernel(spec[5:]), None, True, None, True)
             continue
         name, source = variant_source(spec)
-        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True, None)
+        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True, None, True)
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
@@ -141,7 +153,7 @@ def main() -> None:
         ref_out, ref_lse = reference(c["q"][:n], c["kv_cache"], c["page_table"][:1], c["kv_lens"][:1],
                                      c["qo_indptr"][:2], c["tree_mask"][:n])
         res, plans = {}, []
-        for name, (module, max_fused_groups, discard, schedule) in kernels.items():
+        for name, (module, max_fused_groups, discard, schedule, merge) in kernels.items():
             plan = base_plan
             if schedule is not None:
                 try:
@@ -151,7 +163,7 @@ def main() -> None:
                     continue
             plans.append(plan)
             out, lse = empty_outputs(c["q"])
-            call = planned_call(module, c, plan, out, lse, max_fused_groups, discard)
+            call = planned_call(module, c, plan, out, lse, max_fused_groups, discard, merge=merge)
             plan.tables.partial_out.fill_(float("nan"))
             plan.tables.partial_lse.fill_(float("nan"))
             call()
