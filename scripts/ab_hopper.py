@@ -45,6 +45,7 @@ import contextlib
 import json
 import math
 import sys
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -63,6 +64,16 @@ MERGE_FORMS = {"fused": 1 << 30, "unfused": -1}
 NO_MERGE = "nomerge"  # this tree's kernel in the split form with no combine after it (outputs unmerged)
 KEPT = "kept"  # this tree's kernel, its fused merge keeping the partials it read in L2
 SCHEDULE = "schedule:"  # this tree's kernel on a plan with the schedule named after it forced
+
+
+class Kernel(NamedTuple):
+    """One kernel of the A/B and how it is called (:func:`planned_call`'s settings)."""
+
+    module: object  # verify/hopper.py or a variant of it, or the CUDA C++ kernel: has ``prepare``
+    max_fused_groups: int | None = None  # None: the module's FUSED_MERGE_MAX_GROUPS
+    discard: bool = True  # the fused merge drops the partials it read from L2
+    schedule: str | None = None  # a schedule forced on a plan of its own (None: the shape's plan)
+    merge: bool = True  # False: the split form alone, its partials left unmerged
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
@@ -124,28 +135,27 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
-    # (module, max_fused_groups, discard, forced schedule, merge)
-    kernels = {"base": (hopper, None, True, None, True)}
+    kernels = {"base": Kernel(hopper)}
     for spec in a.variants:
         if spec in MERGE_FORMS:  # this tree's kernel merging any group count itself, or none
-            kernels[spec] = (hopper, MERGE_FORMS[spec], True, None, True)
+            kernels[spec] = Kernel(hopper, MERGE_FORMS[spec])
             continue
         if spec == NO_MERGE:
-            kernels[spec] = (hopper, MERGE_FORMS["unfused"], True, None, False)
+            kernels[spec] = Kernel(hopper, MERGE_FORMS["unfused"], merge=False)
             continue
         if spec == KEPT:
-            kernels[spec] = (hopper, None, False, None, True)
+            kernels[spec] = Kernel(hopper, discard=False)
             continue
         if spec.startswith(SCHEDULE):
-            kernels[spec] = (hopper, None, True, spec[len(SCHEDULE):], True)
+            kernels[spec] = Kernel(hopper, schedule=spec[len(SCHEDULE):])
             continue
         if spec == "cuda" or spec.startswith("cuda:"):  # the CUDA C++ kernel, a build of its -D variants
             from hopper_cuda_verify import CudaKernel
 
-            kernels[spec] = (CudaKernel(spec[5:]), None, True, None, True)
+            kernels[spec] = Kernel(CudaKernel(spec[5:]))
             continue
         name, source = variant_source(spec)
-        kernels[name] = (module_from_source(source, f"variant_{name}"), None, True, None, True)
+        kernels[name] = Kernel(module_from_source(source, f"variant_{name}"))
     rows = []
     for text in a.shapes.split(","):
         H, n, B, prefix, ps = (int(x) for x in text.split("x"))
