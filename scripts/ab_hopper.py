@@ -36,6 +36,11 @@ compiles once per (heads, page size) of the shapes.
 64 whatever the shape's page size, its own random inputs, unchecked), and every time is also printed
 as a ratio to its (issue 11's measure, here on random trees, which run 43 found within 5% of chain
 trees at all 48 of its shapes).
+``--clock-seconds S``: after the rounds, each kernel's call (FlashMLA's too) replayed for S seconds while
+``nvidia-smi`` samples the SM clock and the power draw (``clock_probe.replay_sampled``): the median
+MHz and W printed beside its time, and its time in thousands of cycles at that clock. Under the power
+limit a kernel that draws more power per cycle runs at a lower clock, so two kernels' time ratio
+can differ from their cycle ratio (perf log run 71: 7-8% at 1 x 128 heads x 33 nodes from 64k keys).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from clock_probe import replay_sampled  # noqa: E402
 from hopper_timeline import module_from_source, variant_source  # noqa: E402
 from tune_flash import empty_outputs, equal_step, plan_with_schedule, time_graph  # noqa: E402
 
@@ -119,6 +125,14 @@ def _spread(us: list[float]) -> str:
     return f"+{(max(us) / min(us) - 1) * 100:.1f}%"
 
 
+def _clock(clock) -> str:
+    """A kernel's :func:`replay_sampled` as `` [MHz, W, kcycles a call]`` ('' where not sampled)."""
+    if not clock:
+        return ""
+    us, mhz, watts, _ = clock
+    return f"  [{mhz:.0f} MHz {watts:.0f} W {us * mhz / 1e3:.1f} kcycles]"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", help="whole verify/hopper.py files (named by their file stem), "
@@ -132,6 +146,8 @@ def main() -> None:
     p.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) in the rounds: "
                    "the shape's work as chain trees (its causal mask), pages of 64, its own inputs; every kernel's "
                    "time then also as a ratio to it")
+    p.add_argument("--clock-seconds", type=float, default=0.0, help="also sample each kernel's SM clock and "
+                   "power over this many seconds of replays after the rounds (0: not)")
     p.add_argument("--json")
     a = p.parse_args()
     fm = load_flashmla_module(a.flashmla) if a.flashmla else None
@@ -195,7 +211,10 @@ def main() -> None:
                 us = time_graph(res[name]["call"], calls=a.calls) * 1e6
                 if i:
                     res[name]["us"].append(us)
-        flashmla_us = min(res.pop("flashmla")["us"]) if fm is not None else None
+        for r in res.values():  # us, MHz, W, samples
+            r["clock"] = replay_sampled(r["call"], a.clock_seconds) if a.clock_seconds else None
+        flashmla = res.pop("flashmla") if fm is not None else None
+        flashmla_us = min(flashmla["us"]) if flashmla else None
         for r in res.values():  # the last replay's outputs too, and whether they are the first call's
             r["ok"] = r["ok"] and matches(r["out"][:n], r["lse"][:n], ref_out, ref_lse)
             r["repeats"] = torch.equal(r["first"][0], r["out"]) and torch.equal(r["first"][1], r["lse"])
@@ -203,8 +222,9 @@ def main() -> None:
         base_us = min(base["us"])
         to_flashmla = (lambda us: f"  / FlashMLA {us / flashmla_us:6.3f}") if flashmla_us else (lambda us: "")
         print(f"{text}: base {base_us:.1f} us (rounds {_spread(base['us'])}) {'PASS' if base['ok'] else 'FAIL'}"
-              f"{'' if base['repeats'] else '  REPLAYS DIFFER'}"
-              + (f"; FlashMLA {flashmla_us:.1f} us, base{to_flashmla(base_us)}" if flashmla_us else ""), flush=True)
+              f"{'' if base['repeats'] else '  REPLAYS DIFFER'}{_clock(base['clock'])}"
+              + (f"; FlashMLA {flashmla_us:.1f} us{_clock(flashmla['clock'])}, base{to_flashmla(base_us)}"
+                 if flashmla_us else ""), flush=True)
         for name, r in res.items():
             if name == "base":
                 continue
@@ -215,10 +235,14 @@ def main() -> None:
                        max_out_diff=diff, base_repeats=base["repeats"], variant_repeats=r["repeats"])
             row["ratio"] = row["variant_us"] / base_us
             row["flashmla_us"] = flashmla_us
+            clocks = {"base": base["clock"], "variant": r["clock"], "flashmla": flashmla and flashmla["clock"]}
+            for who, clock in clocks.items():
+                if clock:
+                    row[f"{who}_mhz"], row[f"{who}_watts"] = clock[1], clock[2]
             rows.append(row)
             print(f"  {name:>24} {row['variant_us']:9.1f} us  ratio {row['ratio']:6.3f}  (rounds {_spread(r['us'])})  "
                   f"{'PASS' if r['ok'] else 'FAIL'}  {'bitwise equal' if equal else f'max |diff| {diff:.3g}'}"
-                  f"{'' if r['repeats'] else '  REPLAYS DIFFER'}{to_flashmla(row['variant_us'])}",
+                  f"{'' if r['repeats'] else '  REPLAYS DIFFER'}{to_flashmla(row['variant_us'])}{_clock(r['clock'])}",
                   flush=True)
         del c, res
         torch.cuda.empty_cache()

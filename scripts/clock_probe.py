@@ -47,8 +47,10 @@ def chain_inputs(H: int, n: int, B: int, prefix: int, page: int = 64):
     return q, kv_cache, page_table, tree_mask, kv_lens, qo_indptr
 
 
-def replay_sampled(fn, seconds: float) -> tuple[float, list[tuple[float, float]]]:
-    """(us per call, [(SM MHz, W)]) of ``fn`` captured in a CUDA graph and replayed for ``seconds``."""
+def replay_sampled(fn, seconds: float) -> tuple[float, float, float, int]:
+    """``fn`` captured in a CUDA graph and replayed for ``seconds``: (us per call, median SM MHz, median
+    W, samples), the medians over ``nvidia-smi``'s 50 ms samples taken while the GPU was busy (NaN
+    where none was)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -81,7 +83,9 @@ def replay_sampled(fn, seconds: float) -> tuple[float, list[tuple[float, float]]
             continue
         if util >= 90:
             samples.append((mhz, watts))
-    return start.elapsed_time(end) * 1e3 / calls, samples
+    mhz = statistics.median(s[0] for s in samples) if samples else float("nan")
+    watts = statistics.median(s[1] for s in samples) if samples else float("nan")
+    return start.elapsed_time(end) * 1e3 / calls, mhz, watts, len(samples)
 
 
 def main() -> None:
@@ -111,11 +115,9 @@ def main() -> None:
             calls["flashmla"] = lambda: fm.dense_decode_fwd(q4, kc, 512, kv_lens, page_table, 1 / math.sqrt(576),
                                                             True, meta, splits)
         for name, fn in calls.items():
-            us, samples = replay_sampled(fn, a.seconds)
-            mhz = statistics.median(s[0] for s in samples) if samples else float("nan")
-            watts = statistics.median(s[1] for s in samples) if samples else float("nan")
-            rows.append(dict(shape=shape, kernel=name, us=us, mhz=mhz, watts=watts, samples=len(samples)))
-            print(f"{shape:>20} {name:>8} | {us:9.1f} {mhz:6.0f} {watts:6.0f} {us * mhz / 1e3:8.1f} {len(samples):>7}",
+            us, mhz, watts, samples = replay_sampled(fn, a.seconds)
+            rows.append(dict(shape=shape, kernel=name, us=us, mhz=mhz, watts=watts, samples=samples))
+            print(f"{shape:>20} {name:>8} | {us:9.1f} {mhz:6.0f} {watts:6.0f} {us * mhz / 1e3:8.1f} {samples:>7}",
                   flush=True)
     if a.json:
         with open(a.json, "w") as f:
