@@ -1,7 +1,7 @@
 """A/B of variants of the Hopper kernel against this tree's, in one process on the same plans.
 
     PYTHONPATH=src python scripts/ab_hopper.py VARIANT [VARIANT ...] [--shapes 64x33x4x131072x64,...]
-        [--rounds 3] [--flashmla DIR] [--json ab.json]
+        [--rounds 3] [--flashmla DIR] [--clock-seconds 2] [--json ab.json]
 
 ``VARIANT``: a whole ``verify/hopper.py`` (e.g. ``git show hopper-pbuf:src/kdtree_engine/verify/hopper.py
 > ab/hopper_pbuf.py``, a path that travels to the GPU machine with the working tree), named by its
