@@ -50,13 +50,13 @@ import contextlib
 import json
 import math
 import sys
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from clock_probe import replay_sampled  # noqa: E402
+from clock_probe import replay_sampled, seconds  # noqa: E402
 from hopper_timeline import module_from_source, variant_source  # noqa: E402
 from tune_flash import empty_outputs, equal_step, plan_with_schedule, time_graph  # noqa: E402
 
@@ -80,6 +80,7 @@ class Kernel(NamedTuple):
     discard: bool = True  # the fused merge drops the partials it read from L2
     schedule: str | None = None  # a schedule forced on a plan of its own (None: the shape's plan)
     merge: bool = True  # False: the split form alone, its partials left unmerged
+
 
 SHAPES = ("64x33x4x131072x64,128x33x1x16384x64,64x9x1x131072x64,16x9x4x16384x64,128x9x4x131072x64,"
           "16x33x1x131072x64,64x33x4x16384x1")
@@ -146,7 +147,7 @@ def main() -> None:
     p.add_argument("--flashmla", metavar="DIR", help="also time FlashMLA (flashmla_peer.py in DIR) in the rounds: "
                    "the shape's work as chain trees (its causal mask), pages of 64, its own inputs; every kernel's "
                    "time then also as a ratio to it")
-    p.add_argument("--clock-seconds", type=float, default=0.0, help="also sample each kernel's SM clock and "
+    p.add_argument("--clock-seconds", type=seconds, default=0.0, help="also sample each kernel's SM clock and "
                    "power over this many seconds of replays after the rounds (0: not)")
     p.add_argument("--json")
     a = p.parse_args()

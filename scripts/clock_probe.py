@@ -47,6 +47,17 @@ def chain_inputs(H: int, n: int, B: int, prefix: int, page: int = 64):
     return q, kv_cache, page_table, tree_mask, kv_lens, qo_indptr
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def replay_sampled(fn, seconds: float) -> tuple[float, float, float, int]:
     """``fn`` captured in a CUDA graph and replayed for ``seconds``: (us per call, median SM MHz, median
     W, samples), the medians over ``nvidia-smi``'s 50 ms samples taken while the GPU was busy (NaN
@@ -92,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--flashmla", default=None, help="folder with flashmla_peer.py")
-    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--seconds", type=seconds, default=2.0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     fm = None

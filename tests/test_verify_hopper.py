@@ -7,6 +7,7 @@ The kernel tests are GPU-only (sm_90 with Triton's Gluon); on the CPU CI the imp
 fail), the layout guard and the dispatch (``auto`` never picks a kernel that cannot run) are checked.
 """
 
+import argparse
 import zlib
 from pathlib import Path
 
@@ -320,6 +321,17 @@ def test_scripts_call_make_inputs_as_it_is_defined():
                 signatures[name].bind(*node.args, **{k.arg: k.value for k in node.keywords})
     assert calls["make_inputs"] >= 3 and calls["equal_step"] >= 3 and calls["planned_call"] >= 4, calls
     assert calls["plan_with_schedule"] >= 3, calls
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "two"])
+def test_clock_seconds_refuse_what_is_not_a_finite_count(text):
+    """scripts/clock_probe.py's ``--seconds`` and ab_hopper.py's ``--clock-seconds`` (the argparse type
+    ``seconds``): a negative, NaN, infinite or non-number value is argparse's one-line error (a NaN
+    or infinite count would reach ``int()`` in the run, after the shapes' set-up); 0 and 2.5 pass."""
+    probe = load_script("clock_probe")
+    with pytest.raises(argparse.ArgumentTypeError):
+        probe.seconds(text)
+    assert probe.seconds("0") == 0.0 and probe.seconds("2.5") == 2.5
 
 
 def test_ab_script_applies_a_variant_diff(tmp_path):
