@@ -40,7 +40,8 @@ trees at all 48 of its shapes).
 ``nvidia-smi`` samples the SM clock and the power draw (``clock_probe.replay_sampled``): the median
 MHz and W printed beside its time, and its time in thousands of cycles at that clock. Under the power
 limit a kernel that draws more power per cycle runs at a lower clock, so two kernels' time ratio
-can differ from their cycle ratio (perf log run 71: 7-8% at 1 x 128 heads x 33 nodes from 64k keys).
+can differ from their cycle ratio (perf log run 71 read 7-8% at 1 x 128 heads x 33 nodes from 64k keys,
+not yet checked against cycles at locked clocks).
 """
 
 from __future__ import annotations
